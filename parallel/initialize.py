@@ -1,0 +1,77 @@
+"""Process groups: torch.distributed plus megatron-core's parallel state (TP, PP, CP, EP, DP).
+
+Under torchrun the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is read. In a plain
+Python process without it, `ensure_single_rank()` sets up a one-rank group, so conversion and
+inspection work on CPU-only nodes without a launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pretrain.compat import apply_megatron_patches
+from pretrain.config.schema import ParallelConfig
+
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: Optional[str] = None) -> None:
+    """Initialize torch.distributed from the launcher's environment (or as a single rank)."""
+    apply_megatron_patches()
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        # A lone process: a file store needs no free TCP port and no environment.
+        store_file = tempfile.NamedTemporaryFile(prefix="glm5_store_", delete=False).name
+        dist.init_process_group(backend=backend, init_method=f"file://{store_file}", rank=0, world_size=1)
+
+
+def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Optional[str] = None) -> None:
+    """torch.distributed, megatron's model-parallel groups, and the model-parallel RNG seeds."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    init_distributed(backend)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def ensure_single_rank(seed: int = 1234) -> None:
+    """Make megatron usable in a plain process: one rank, no model parallelism."""
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized() and ps.model_parallel_is_initialized():
+        return
+    initialize_parallel(ParallelConfig(), seed=seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

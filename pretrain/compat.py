@@ -1,0 +1,273 @@
+"""Every workaround for megatron-core 0.16.1 lives here, one function per problem.
+
+Moving to a newer megatron-core means revisiting this file only. Two groups:
+
+* `apply_megatron_patches()` — always applied. Fixes for running megatron-core without
+  Transformer Engine or apex (true on the CPU machines and on GPU machines without TE).
+* `install_cpu_support()` — applied only when CUDA is unavailable. megatron-core is written for
+  CUDA; this small layer lets its models, parallel linear layers, MoE dispatchers and RNG tracker
+  run on CPU with a gloo process group. CPU support is a product feature: the quickstart trains
+  on CPU and checkpoint conversion runs on CPU-only nodes.
+
+Both are idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Iterator
+
+import torch
+
+_PATCHED = False
+_CPU_INSTALLED = False
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+        return True
+    except Exception:  # ImportError, or a broken CUDA build raising at import
+        return False
+
+
+# ------------------------------------------------------------------------------------------
+# Fixes needed whenever Transformer Engine is absent
+# ------------------------------------------------------------------------------------------
+
+
+def _patch_mla_have_te() -> None:
+    # multi_latent_attention.HAVE_TE is computed from an import that succeeds even without TE
+    # (megatron.core.extensions.transformer_engine guards its own imports), so MLA then treats
+    # TE-only code paths as available. Pin it to the truth.
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_available():
+        multi_latent_attention.HAVE_TE = False
+
+
+def _patch_moe_fused_names() -> None:
+    # moe_utils imports its TE fused kernels inside `try`; without TE the names are never
+    # defined, and router_gating_linear references `te_general_gemm` unconditionally, raising
+    # NameError. Defining them as None selects megatron's own torch fallbacks.
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in (
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+        "te_general_gemm",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+@contextlib.contextmanager
+def grouped_gemm_check_skipped() -> Iterator[None]:
+    """Build megatron's `GroupedMLP` without the `grouped_gemm` package.
+
+    `GroupedMLP.__init__` asserts that the `grouped_gemm` CUDA extension is installed, although
+    only its forward uses it. Our experts subclass replaces that forward with
+    `torch._grouped_mm`, so the check is skipped while the parent constructor runs.
+    """
+    from megatron.core.transformer.moe import experts
+
+    original = experts.gg.assert_grouped_gemm_is_available
+    experts.gg.assert_grouped_gemm_is_available = lambda: None
+    try:
+        yield
+    finally:
+        experts.gg.assert_grouped_gemm_is_available = original
+
+
+def apply_megatron_patches() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    _patch_mla_have_te()
+    _patch_moe_fused_names()
+    if not torch.cuda.is_available():
+        install_cpu_support()
+    _PATCHED = True
+
+
+# ------------------------------------------------------------------------------------------
+# CPU support
+# ------------------------------------------------------------------------------------------
+
+
+def _cpu_current_device() -> str:
+    # Many megatron modules allocate with `device=torch.cuda.current_device()`.
+    return "cpu"
+
+
+def _patch_rng_tracker() -> None:
+    # The model-parallel RNG tracker saves and restores CUDA generator states; on CPU the CPU
+    # generator plays that role. Used by weight init (fork per TP rank) and dropout.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(*_args, **_kwargs) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(state: torch.Tensor, *_args, **_kwargs) -> None:
+        torch.set_rng_state(state)
+
+    class CPURNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            # Same contract as the CUDA tracker, minus its "CPU RNG changed" warning: on CPU the
+            # forked generator *is* the CPU generator.
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    mp_random.CudaRNGStatesTracker = CPURNGStatesTracker
+
+
+def _patch_cuda_streams() -> None:
+    # DDP bucketing, schedules and some dispatchers create CUDA streams/events and synchronize;
+    # on CPU all work is already ordered, so no-ops are exact.
+    class _NoOpEvent:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, *args, **kwargs):
+            pass
+
+        def wait(self, *args, **kwargs):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return 0.0
+
+    class _NoOpStream(_NoOpEvent):
+        def wait_stream(self, *args, **kwargs):
+            pass
+
+        def wait_event(self, *args, **kwargs):
+            pass
+
+        def record_event(self, *args, **kwargs):
+            return _NoOpEvent()
+
+    torch.cuda.Stream = _NoOpStream  # type: ignore[misc,assignment]
+    torch.cuda.Event = _NoOpEvent  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Maps literal `device="cuda"` requests (and `.cuda()`) to CPU.
+
+    megatron's DDP buffers, schedules and loss reductions allocate with `device="cuda"` or call
+    `.cuda()`; this mode rewrites those calls so the same code runs on a CPU-only host.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda(dev):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.cuda,):
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+_CPU_MODE: _CudaToCpuMode | None = None
+
+
+def install_cpu_support() -> None:
+    """Let megatron-core run on a CPU-only host (see module docstring)."""
+    global _CPU_INSTALLED, _CPU_MODE
+    if _CPU_INSTALLED or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    _patch_rng_tracker()
+    _patch_cuda_streams()
+    # Entered once and left active for the life of the process: every megatron call site
+    # that says "cuda" must see CPU, including ones running inside autograd backward.
+    _CPU_MODE = _CudaToCpuMode()
+    _CPU_MODE.__enter__()
+    _CPU_INSTALLED = True
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_available(device_type: str) -> bool:
+    """Whether `torch._grouped_mm` runs on this device type in this torch build."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+        a = torch.ones(16, 16, device=device_type, dtype=dtype)
+        b = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+        offs = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(a, b, offs=offs)
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def gpt_model_mtp_block_class(block_cls: type) -> Iterator[None]:
+    """Make `GPTModel.__init__` build `block_cls` as its MTP block.
+
+    GPTModel 0.16.1 instantiates `MultiTokenPredictionBlock` by name, with no spec hook for the
+    block class; GLM-5's depth-shared MTP needs its own block (pretrain.model.mtp).
+    """
+    from megatron.core.models.gpt import gpt_model
+
+    original = gpt_model.MultiTokenPredictionBlock
+    gpt_model.MultiTokenPredictionBlock = block_cls
+    try:
+        yield
+    finally:
+        gpt_model.MultiTokenPredictionBlock = original

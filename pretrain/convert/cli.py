@@ -1,0 +1,41 @@
+"""`glm5-convert`: Hugging Face GLM-5 checkpoints <-> our checkpoints.
+
+    glm5-convert import-hf HF_DIR OUT_DIR      # HF safetensors -> our sharded checkpoint
+    glm5-convert export-hf CKPT_DIR OUT_HF_DIR # our checkpoint -> HF safetensors + config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pretrain.convert import ConversionError, export_hf, import_hf
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="glm5-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="HF directory -> our checkpoint directory")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out_dir")
+    exp = sub.add_parser("export-hf", help="our checkpoint directory -> HF directory")
+    exp.add_argument("ckpt_dir")
+    exp.add_argument("out_dir")
+    for p in (imp, exp):
+        p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    args = parser.parse_args(argv)
+    shard = int(args.max_shard_gb * 2**30)
+    try:
+        if args.command == "import-hf":
+            out = import_hf(args.hf_dir, args.out_dir, max_shard_bytes=shard)
+        else:
+            out = export_hf(args.ckpt_dir, args.out_dir, max_shard_bytes=shard)
+    except (ConversionError, FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"glm5-convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""From our typed config to a megatron-core `TransformerConfig` and a built `GLM5Model`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from pretrain.compat import apply_megatron_patches
+from pretrain.config import moe_layer_pattern
+from pretrain.config.schema import GLM5Config, ModelConfig, ParallelConfig
+from pretrain.model import specs
+from pretrain.model.gpt import GLM5Model
+
+
+@dataclass
+class GLM5TransformerConfig(MLATransformerConfig):
+    """megatron-core's MLA config plus the GLM-5 fields it has no name for."""
+
+    latent_layernorm_epsilon: float = 1e-6
+    mtp_use_repeated_layer: bool = True
+
+
+# ModelConfig keys that are not TransformerConfig fields (consumed by the builder itself).
+_BUILDER_KEYS = {
+    "vocab_size",
+    "max_position_embeddings",
+    "share_embeddings_and_output_weights",
+    "moe_layer_freq",
+    "moe_token_dispatcher_type",
+    "params_dtype",
+    "transformer_impl",
+}
+
+
+def resolve_dispatcher(name: str) -> str:
+    # The alltoall dispatcher creates CUDA streams in its constructor: CPU uses allgather.
+    if name == "auto":
+        return "alltoall" if torch.cuda.is_available() else "allgather"
+    return name
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5TransformerConfig:
+    """Map our sections onto megatron's config (field names are shared where they exist)."""
+    apply_megatron_patches()
+    fields = {f.name for f in dataclasses.fields(GLM5TransformerConfig)}
+    kwargs = {k: v for k, v in dataclasses.asdict(model).items() if k not in _BUILDER_KEYS}
+    unknown = set(kwargs) - fields
+    assert not unknown, f"ModelConfig keys without a TransformerConfig field: {sorted(unknown)}"
+    kwargs.update(dataclasses.asdict(parallel))
+    pattern = moe_layer_pattern(model)
+    backend = specs.resolve_backend(model.transformer_impl)
+    if model.num_moe_experts is None:
+        for key in [k for k in kwargs if k.startswith("moe_")]:
+            kwargs.pop(key)
+    else:
+        kwargs["moe_layer_freq"] = pattern
+        kwargs["moe_token_dispatcher_type"] = resolve_dispatcher(model.moe_token_dispatcher_type)
+    if not model.mtp_num_layers:
+        kwargs["mtp_num_layers"] = None
+    if model.experimental_attention_variant is None:
+        for key in [k for k in kwargs if k.startswith("dsa_")]:
+            kwargs.pop(key)
+    if not model.multi_latent_attention:
+        # GQA: rope is applied by GPTModel; MLA-only fields keep their (unused) defaults.
+        kwargs["multi_latent_attention"] = False
+    return GLM5TransformerConfig(
+        **kwargs,
+        transformer_impl="transformer_engine" if backend.is_te else "local",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=getattr(torch, model.params_dtype),
+        pipeline_dtype=torch.bfloat16 if model.bf16 else torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
+def build_model(
+    cfg: GLM5Config,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+) -> GLM5Model:
+    """Build this rank's part of the model. megatron parallel state must be initialized."""
+    from megatron.core import parallel_state as ps
+
+    model_cfg = cfg.model
+    tcfg = transformer_config(model_cfg, cfg.parallel)
+    backend = specs.resolve_backend(model_cfg.transformer_impl)
+    pattern = moe_layer_pattern(model_cfg)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    mtp_spec = specs.mtp_block_spec(tcfg, backend, pattern) if post_process else None
+    return GLM5Model(
+        config=tcfg,
+        transformer_layer_spec=specs.decoder_block_spec(tcfg, backend, pattern, vp_stage=vp_stage),
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
+        position_embedding_type="none" if model_cfg.multi_latent_attention else "rope",
+        rotary_base=int(model_cfg.rotary_base),
+        mtp_block_spec=mtp_spec,
+        vp_stage=vp_stage,
+    )

@@ -1,0 +1,95 @@
+"""Core attention over `torch.nn.functional.scaled_dot_product_attention`.
+
+softmax(Q K^T * scale + mask) V for one layer's heads, with Q/K head dim allowed to differ from
+V's (MLA: qk = qk_head_dim + qk_pos_emb_head_dim, v = v_head_dim) and K/V allowed to carry fewer
+heads than Q (GQA). On GPU, SDPA dispatches to cuDNN / flash kernels; on CPU to its math kernel.
+It needs no Transformer Engine, unlike megatron-core 0.16.1's MLA path.
+
+This module is also the DSA slot of the attention spec (GLM-5 report, DSA section): when
+`experimental_attention_variant == "dsa"` it owns the lightning indexer, and megatron's MLA hands
+it the layer input `x` and the normalized query latent `qr` the indexer reads. Attention here is
+dense: every causal key is attended.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+from pretrain.model.dsa import LightningIndexer
+
+
+class SDPACoreAttention(MegatronModule):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("SDPACoreAttention does not support context parallelism")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        k_channels = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else k_channels**-0.5
+        tp_size = pg_collection.tp.size() if pg_collection is not None else 1
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.indexer = (
+            LightningIndexer(config)
+            if getattr(config, "experimental_attention_variant", None) == "dsa"
+            else None
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias=None,
+        packed_seq_params=None,
+        x: Optional[torch.Tensor] = None,
+        qr: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        # query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv] -> [sq, b, np * hv]
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "packed (thd) sequences are not supported by SDPACoreAttention; pass a "
+                "document attention_mask instead"
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        attn_mask = None
+        is_causal = False
+        if attention_mask is not None:
+            # megatron convention: True marks a masked-out position
+            attn_mask = ~attention_mask
+        elif mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            is_causal = q.shape[2] > 1 or k.shape[2] == 1
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
