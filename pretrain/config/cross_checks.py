@@ -1,0 +1,106 @@
+"""Checks that span config sections: model shapes vs parallel sizes, sequence vs model/parallel,
+LR schedule vs training length, and (given a world size) the whole parallel layout.
+
+Rules follow megatron-core's own asserts (TransformerConfig, ModelParallelConfig, parallel_state).
+"""
+
+from __future__ import annotations
+
+from pretrain.config.errors import require
+from pretrain.config.schema import DataConfig, GLM5Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+
+
+def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    tp, etp, ep = p.tensor_model_parallel_size, p.expert_tensor_parallel_size, p.expert_model_parallel_size
+
+    def divisible(key: str, value: int, by: int, by_key: str) -> None:
+        require(
+            value % by == 0,
+            f"{key} ({value}) must be divisible by {by_key} ({by}); change one of them",
+        )
+
+    divisible("model.num_attention_heads", m.num_attention_heads, tp, "parallel.tensor_model_parallel_size")
+    if not m.multi_latent_attention and m.num_query_groups is not None:
+        divisible("model.num_query_groups", m.num_query_groups, tp, "parallel.tensor_model_parallel_size")
+    divisible("model.vocab_size", m.vocab_size, tp, "parallel.tensor_model_parallel_size")
+    divisible("model.ffn_hidden_size", m.ffn_hidden_size, tp, "parallel.tensor_model_parallel_size")
+    if m.num_moe_experts is None:
+        require(ep == 1, "parallel.expert_model_parallel_size > 1 needs an MoE model: set model.num_moe_experts, "
+                          "or set parallel.expert_model_parallel_size=1")
+    else:
+        divisible("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, etp, "parallel.expert_tensor_parallel_size")
+        if m.moe_shared_expert_intermediate_size is not None:  # the shared expert is a TP-sharded dense MLP
+            divisible("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size, tp,
+                      "parallel.tensor_model_parallel_size")
+        divisible("model.num_moe_experts", m.num_moe_experts, ep, "parallel.expert_model_parallel_size")
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    require(
+        m.num_layers % (pp * vpp) == 0,
+        f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline_model_parallel_size ({pp})"
+        + (f" x parallel.virtual_pipeline_model_parallel_size ({vpp})" if vpp > 1 else "")
+        + " (uneven pipeline stages are not supported); change the pipeline size",
+    )
+    if m.experimental_attention_variant == "dsa":  # megatron-core asserts this for DSAttention
+        require(
+            p.context_parallel_size == 1,
+            "model.experimental_attention_variant='dsa' does not support context parallelism; "
+            "set parallel.context_parallel_size=1",
+        )
+
+
+def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
+    require(
+        d.seq_length <= m.max_position_embeddings,
+        f"data.seq_length ({d.seq_length}) exceeds model.max_position_embeddings ({m.max_position_embeddings}); "
+        "shorten the sequence or raise max_position_embeddings",
+    )
+    if p.sequence_parallel:
+        require(
+            d.seq_length % p.tensor_model_parallel_size == 0,
+            f"data.seq_length ({d.seq_length}) must be divisible by parallel.tensor_model_parallel_size "
+            f"({p.tensor_model_parallel_size}) with parallel.sequence_parallel=true",
+        )
+    cp = p.context_parallel_size
+    if cp > 1:  # causal load balancing splits each sequence into 2 x CP chunks
+        require(
+            d.seq_length % (2 * cp) == 0,
+            f"data.seq_length ({d.seq_length}) must be divisible by 2 x parallel.context_parallel_size ({2 * cp})",
+        )
+
+
+def check_schedule(o: OptimizerConfig, t: TrainConfig) -> None:
+    decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+    require(
+        o.lr_warmup_iters < decay_iters,
+        f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be < the decay length ({decay_iters}, "
+        "optimizer.lr_decay_iters or train.train_iters); shorten the warm-up",
+    )
+
+
+def check_world_size(cfg: GLM5Config, world_size: int) -> None:
+    p, t = cfg.parallel, cfg.train
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    require(world_size >= 1, f"world size is {world_size}; it must be >= 1")
+    model_parallel = tp * pp * cp
+    require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
+        f"pipeline_model_parallel_size x context_parallel_size ({tp} x {pp} x {cp} = {model_parallel}); "
+        "change the parallel sizes or the number of GPUs",
+    )
+    dp = world_size // model_parallel
+    # megatron-core parallel_state: the expert grid EP x ETP tiles each pipeline stage's ranks.
+    require(
+        (world_size // pp) % (ep * etp) == 0,
+        f"parallel.expert_model_parallel_size x expert_tensor_parallel_size ({ep} x {etp} = {ep * etp}) must divide "
+        f"world size / pipeline_model_parallel_size ({world_size} / {pp} = {world_size // pp}); lower the expert "
+        "parallel size",
+    )
+    step = t.micro_batch_size * dp
+    require(
+        t.global_batch_size % step == 0,
+        f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x data-parallel "
+        f"size ({t.micro_batch_size} x {dp} = {step}; data-parallel size = world size {world_size} / "
+        f"{model_parallel}); set train.global_batch_size to a multiple of {step}",
+    )

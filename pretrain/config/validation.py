@@ -1,0 +1,269 @@
+"""Config checks: one function per section, then the checks that span sections (cross_checks.py).
+
+Each check raises `ConfigError` at the first problem, with a message that names the key(s) and says
+what to change. Section checks come first so cross-section checks can divide by sizes safely.
+Rules mirror megatron-core's own asserts (TransformerConfig / ModelParallelConfig / parallel_state)
+so mistakes surface at load time instead of deep inside model construction on a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from pretrain.config.cross_checks import check_model_parallel, check_schedule, check_sequence, check_world_size
+from pretrain.config.errors import require, show
+from pretrain.config.moe_pattern import moe_layer_pattern
+from pretrain.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    GLM5Config,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+CHOICES = {
+    "model.normalization": ("RMSNorm", "LayerNorm"),
+    "model.rope_type": ("rope", "yarn"),
+    "model.transformer_impl": ("local", "transformer_engine", "auto"),
+    "model.moe_token_dispatcher_type": ("auto", "allgather", "alltoall"),
+    "model.moe_router_score_function": ("sigmoid", "softmax"),
+    "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+    "model.moe_router_dtype": (None, "fp32", "fp64"),
+    "model.experimental_attention_variant": (None, "dsa"),
+    "model.params_dtype": ("float32", "bfloat16"),
+    "optimizer.optimizer": ("adam", "muon"),
+    "optimizer.lr_decay_style": ("constant", "linear", "cosine"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+
+def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
+    """Raise ConfigError if `cfg` is inconsistent; with `world_size`, also check the parallel layout."""
+    check_model(cfg.model)
+    check_parallel(cfg.parallel)
+    check_optimizer(cfg.optimizer)
+    check_data(cfg.data)
+    check_train(cfg.train)
+    check_checkpoint(cfg.checkpoint)
+    check_logging(cfg.logging)
+    check_model_parallel(cfg.model, cfg.parallel)
+    check_sequence(cfg.model, cfg.data, cfg.parallel)
+    check_schedule(cfg.optimizer, cfg.train)
+    if world_size is not None:
+        check_world_size(cfg, world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _choice(obj: Any, section: str, name: str) -> None:
+    key = f"{section}.{name}"
+    value, allowed = getattr(obj, name), CHOICES[key]
+    shown = ", ".join("null" if a is None else a for a in allowed)
+    require(value in allowed, f"{key} is {value!r}; set it to one of: {shown}")
+
+
+def _at_least(obj: Any, section: str, names: Iterable[str], low: float, optional: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
+        require(value >= low, f"{section}.{name} is {value}; it must be >= {low}" + (" (or null)" if optional else ""))
+
+
+def _positive(obj: Any, section: str, *names: str, optional: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
+        require(value > 0, f"{section}.{name} is {value}; it must be > 0" + (" (or null)" if optional else ""))
+
+
+def _fraction(obj: Any, section: str, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        require(0.0 <= value < 1.0, f"{section}.{name} is {value}; it must be in [0, 1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# per-section checks
+# ---------------------------------------------------------------------------------------------
+
+
+def check_model(m: ModelConfig) -> None:
+    _positive(m, "model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+    _positive(m, "model", "max_position_embeddings", "layernorm_epsilon", "latent_layernorm_epsilon", "init_method_std")
+    _fraction(m, "model", "hidden_dropout", "attention_dropout")
+    for name in ("normalization", "rope_type", "transformer_impl", "params_dtype", "experimental_attention_variant"):
+        _choice(m, "model", name)
+    _positive(m, "model", "rotary_base", "rotary_scaling_factor")
+    _check_attention(m)
+    _check_dsa(m)
+    _check_moe(m)
+    require(
+        m.mtp_num_layers is None or m.mtp_num_layers >= 0,
+        f"model.mtp_num_layers is {m.mtp_num_layers}; use null or 0 for no MTP, or the number of depths (GLM-5: 3)",
+    )
+    _at_least(m, "model", ["mtp_loss_scaling_factor"], 0)
+
+
+def _check_attention(m: ModelConfig) -> None:
+    if m.multi_latent_attention:
+        _positive(m, "model", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        _positive(m, "model", "q_lora_rank", optional=True)
+        require(
+            m.qk_pos_emb_head_dim % 2 == 0,
+            f"model.qk_pos_emb_head_dim is {m.qk_pos_emb_head_dim}; RoPE rotates pairs of dims, so it must be even "
+            "(GLM-5: 64)",
+        )
+        return
+    # GQA / MHA: megatron-core derives the head size from kv_channels.
+    require(
+        m.kv_channels is not None and m.kv_channels > 0,
+        f"model.kv_channels is {show(m.kv_channels)}; model.multi_latent_attention=false (GQA) needs the head dim in "
+        "model.kv_channels, e.g. 128",
+    )
+    if m.num_query_groups is not None:
+        _positive(m, "model", "num_query_groups")
+        require(
+            m.num_attention_heads % m.num_query_groups == 0,
+            f"model.num_query_groups ({m.num_query_groups}) must divide model.num_attention_heads "
+            f"({m.num_attention_heads}); pick a divisor of the head count",
+        )
+
+
+def _check_dsa(m: ModelConfig) -> None:
+    if m.experimental_attention_variant != "dsa":
+        return
+    require(
+        m.multi_latent_attention and m.q_lora_rank is not None,
+        "model.experimental_attention_variant='dsa' needs model.multi_latent_attention=true with model.q_lora_rank "
+        "set (the indexer reads the MLA query latent); set experimental_attention_variant=null otherwise",
+    )
+    _positive(m, "model", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+    require(
+        m.dsa_indexer_head_dim >= m.qk_pos_emb_head_dim,
+        f"model.dsa_indexer_head_dim ({m.dsa_indexer_head_dim}) must be >= model.qk_pos_emb_head_dim "
+        f"({m.qk_pos_emb_head_dim}): RoPE is applied to the first qk_pos_emb_head_dim dims of the index head",
+    )
+    _at_least(m, "model", ["dsa_indexer_loss_coeff"], 0)
+
+
+def _check_moe(m: ModelConfig) -> None:
+    for name in ("moe_token_dispatcher_type", "moe_router_score_function", "moe_router_load_balancing_type",
+                 "moe_router_dtype"):
+        _choice(m, "model", name)
+    if m.num_moe_experts is None:
+        return
+    _positive(m, "model", "num_moe_experts", "moe_router_topk")
+    require(
+        m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size > 0,
+        f"model.moe_ffn_hidden_size is {show(m.moe_ffn_hidden_size)}; an MoE model (model.num_moe_experts set) needs the "
+        "expert intermediate size (GLM-5: 2048), or set model.num_moe_experts=null for a dense model",
+    )
+    _positive(m, "model", "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor", optional=True)
+    require(
+        m.moe_router_topk <= m.num_moe_experts,
+        f"model.moe_router_topk ({m.moe_router_topk}) must be <= model.num_moe_experts ({m.num_moe_experts})",
+    )
+    _at_least(m, "model", ["moe_router_bias_update_rate", "moe_aux_loss_coeff"], 0)
+    if m.moe_router_num_groups is not None or m.moe_router_group_topk is not None:
+        g, k = m.moe_router_num_groups, m.moe_router_group_topk
+        require(
+            g is not None and k is not None and g > 0 and 0 < k <= g and m.num_moe_experts % g == 0,
+            f"model.moe_router_num_groups ({show(g)}) and model.moe_router_group_topk ({show(k)}) must be set together, with "
+            f"num_groups dividing num_moe_experts ({m.num_moe_experts}) and 0 < group_topk <= num_groups; "
+            "set both to null to disable group-limited routing",
+        )
+    moe_layer_pattern(m)  # raises on a bad moe_layer_freq (syntax, length != num_layers, non-0/1 entries)
+
+
+def check_parallel(p: ParallelConfig) -> None:
+    _positive(p, "parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+              "expert_model_parallel_size", "expert_tensor_parallel_size")
+    if p.virtual_pipeline_model_parallel_size is not None:
+        _positive(p, "parallel", "virtual_pipeline_model_parallel_size")
+        require(
+            p.pipeline_model_parallel_size > 1,
+            "parallel.virtual_pipeline_model_parallel_size needs parallel.pipeline_model_parallel_size > 1; "
+            "set it to null",
+        )
+    require(
+        not p.sequence_parallel or p.tensor_model_parallel_size > 1,
+        "parallel.sequence_parallel=true requires parallel.tensor_model_parallel_size > 1; "
+        "set parallel.sequence_parallel=false",
+    )
+    # EP > 1 with TP > 1 and no sequence parallelism is allowed: megatron-core only warns, and
+    # sequence parallelism needs TE or apex norms, which the torch-native backend does not have.
+
+
+def check_optimizer(o: OptimizerConfig) -> None:
+    _choice(o, "optimizer", "optimizer")
+    _choice(o, "optimizer", "lr_decay_style")
+    _at_least(o, "optimizer", ["lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "lr_warmup_iters"], 0)
+    require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+    _fraction(o, "optimizer", "adam_beta1", "adam_beta2", "muon_momentum")
+    _positive(o, "optimizer", "adam_eps", "muon_num_ns_steps", "muon_scale_rms")
+    _positive(o, "optimizer", "lr_decay_iters", optional=True)
+
+
+def check_data(d: DataConfig) -> None:
+    _positive(d, "data", "seq_length")
+    _at_least(d, "data", ["num_workers"], 0)
+    try:
+        parts = [float(s) for s in d.split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    require(
+        0 < len(parts) <= 3 and all(x >= 0 for x in parts) and sum(parts) > 0,
+        f"data.split is {d.split!r}; give up to three non-negative train,valid,test weights, e.g. \"969,30,1\"",
+    )
+    # Megatron blend: either ["prefix", ...] or ["weight", "prefix", "weight", "prefix", ...].
+    if len(d.data_path) > 1 and _is_number(d.data_path[0]):
+        weights = d.data_path[0::2]
+        require(
+            len(d.data_path) % 2 == 0 and all(_is_number(w) and float(w) >= 0 for w in weights),
+            f"data.data_path {d.data_path} looks like a weighted blend but is not \"weight, prefix\" pairs; "
+            "write [\"0.7\", \"prefix_a\", \"0.3\", \"prefix_b\"] or only prefixes",
+        )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def check_train(t: TrainConfig) -> None:
+    _positive(t, "train", "micro_batch_size", "global_batch_size", "train_iters", "max_consecutive_nan_steps")
+    _positive(t, "train", "eval_interval", optional=True)
+    _at_least(t, "train", ["eval_iters"], 0)
+    require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+        f"({t.micro_batch_size}); set train.global_batch_size to a multiple of {t.micro_batch_size}",
+    )
+
+
+def check_checkpoint(c: CheckpointConfig) -> None:
+    _positive(c, "checkpoint", "save_interval", optional=True)
+    _positive(c, "checkpoint", "keep_last")
+
+
+def check_logging(lg: LoggingConfig) -> None:
+    _choice(lg, "logging", "wandb_mode")
+    _positive(lg, "logging", "log_interval")
+    start, end = lg.profile_step_start, lg.profile_step_end
+    if start is not None or end is not None:
+        require(
+            start is not None and end is not None and 0 <= start < end,
+            f"logging.profile_step_start ({show(start)}) and logging.profile_step_end ({show(end)}) must be set together "
+            "with 0 <= start < end; set both to null to disable profiling",
+        )
