@@ -104,7 +104,7 @@ def build_model(
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     mtp_spec = specs.mtp_block_spec(tcfg, backend, pattern) if post_process else None
-    return GLM5Model(
+    model = GLM5Model(
         config=tcfg,
         transformer_layer_spec=specs.decoder_block_spec(tcfg, backend, pattern, vp_stage=vp_stage),
         vocab_size=model_cfg.vocab_size,
@@ -117,3 +117,7 @@ def build_model(
         mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
+    # Torch-native norms are created on the CPU; megatron's parallel layers are already on the GPU.
+    if torch.cuda.is_available() and not any(p.is_meta for p in model.parameters()):
+        model.cuda(torch.cuda.current_device())
+    return model

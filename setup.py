@@ -1,0 +1,34 @@
+"""GLM-5-style distributed pretraining on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="glm5-pretrain",
+    version="0.1.0",
+    description="Pretraining framework for GLM-5-style models (MLA, DSA, MoE, MTP, Muon) on megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pretrain", "pretrain.*", "parallel", "parallel.*", "data_pipeline", "data_pipeline.*"]),
+    install_requires=[
+        "megatron-core==0.16.1",  # the last release for Python 3.11; every workaround is in pretrain/compat.py
+        "torch>=2.6",
+        "numpy",
+        "omegaconf>=2.3",
+        "pyyaml",
+        "safetensors",
+        "tokenizers",
+        "tqdm",
+        "rich",
+    ],
+    extras_require={
+        "hf": ["transformers==5.23.0"],  # GlmMoeDsaForCausalLM, the reference model
+        "wandb": ["wandb"],
+        "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
+        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "glm5-convert=pretrain.convert.cli:main",
+            "glm5-summary=pretrain.model.summary:main",
+        ]
+    },
+)
