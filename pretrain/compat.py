@@ -236,10 +236,6 @@ def install_cpu_support() -> None:
     _CPU_INSTALLED = True
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 @functools.lru_cache(maxsize=None)
 def grouped_mm_available(device_type: str) -> bool:
     """Whether `torch._grouped_mm` runs on this device type in this torch build."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from tqdm import tqdm
@@ -21,7 +21,7 @@ from pretrain.convert.hf_config import ConversionError, hf_config_from_model, mo
 from pretrain.convert.hf_mapping import Rule, rules
 from pretrain.convert.safetensors_io import MissingTensorError, SafetensorsDir, ShardedWriter
 
-__all__ = ["ConversionError", "load_hf_model", "import_hf", "export_hf", "load_checkpoint_weights"]
+__all__ = ["ConversionError", "load_hf_model", "import_hf", "export_hf"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -111,19 +111,3 @@ def export_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> 
                 writer.add(name, tensor)
         writer.write_json("config.json", hf)
     return out_dir
-
-
-def load_checkpoint_weights(model: torch.nn.Module, ckpt_dir: str, cfg: Optional[GLM5Config] = None) -> None:
-    """Load an `import_hf` checkpoint (our names) into a whole model on this rank."""
-    cfg = cfg or load_config(os.path.join(ckpt_dir, "config.yaml"))
-    source = SafetensorsDir(ckpt_dir)
-    target = model.state_dict()
-    state = {}
-    for rule in rules(cfg.model):
-        try:
-            tensor = source.get(rule.ours)
-        except MissingTensorError as err:
-            raise ConversionError(err.args[0]) from None
-        _check_shape(rule.ours, tensor, target[rule.ours])
-        state[rule.ours] = tensor.to(target[rule.ours].dtype)
-    model.load_state_dict(state, strict=False)
