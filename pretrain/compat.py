@@ -4,6 +4,8 @@ Moving to a newer megatron-core means revisiting this file only. Two groups:
 
 * `apply_megatron_patches()` — always applied. Fixes for running megatron-core without
   Transformer Engine or apex (true on the CPU machines and on GPU machines without TE).
+  It also fixes tensor parallelism on the torch-native backend: MLA's lost rope-key gradient
+  under TP, and a torch norm that works with sequence parallelism.
 * `install_cpu_support()` — applied only when CUDA is unavailable. megatron-core is written for
   CUDA; this small layer lets its models, parallel linear layers, MoE dispatchers and RNG tracker
   run on CPU with a gloo process group. CPU support is a product feature: the quickstart trains
@@ -15,6 +17,7 @@ Both are idempotent.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 from typing import Iterator
@@ -23,6 +26,7 @@ import torch
 
 _PATCHED = False
 _CPU_INSTALLED = False
+_MLA_KV_GATHER: contextvars.ContextVar = contextvars.ContextVar("mla_kv_gather")
 
 
 def te_available() -> bool:
@@ -94,6 +98,7 @@ def apply_megatron_patches() -> None:
         return
     _patch_mla_have_te()
     _patch_moe_fused_names()
+    _patch_mla_rope_key_grad()
     if not torch.cuda.is_available():
         install_cpu_support()
     _PATCHED = True
@@ -267,3 +272,87 @@ def gpt_model_mtp_block_class(block_cls: type) -> Iterator[None]:
         yield
     finally:
         gpt_model.MultiTokenPredictionBlock = original
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor/sequence parallelism on the torch-native backend
+# ------------------------------------------------------------------------------------------
+
+
+class SequenceParallelTorchNorm:
+    """torch's RMSNorm/LayerNorm usable with sequence parallelism.
+
+    megatron's `WrappedTorchNorm` asserts `sequence_parallel` is off (only TE/apex norms tag
+    their weights), which makes every TP > 1 MoE model untrainable without TE: MoELayer refuses
+    to train with TP > 1 unless sequence parallelism is on. The norm itself is sequence-local;
+    tagging its weights `sequence_parallel` makes `finalize_model_grads` sum their gradients over
+    the TP group, exactly as for TE's norms.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"normalization {config.normalization!r} is not supported (RMSNorm or LayerNorm)")
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+class _SumTrailingGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the last `width` features' gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, width: int, group):
+        ctx.width, ctx.group = width, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        tail = grad[..., -ctx.width :].contiguous()
+        torch.distributed.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.width :] = tail
+        return grad, None, None
+
+
+def _patch_mla_rope_key_grad() -> None:
+    # MLA with column-parallel down projections (the local backend) all-gathers
+    # [kv_latent | k_pos_emb] over TP, and each rank's heads then use the whole shared rope key
+    # k_pos_emb. The gather's backward only keeps this rank's column slice of the gradient, so
+    # the other ranks' heads' share of d loss / d k_pos_emb is lost (Megatron-LM issue 1699):
+    # the rope key's weights train on 1/TP of their gradient. Summing the rope columns' gradient
+    # over TP before the gather's backward restores it. The kv gather is the one whose output is
+    # kv_lora_rank + qk_pos_emb_head_dim wide, called inside MLA's projection code after the q
+    # gather; `_MLA_KV_GATHER` carries that width while an MLA module projects.
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    original_gather = mla.gather_from_tensor_model_parallel_region
+    original_qkv = mla.MLASelfAttention.get_query_key_value_tensors
+
+    def gather(x, *args, **kwargs):
+        full = original_gather(x, *args, **kwargs)
+        state = _MLA_KV_GATHER.get(None)
+        if state is None or full.size(-1) != state["width"]:
+            return full
+        state["seen"] += 1
+        if state["seen"] != state["kv_call"]:
+            return full  # the q gather, when q_lora_rank happens to equal the kv width
+        return _SumTrailingGradOverTP.apply(full, state["rope"], state["group"])
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        cfg = self.config
+        width = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+        kv_call = 2 if cfg.q_lora_rank == width else 1
+        token = _MLA_KV_GATHER.set(
+            {"width": width, "rope": cfg.qk_pos_emb_head_dim, "group": self.tp_group, "seen": 0, "kv_call": kv_call}
+        )
+        try:
+            return original_qkv(self, *args, **kwargs)
+        finally:
+            _MLA_KV_GATHER.reset(token)
+
+    mla.gather_from_tensor_model_parallel_region = gather
+    mla.MLASelfAttention.get_query_key_value_tensors = get_query_key_value_tensors

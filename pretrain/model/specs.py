@@ -33,7 +33,6 @@ from megatron.core.transformer.multi_token_prediction import (
     get_mtp_layer_spec_for_backend,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -44,18 +43,19 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from pretrain.compat import te_available
+from pretrain.compat import SequenceParallelTorchNorm, te_available
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.experts import GroupedGemmExperts
 
 
 class _TorchBackend(LocalSpecProvider):
-    """megatron's local provider, with torch's RMSNorm/LayerNorm (no apex)."""
+    """megatron's local provider, with torch's RMSNorm/LayerNorm (no apex) that also work with
+    sequence parallelism."""
 
     is_te = False
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-        return WrappedTorchNorm
+        return SequenceParallelTorchNorm
 
     def linear(self) -> type:
         # Down-projections to the MLA latents: the local backend column-splits and gathers.
