@@ -256,6 +256,7 @@ BAD = [
     ("micro", ["train.micro_batch_size=0"], "train.micro_batch_size"),
     ("global%micro", ["train.global_batch_size=10"], "train.global_batch_size"),
     ("sp-needs-tp", ["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    ("moe-tp-needs-sp", ["parallel.tensor_model_parallel_size=2"], "parallel.sequence_parallel=true"),
     ("layers%pp", ["parallel.pipeline_model_parallel_size=3"], "parallel.pipeline_model_parallel_size"),
     ("min_lr>lr", ["optimizer.min_lr=1.0"], "optimizer.min_lr"),
     ("warmup>=decay", ["optimizer.lr_warmup_iters=300"], "optimizer.lr_warmup_iters"),
@@ -281,7 +282,8 @@ def test_choice_error_lists_the_options():
 @pytest.mark.parametrize(
     "world_size, overrides, key",
     [
-        (3, ["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size"),
+        (3, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+         "parallel.tensor_model_parallel_size"),
         (4, [], "train.global_batch_size"),  # DP 4: 8 % (4 x 4) != 0
         (4, ["parallel.expert_model_parallel_size=8"], "parallel.expert_model_parallel_size"),
         (8, ["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=8"],

@@ -33,6 +33,12 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
             divisible("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size, tp,
                       "parallel.tensor_model_parallel_size")
         divisible("model.num_moe_experts", m.num_moe_experts, ep, "parallel.expert_model_parallel_size")
+        # megatron's MoELayer refuses to train with TP > 1 unless the sequence is split across TP
+        require(
+            tp == 1 or p.sequence_parallel,
+            "an MoE model with parallel.tensor_model_parallel_size > 1 needs "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer trains only that way)",
+        )
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     require(
         m.num_layers % (pp * vpp) == 0,

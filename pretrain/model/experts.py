@@ -35,6 +35,14 @@ class GroupedGemmExperts(GroupedMLP):
     def __init__(self, num_local_experts: int, config, pg_collection=None):
         with grouped_gemm_check_skipped():
             super().__init__(num_local_experts, config, pg_collection=pg_collection)
+        # megatron marks these weights dense (`allreduce=True`) whenever EP == 1, so DDP reduces
+        # them over the dense data-parallel group. With ETP < TP the expert-data-parallel group
+        # also spans TP ranks holding the same expert shard (each saw different tokens under
+        # sequence parallelism), and that is the group their gradients must be summed over.
+        etp, tp = config.expert_tensor_parallel_size, config.tensor_model_parallel_size
+        expert_parallel = config.expert_model_parallel_size > 1 or (etp or tp) != tp
+        for weight in (self.weight1, self.weight2):
+            weight.allreduce = not expert_parallel
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states

@@ -1,0 +1,217 @@
+"""Run a function on N local ranks (gloo on CPU) from a test: the project's one rank-spawning helper.
+
+    from tests.distributed import run_ranks
+
+    def _body(rank, world_size, batch):           # module level, so a spawned process can import it
+        initialize_parallel(ParallelConfig(tensor_model_parallel_size=2), seed=0)
+        ...
+        return {"loss": loss, "grads": grads}     # tensors / dicts / lists / numbers
+
+    results = run_ranks(_body, 2, batch)          # [result of rank 0, result of rank 1]
+
+Each rank is a fresh interpreter started with the "spawn" method, so no torch.distributed or megatron
+parallel state ever exists in the pytest process, and no state leaks from one call to the next. The
+environment of a torchrun launch is set before `fn` runs: MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE), so `parallel.initialize.initialize_parallel`
+works unchanged. Return values are moved to CPU (tensors detached) and come back through
+`torch.save` files in a temporary directory.
+
+Failures: an exception in any rank fails the caller with that rank's traceback (the other ranks,
+possibly blocked in a collective, are killed at once); a rank that dies without reporting (segfault,
+`os._exit`) fails with its exit code; ranks still running after `timeout` seconds are killed and a
+`TimeoutError` names them. A process group left initialized by `fn` is destroyed after it returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "free_port", "run_ranks", "to_cpu"]
+
+_POLL_S = 0.05
+_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised or died; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors detached and on CPU, recursively through dicts, lists, tuples (other values as is)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _check_importable(fn: Callable) -> None:
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not module or "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"run_ranks needs a module-level function (a spawned process imports it by name); got {fn!r}"
+        )
+    target = sys.modules.get(module)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    if target is not fn:
+        raise TypeError(f"run_ranks: {module}.{qualname} does not resolve to {fn!r}; define it at module level")
+
+
+def _worker(
+    module: str,
+    qualname: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    result_dir: str,
+    threads: Optional[int],
+    env: Dict[str, str],
+) -> None:
+    out = Path(result_dir) / f"rank{rank}.pt"
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        result = to_cpu(fn(rank, world_size, *args))
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # noqa: BLE001 - everything, including SystemExit / KeyboardInterrupt, is reported
+        torch.save({"ok": False, "traceback": traceback.format_exc(), "time": time.time()}, out)
+        os._exit(1)  # skip interpreter teardown, which could block in a half-finished collective
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown only
+                pass
+
+
+def _read(path: Path) -> Optional[dict]:
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception:  # noqa: BLE001 - missing or half-written file
+        return None
+
+
+def _kill(procs: List[mp.Process]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240,
+    threads_per_rank: Optional[int] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results by rank.
+
+    `fn` must be a module-level function; `args` must be picklable. `threads_per_rank` sets
+    torch's intra-op threads in each rank (default: the machine's cores shared evenly, at least 1,
+    so N ranks on a small CPU do not oversubscribe it). `env` adds environment variables in the ranks.
+    Raises `RankError` (with the failing ranks' tracebacks) or `TimeoutError` (naming the hung ranks).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _check_importable(fn)
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn.__module__, fn.__qualname__, rank, world_size, port, args, tmp, threads_per_rank,
+                      dict(env or {})),
+                name=f"rank{rank}",
+                daemon=False,  # a rank may start its own workers (DataLoader); `_kill` reaps the ranks
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        paths = [Path(tmp) / f"rank{rank}.pt" for rank in range(world_size)]
+        deadline = time.monotonic() + timeout
+        failed_at: Optional[float] = None
+        try:
+            while True:
+                alive = [p.is_alive() for p in procs]
+                failed = [r for r, p in enumerate(procs) if not alive[r] and p.exitcode != 0]
+                if failed and failed_at is None:
+                    failed_at = time.monotonic()
+                if not any(alive):
+                    break
+                if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
+                    break
+                if time.monotonic() > deadline:
+                    hung = [r for r, a in enumerate(alive) if a]
+                    _kill(procs)
+                    errors = _errors(procs, paths, skip=hung)
+                    raise TimeoutError(
+                        f"run_ranks({fn.__qualname__}, world_size={world_size}): ranks {hung} still running "
+                        f"after {timeout:.0f}s and were killed" + (f"\n{errors}" if errors else "")
+                    )
+                time.sleep(_POLL_S)
+        finally:
+            _kill(procs)
+        errors = _errors(procs, paths)
+        if errors:
+            raise RankError(f"run_ranks({fn.__qualname__}, world_size={world_size}) failed:\n{errors}")
+        return [_read(path)["result"] for path in paths]
+
+
+def _errors(procs: List[mp.Process], paths: List[Path], skip: List[int] = ()) -> str:
+    """Tracebacks of ranks that raised, and exit codes of ranks that died without a report."""
+    parts = []  # (order, text): the first rank to raise is usually the cause, the others' errors
+    for rank, (p, path) in enumerate(zip(procs, paths)):  # (peer gone, ...) follow from it
+        if rank in skip:
+            continue
+        report = _read(path)
+        if report is not None and not report["ok"]:
+            parts.append(((0, report.get("time", 0.0)), f"--- rank {rank} raised:\n{report['traceback']}"))
+        elif report is None:
+            why = "was killed after another rank failed" if p.exitcode in (-9, None) else f"exited with code {p.exitcode}"
+            parts.append(((1, rank), f"--- rank {rank} {why} without returning a result"))
+    return "\n".join(text for _, text in sorted(parts, key=lambda part: part[0]))
