@@ -226,6 +226,23 @@ def _is_cuda(dev) -> bool:
 _CPU_MODE: _CudaToCpuMode | None = None
 
 
+def _patch_grad_clipping() -> None:
+    # clip_grad_by_total_norm_fp32 asserts every grad is a `torch.cuda.FloatTensor` before
+    # scaling them. Same computation for CPU tensors: scale all grads by max_norm / total_norm.
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 def install_cpu_support() -> None:
     """Let megatron-core run on a CPU-only host (see module docstring)."""
     global _CPU_INSTALLED, _CPU_MODE
@@ -234,6 +251,7 @@ def install_cpu_support() -> None:
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     _patch_rng_tracker()
     _patch_cuda_streams()
+    _patch_grad_clipping()
     # Entered once and left active for the life of the process: every megatron call site
     # that says "cuda" must see CPU, including ones running inside autograd backward.
     _CPU_MODE = _CudaToCpuMode()
