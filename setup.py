@@ -22,6 +22,7 @@ setup(
     extras_require={
         "hf": ["transformers==5.23.0"],  # GlmMoeDsaForCausalLM, the reference model
         "wandb": ["wandb"],
+        "parquet": ["pyarrow"],
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
         "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0"],
     },
@@ -29,6 +30,8 @@ setup(
         "console_scripts": [
             "glm5-convert=pretrain.convert.cli:main",
             "glm5-summary=pretrain.model.summary:main",
+            "glm5-preprocess=data_pipeline.preprocess:main",
+            "glm5-train-tokenizer=data_pipeline.train_tokenizer:main",
         ]
     },
 )

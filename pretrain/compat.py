@@ -374,3 +374,22 @@ def _patch_mla_rope_key_grad() -> None:
 
     mla.gather_from_tensor_model_parallel_region = gather
     mla.MLASelfAttention.get_query_key_value_tensors = get_query_key_value_tensors
+
+
+@contextlib.contextmanager
+def rank_zero_without_process_group() -> Iterator[None]:
+    """Let megatron's BlendedDataset build its cache in a process without torch.distributed.
+
+    megatron-core 0.16.1 `BlendedDataset._build_indices` calls `torch.distributed.get_rank()` on a
+    cache miss without checking `is_initialized()` (GPTDataset does check), which raises in a plain
+    process. A lone process is rank 0, so answer 0 while the builder runs.
+    """
+    if torch.distributed.is_initialized():
+        yield
+        return
+    original = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = original

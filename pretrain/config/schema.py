@@ -132,6 +132,13 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # with reset_attention_mask: also the dense bool [b, 1, s, s] document mask (s^2 bytes a sample);
+    # false leaves only the batch's cu_seqlens, for attention kernels that take segment offsets
+    create_attention_mask: bool = True
+    # ours: per blend entry of data_path, skip documents shorter than this many tokens (0 = keep all);
+    # [] = no filter. Long-context stages list a corpus twice, filtered and not, to up-sample long documents
+    min_document_length: List[int] = field(default_factory=list)
+    data_cache_path: Optional[str] = None  # megatron's dataset index cache; null: <logging.run_dir>/data_cache
     mock: bool = False  # synthetic tokens, no files needed
 
 

@@ -231,6 +231,24 @@ def check_data(d: DataConfig) -> None:
             f"data.data_path {d.data_path} looks like a weighted blend but is not \"weight, prefix\" pairs; "
             "write [\"0.7\", \"prefix_a\", \"0.3\", \"prefix_b\"] or only prefixes",
         )
+    _check_min_document_length(d)
+
+
+def _check_min_document_length(d: DataConfig) -> None:
+    lengths = d.min_document_length
+    if not lengths:
+        return
+    require(
+        all(n >= 0 for n in lengths),
+        f"data.min_document_length {lengths} has a negative entry; use 0 for no filter on that blend entry",
+    )
+    weighted = len(d.data_path) > 1 and _is_number(d.data_path[0])
+    entries = len(d.data_path) // 2 if weighted else len(d.data_path)
+    require(
+        len(lengths) == entries,
+        f"data.min_document_length has {len(lengths)} entries but data.data_path has {entries} blend entries; "
+        "give one minimum length per entry (0 = no filter), or [] for none",
+    )
 
 
 def _is_number(text: str) -> bool:

@@ -1,0 +1,190 @@
+"""The data position: which samples each data-parallel rank reads, and an exact resume.
+
+Megatron-LM's `MegatronPretrainingSampler` semantics. The dataset's sample order is fixed (see
+`datasets.py`); `consumed_samples` counts samples read by all data-parallel ranks together. Each
+micro-batch step takes the next `micro_batch_size * dp_size` samples and rank r reads the slice
+`[r * micro_batch_size, (r + 1) * micro_batch_size)` of them:
+
+    step t, rank r:  samples  c + t * m * D + r * m  ...  c + t * m * D + (r + 1) * m - 1
+
+(c = consumed_samples at start, m = micro_batch_size, D = dp_size). A resumed iterator started at
+the saved `consumed_samples` therefore reads exactly what an uninterrupted one would have read
+next, for any data-parallel size, since the position is global. `dp_rank` / `dp_size` are the
+data-parallel rank and size (megatron's `parallel_state.get_data_parallel_rank()`), so the
+tensor-, pipeline- and context-parallel ranks of one replica read the same samples.
+
+`state_dict()` stores the position with a fingerprint of the dataset (blend names and weights,
+long-document filters, documents and tokens per source, split, seed, seq_length, sample count).
+`load_state_dict()` refuses a checkpoint whose fingerprint differs, naming what changed: the
+same `consumed_samples` in different data is a different sample.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+
+from data_pipeline.long_context import split_min_document_length
+from data_pipeline.packing import collate_batch
+
+
+class DataPositionError(ValueError):
+    """A saved data position that does not belong to this dataset."""
+
+
+class PretrainingSampler:
+    """Batch sampler: this rank's indices of every micro-batch step from `consumed_samples` on.
+
+    An incomplete last step (fewer than micro_batch_size * dp_size samples left) is dropped, so all
+    ranks always take the same number of steps.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        if micro_batch_size <= 0 or dp_size <= 0 or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"need micro_batch_size > 0 and 0 <= dp_rank < dp_size; got micro_batch_size={micro_batch_size}, "
+                f"dp_rank={dp_rank}, dp_size={dp_size}"
+            )
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        return max(0, self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        step = self.micro_batch_size * self.dp_size
+        first = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        for start in range(first, first + len(self) * step, step):
+            yield list(range(start, start + self.micro_batch_size))
+
+
+class DataIterator:
+    """Micro-batches (dicts of tensors, `packing.collate_batch`) for one data-parallel rank, resumable.
+
+    `consumed_samples` advances by micro_batch_size * dp_size per batch handed out (not per batch a
+    loader worker has prefetched), so `state_dict()` is exact at any point.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+        num_workers: int = 0,
+    ):
+        self.dataset = dataset
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.num_workers = num_workers
+        self.consumed_samples = consumed_samples
+        self.fingerprint = dataset_fingerprint(dataset)
+        self._batches: Optional[Iterator] = None
+        PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)  # check arguments
+
+    def __iter__(self) -> "DataIterator":
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self._batches is None:
+            sampler = PretrainingSampler(
+                len(self.dataset), self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size
+            )
+            loader = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=sampler,
+                num_workers=self.num_workers,
+                collate_fn=collate_batch,
+                pin_memory=torch.cuda.is_available(),
+                persistent_workers=False,
+            )
+            self._batches = iter(loader)
+        batch = next(self._batches)
+        self.consumed_samples += self.micro_batch_size * self.dp_size
+        return batch
+
+    def __len__(self) -> int:
+        """Micro-batches left."""
+        return len(PretrainingSampler(len(self.dataset), self.consumed_samples, self.micro_batch_size,
+                                      self.dp_rank, self.dp_size))
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Continue from `state`. A position saved for other data raises DataPositionError, unless strict=False."""
+        changes = fingerprint_changes(state["fingerprint"], self.fingerprint)
+        if changes and strict:
+            raise DataPositionError(
+                "refusing to resume the data position: the checkpoint was saved for different data ("
+                + "; ".join(changes)
+                + "). The same consumed_samples would now be a different sample. Restore the data config "
+                "the run started with, or, to accept a different sample order (e.g. after changing "
+                "train.train_iters), load with strict=False."
+            )
+        self.consumed_samples = int(state["consumed_samples"])
+        self._batches = None  # drops prefetched batches of the old position
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprint
+# ---------------------------------------------------------------------------------------------
+
+
+def dataset_fingerprint(dataset) -> Dict[str, Any]:
+    """What decides the sample at each index: sources, weights, filters, split, seed, length, count.
+
+    Sources are named by file name, not full path, so moving the data keeps the fingerprint; their
+    document and token counts catch a regenerated dataset under the same name.
+    """
+    parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    weights = [float(w) for w in dataset.weights] if isinstance(dataset, BlendedDataset) else [1.0]
+    config = parts[0].config
+    sources = []
+    for part, weight in zip(parts, weights):
+        prefix, min_length = split_min_document_length(part.dataset_path or "")
+        lengths = numpy.asarray(part.dataset.sequence_lengths)
+        sources.append(
+            {
+                "name": os.path.basename(prefix) if prefix else "mock",
+                "weight": round(weight, 12),
+                "min_document_length": min_length,
+                "documents": int(len(part.indices)),
+                "tokens": int(lengths[part.indices].sum(dtype=numpy.int64)),
+            }
+        )
+    return {
+        "split": parts[0].index_split.name,
+        "split_weights": config.split,
+        "seed": int(config.random_seed),
+        "seq_length": int(config.sequence_length),
+        "num_samples": int(len(dataset)),
+        "eod": int(config.tokenizer.eod),
+        "sources": sources,
+    }
+
+
+def fingerprint_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """Human-readable differences, e.g. "seq_length: 4096 in the checkpoint, 8192 now"."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        if key == "sources":
+            continue
+        if saved.get(key) != current.get(key):
+            changes.append(f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now")
+    old, new = saved.get("sources", []), current.get("sources", [])
+    if len(old) != len(new):
+        names = lambda sources: [s["name"] for s in sources]  # noqa: E731
+        changes.append(f"sources: {names(old)} in the checkpoint, {names(new)} now")
+    else:
+        for i, (a, b) in enumerate(zip(old, new)):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    changes.append(f"sources[{i}].{key}: {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
+    return changes
