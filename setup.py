@@ -23,8 +23,10 @@ setup(
         "hf": ["transformers==5.23.0"],  # GlmMoeDsaForCausalLM, the reference model
         "wandb": ["wandb"],
         "parquet": ["pyarrow"],
+        "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard"],
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
-        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard"],
     },
     entry_points={
         "console_scripts": [

@@ -1,0 +1,1 @@
+"""Training: the megatron-core loop, optimizer, checkpoints, FLOP counting, metrics and profiling."""

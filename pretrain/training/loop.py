@@ -1,0 +1,286 @@
+"""The training loop over megatron-core: DDP, pipeline schedules, optimizer, checkpoints, metrics.
+
+Per iteration: `global_batch_size / (micro_batch_size * DP)` micro-batches go through
+`get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B with virtual stages),
+`finalize_model_grads` reduces gradients and updates the MoE routers' correction biases, and the
+optimizer steps unless the loss or the gradient norm is not finite (then the step is skipped,
+logged, and the run stops after `train.max_consecutive_nan_steps` skips in a row).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    reduce_aux_losses_tracker_across_ranks,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from parallel.initialize import initialize_parallel
+from pretrain.config.schema import GLM5Config
+from pretrain.model.builder import build_model
+from pretrain.training.optimizer import build_optimizer, build_scheduler
+from pretrain.training.preflight import preflight
+from pretrain.training.step import forward_step
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = [build_model(cfg, vp_stage=i) for i in range(vpp)] if vpp else [build_model(cfg)]
+    if cfg.model.bf16:
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+class Trainer:
+    def __init__(self, cfg: GLM5Config):
+        preflight(cfg)  # before any process group or GPU memory
+        self.cfg = cfg
+        initialize_parallel(cfg.parallel, seed=cfg.train.seed)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        t = cfg.train
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.model = build_model_chunks(cfg)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self._configure_schedule()
+        self.iteration, self.nan_streak, self.skipped_steps = 0, 0, 0
+        self._build_data()
+        self._resume()
+        from pretrain.training.flops import training_flops_per_step
+        from pretrain.training.metrics import MetricsLogger
+
+        tokens = t.global_batch_size * cfg.data.seq_length
+        self.tokens_per_step = tokens
+        self.flops_per_step = training_flops_per_step(cfg.model, cfg.data.seq_length, tokens)["total"]
+        self.metrics = MetricsLogger(cfg, self.rank, self.world_size, resume_step=self.iteration)
+
+    # ----------------------------------------------------------------------------- setup
+    def _configure_schedule(self) -> None:
+        config = _unwrap(self.model[0]).config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [m.no_sync for m in self.model]
+        config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+        self.schedule = get_forward_backward_func()
+
+    def _build_data(self) -> None:
+        from data_pipeline.datasets import build_datasets
+        from data_pipeline.sampler import DataIterator
+
+        t, gbs = self.cfg.train, self.cfg.train.global_batch_size
+        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else 0
+        self.train_ds, self.valid_ds, _ = build_datasets(self.cfg, None, t.train_iters * gbs, evals, 0)
+
+        def iterators(dataset, consumed=0):
+            if dataset is None:
+                return None
+            its = [DataIterator(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed) for _ in self.model]
+            return its if len(its) > 1 else its[0]
+
+        self._make_iterators = iterators
+        self.train_iter = iterators(self.train_ds)
+
+    def _data_iterators(self):
+        return self.train_iter if isinstance(self.train_iter, list) else [self.train_iter]
+
+    def _resume(self) -> None:
+        c = self.cfg.checkpoint
+        load_dir = c.load or (c.save if c.auto_resume else None)
+        if not load_dir or not os.path.isdir(load_dir):
+            return
+        from pretrain.training.checkpoint import load_checkpoint
+
+        restored = load_checkpoint(load_dir, self.model, self.optimizer, self.scheduler)
+        if restored is None:
+            return
+        self.iteration, extra = restored
+        for it in self._data_iterators():
+            it.load_state_dict(extra["data"])
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        self._log(f"resumed from {load_dir} at iteration {self.iteration}")
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    # ----------------------------------------------------------------------------- steps
+    def _run_schedule(self, data_iterator, forward_only: bool):
+        seq = self.cfg.data.seq_length
+        return self.schedule(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            decoder_seq_length=seq,
+            forward_only=forward_only,
+        )
+
+    def _global_mean(self, losses: List[Dict[str, torch.Tensor]]) -> float:
+        """Token-mean LM loss over the global batch (counted once per model replica)."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for item in losses:
+            total += item["lm loss"].detach().double().cpu()
+        total = total.to(_device())
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+    def _auxiliary_losses(self) -> Dict[str, float]:
+        """MTP depth losses and the MoE auxiliary loss of this step, for logging."""
+        out: Dict[str, float] = {}
+        depths = self.cfg.model.mtp_num_layers or 0
+        vec = torch.zeros(depths + 1, dtype=torch.float64, device=_device())
+        tracker = MTPLossLoggingHelper.tracker
+        if depths and "values" in tracker:
+            MTPLossLoggingHelper.reduce_loss_in_tracker()
+            vec[:depths] = tracker["values"].double() / self.num_microbatches
+            vec[depths] = 1.0
+            MTPLossLoggingHelper.clean_loss_in_tracker()
+        dist.all_reduce(vec)
+        if depths and vec[depths] > 0:
+            for d in range(depths):
+                out[f"mtp_loss_{d + 1}"] = (vec[d] / vec[depths]).item()
+        moe = get_moe_layer_wise_logging_tracker()
+        if moe:
+            reduce_aux_losses_tracker_across_ranks()
+            for name, entry in moe.items():
+                values = entry["values"]
+                reporting = int((values != 0).sum().item()) or 1  # the MoE layers (dense ones stay 0)
+                key = "aux_loss" if "load_balancing" in name else name.replace(" ", "_")
+                out[key] = values.sum().item() / reporting / self.num_microbatches
+            clear_aux_losses_tracker()
+        return out
+
+    def train_step(self) -> Dict[str, float]:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(self.train_iter, forward_only=False)
+        loss = self._global_mean(losses)
+        self.optimizer.prepare_grads()
+        grad_norm = self.optimizer.get_grad_norm()
+        finite = math.isfinite(loss) and grad_norm is not None and math.isfinite(grad_norm)
+        if finite:
+            updated, grad_norm, _ = self.optimizer.step()
+            finite = bool(updated)
+        if finite:
+            self.scheduler.step(increment=1)
+            self.nan_streak = 0
+        else:
+            self.nan_streak += 1
+            self.skipped_steps += 1
+        values = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                  "lr": self.optimizer.param_groups[0]["lr"], "skipped": not finite}
+        values.update(self._auxiliary_losses())
+        return values
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        consumed = (self.iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size
+        data = self._make_iterators(self.valid_ds, max(consumed, 0))
+        for chunk in self.model:
+            chunk.eval()
+        losses: List[dict] = []
+        for _ in range(t.eval_iters):
+            losses += self._run_schedule(data, forward_only=True) or []
+        for chunk in self.model:
+            chunk.train()
+        MTPLossLoggingHelper.tracker.pop("values", None)
+        clear_aux_losses_tracker()
+        return self._global_mean(losses)
+
+    def save(self) -> Optional[str]:
+        c = self.cfg.checkpoint
+        if not c.save:
+            return None
+        from pretrain.training.checkpoint import save_checkpoint
+
+        extra = {"data": self._data_iterators()[0].state_dict(), "skipped_steps": self.skipped_steps}
+        return save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self.scheduler, self.cfg, extra)
+
+    # ----------------------------------------------------------------------------- loop
+    def train(self) -> Dict[str, float]:
+        from pretrain.training.profiler import ProfilerWindow
+
+        t, c = self.cfg.train, self.cfg.checkpoint
+        last: Dict[str, float] = {}
+        profiler = ProfilerWindow(self.cfg)
+        while self.iteration < t.train_iters:
+            start = time.perf_counter()
+            with profiler.step(self.iteration + 1):
+                values = self.train_step()
+            _synchronize()
+            elapsed = time.perf_counter() - start
+            self.iteration += 1
+            values.update(self._throughput(elapsed))
+            if t.eval_interval and self.iteration % t.eval_interval == 0 and self.valid_ds is not None:
+                values["valid_loss"] = self.evaluate()
+            self.metrics.log_step(self.iteration, values)
+            last = values
+            if self.nan_streak >= t.max_consecutive_nan_steps:
+                self.metrics.close()
+                raise TrainingStopped(f"{self.nan_streak} consecutive steps had a non-finite loss or gradient norm "
+                                      f"(last at iteration {self.iteration}); stopping")
+            if c.save and c.save_interval and self.iteration % c.save_interval == 0:
+                self.save()
+        if c.save and (not c.save_interval or self.iteration % c.save_interval):
+            self.save()
+        profiler.close()
+        self.metrics.close()
+        return last
+
+    def _throughput(self, elapsed: float) -> Dict[str, float]:
+        from pretrain.training.flops import mfu
+        from pretrain.training.metrics import memory_stats
+
+        per_gpu = self.flops_per_step / elapsed / self.world_size
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        return {
+            "tokens_per_sec": self.tokens_per_step / elapsed,
+            "tflops_per_gpu": per_gpu / 1e12,
+            "mfu": mfu(per_gpu, device),
+            "mem_peak_gb": memory_stats()["mem_peak_gb"],
+            "step_time_s": elapsed,
+        }
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,67 @@
+"""Checks that a run can start, made before any process group or GPU memory is touched.
+
+Each failure names what to change. The world size comes from the launcher's environment
+(torchrun's WORLD_SIZE), so a layout that cannot fit is refused on every rank at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pretrain.config import ConfigError, validate_config
+from pretrain.config.schema import GLM5Config
+
+
+def launch_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
+    world_size = world_size or launch_world_size()
+    validate_config(cfg, world_size=world_size)
+    if cfg.model.bf16 and not torch.cuda.is_available():
+        raise ConfigError("model.bf16=true needs a GPU (megatron-core's bf16 optimizer is CUDA-only); "
+                          "set model.bf16=false model.params_dtype=float32 to train on CPU")
+    if cfg.model.params_dtype == "bfloat16" and not cfg.model.bf16:
+        raise ConfigError("model.params_dtype=bfloat16 needs model.bf16=true (bf16 weights train with fp32 main "
+                          "weights in the bf16 optimizer)")
+    if cfg.optimizer.optimizer != "adam":
+        raise ConfigError(f"optimizer.optimizer={cfg.optimizer.optimizer!r} is not available in the training loop "
+                          "yet; set optimizer.optimizer=adam")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local > torch.cuda.device_count():
+            raise ConfigError(f"{local} processes per node but only {torch.cuda.device_count()} GPUs are visible; "
+                              "start one process per GPU (torchrun --nproc-per-node)")
+    _check_data(cfg)
+    _check_checkpoint(cfg)
+
+
+def _check_data(cfg: GLM5Config) -> None:
+    d = cfg.data
+    if d.mock:
+        return
+    if not d.data_path:
+        raise ConfigError("data.data_path is empty; give preprocessed dataset prefixes (data.data_path=[PREFIX]) "
+                          "or set data.mock=true for synthetic tokens")
+    if not d.tokenizer or not os.path.exists(d.tokenizer):
+        raise ConfigError(f"data.tokenizer ({d.tokenizer!r}) does not exist; give the tokenizer.json the data "
+                          "was preprocessed with")
+    from data_pipeline.datasets import DataError, parse_blend, resolve_sources
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        prefixes, _ = parse_blend(d.data_path)
+        resolve_sources(prefixes, cfg.model.vocab_size, load_tokenizer(d.tokenizer))
+    except (DataError, ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"data: {err}") from None
+
+
+def _check_checkpoint(cfg: GLM5Config) -> None:
+    c = cfg.checkpoint
+    if c.load and not os.path.isdir(c.load) and c.load != c.save:
+        raise ConfigError(f"checkpoint.load={c.load!r} does not exist; fix the path or unset checkpoint.load")
+    if c.save_interval and not c.save:
+        raise ConfigError("checkpoint.save_interval is set but checkpoint.save is not; set checkpoint.save=DIR")

@@ -1,0 +1,95 @@
+"""A torch.profiler window over training steps `logging.profile_step_start` .. `profile_step_end`.
+
+    profiler = ProfilerWindow(cfg)            # a no-op unless both bounds are set
+    for step in range(first, last + 1):
+        with profiler.step(step):
+            train_step()
+    profiler.close()                          # exports a window the run ended inside
+
+The window records CPU and (when present) CUDA activity of the steps start..end inclusive, one
+`ProfilerStep#<step>` range per step, then writes a Chrome trace (open it in chrome://tracing or
+https://ui.perfetto.dev) and a table of the most expensive operators to
+`<logging.run_dir>/profile/`. Only rank 0 profiles unless `all_ranks=True`: every profiled rank
+writes its own files, named by rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+
+class ProfilerWindow:
+    def __init__(self, cfg, rank: Optional[int] = None, all_ranks: bool = False):
+        log = cfg.logging
+        start, end = log.profile_step_start, log.profile_step_end
+        if (start is None) != (end is None):
+            raise ValueError(
+                "set both logging.profile_step_start and logging.profile_step_end (or neither), "
+                f"got start={start}, end={end}"
+            )
+        if start is not None and not 1 <= start <= end:
+            raise ValueError(f"logging.profile_step_start={start} must be >= 1 and <= profile_step_end={end}")
+        if rank is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = rank
+        self.start, self.end = start, end
+        self.enabled = start is not None and (all_ranks or rank == 0)
+        self.out_dir = Path(log.run_dir) / "profile"
+        self._profiler: Optional[torch.profiler.profile] = None
+        self._first: Optional[int] = None
+        self._last: Optional[int] = None
+        self.trace_path: Optional[Path] = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Wrap training step `step`; records it when it lies in the window."""
+        inside = self.enabled and self.start <= step <= self.end and self.trace_path is None
+        if inside and self._profiler is None:
+            self._begin(step)
+        try:
+            if inside:
+                with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                    yield
+            else:
+                yield
+        finally:
+            if inside:
+                self._last = step
+                if step == self.end:
+                    self._export()
+
+    def _begin(self, step: int) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+        self._profiler.start()
+        self._first = step
+
+    def _export(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}_steps{self._first}-{self._last}"
+        self.trace_path = self.out_dir / f"trace_{name}.json"
+        profiler.export_chrome_trace(str(self.trace_path))
+        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=sort_by, row_limit=40)
+        (self.out_dir / f"ops_{name}.txt").write_text(table + "\n", encoding="utf-8")
+        print(f"profiler: steps {self._first}-{self._last} written to {self.trace_path}", flush=True)
+
+    def close(self) -> None:
+        """Export a window that the run left before its last step (no-op otherwise)."""
+        self._export()
+
+    def __enter__(self) -> "ProfilerWindow":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

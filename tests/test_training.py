@@ -1,0 +1,138 @@
+"""The training loop: loss falls on real data, bad launches fail early, NaN steps are skipped."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stdlib_data(tmp_path_factory):
+    """A small real corpus: part of the standard library, BPE-tokenized and preprocessed."""
+    import sysconfig
+
+    out = tmp_path_factory.mktemp("data")
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-m", "data_pipeline.train_tokenizer", "--input", src, "--vocab-size", "1024",
+                    "--output", str(out / "tokenizer.json")], check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "data_pipeline.preprocess", "--input", src, "--extensions", ".py",
+                    "--tokenizer", str(out / "tokenizer.json"), "--output-prefix", str(out / "json"),
+                    "--append-eod", "--workers", "1"], check=True, env=env, capture_output=True)
+    return out
+
+
+def tiny_overrides(data: Path, run_dir: Path, *extra: str):
+    return [
+        "model.vocab_size=1024", "data.seq_length=64", "data.mock=false", f"data.data_path=[{data / 'json'}]",
+        f"data.tokenizer={data / 'tokenizer.json'}", "data.split=90,10,0", "train.micro_batch_size=4",
+        "train.global_batch_size=8", "train.eval_interval=20", "optimizer.lr_warmup_iters=5",
+        f"logging.run_dir={run_dir}", "logging.log_interval=100", *extra,
+    ]
+
+
+def read_metrics(run_dir: Path):
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _train(rank, world_size, overrides):
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    trainer = Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides))
+    return trainer.train()
+
+
+def test_loss_falls_on_stdlib_code(stdlib_data, tmp_path):
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path, "train.train_iters=40"))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first = sum(r["loss"] for r in rows[:5]) / 5
+    last = sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    valid = [r["valid_loss"] for r in rows if r.get("valid_loss") is not None]
+    assert len(valid) == 2 and valid[1] < valid[0]
+    for key in ("lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mem_peak_gb", "mtp_loss_1", "mtp_loss_3", "aux_loss"):
+        assert rows[-1][key] is not None, key
+    assert not any(r["skipped"] for r in rows)
+
+
+def _train_with_nan(rank, world_size, overrides, poison_steps):
+    """Poison the loss on given steps (as a numerical blow-up would) and train on."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.training import loop
+    from pretrain.training.loop import Trainer
+
+    original = loop.Trainer._global_mean
+    calls = {"n": 0}
+
+    def global_mean(self, losses):
+        calls["n"] += 1
+        if calls["n"] in poison_steps:
+            for item in losses:
+                item["lm loss"][0] = torch.nan
+        return original(self, losses)
+
+    loop.Trainer._global_mean = global_mean
+    trainer = Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides))
+    before = {n: p.detach().clone() for n, p in trainer.model[0].named_parameters()}
+    try:
+        trainer.train()
+    except loop.TrainingStopped as err:
+        return {"stopped": str(err), "iteration": trainer.iteration}
+    after = {n: p.detach() for n, p in trainer.model[0].named_parameters()}
+    return {"stopped": None, "iteration": trainer.iteration, "finite": all(torch.isfinite(p).all() for p in after.values()),
+            "changed": any(not torch.equal(before[n], after[n]) for n in before)}
+
+
+def test_nan_steps_are_skipped_then_stop(stdlib_data, tmp_path):
+    result = run_ranks(_train_with_nan, 1, tiny_overrides(stdlib_data, tmp_path / "a", "train.train_iters=6",
+                                                           "train.eval_interval=null"), {2, 4})[0]
+    assert result["stopped"] is None and result["finite"] and result["changed"]
+    rows = read_metrics(tmp_path / "a")
+    assert [r["skipped"] for r in rows] == [False, True, False, True, False, False]
+    result = run_ranks(_train_with_nan, 1, tiny_overrides(stdlib_data, tmp_path / "b", "train.train_iters=10",
+                                                           "train.eval_interval=null", "train.max_consecutive_nan_steps=3"),
+                       {3, 4, 5, 6})[0]
+    assert result["stopped"] and "3 consecutive steps" in result["stopped"] and result["iteration"] == 5
+
+
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], {"WORLD_SIZE": "3"},
+         "parallel.tensor_model_parallel_size"),
+        (["train.global_batch_size=12"], {"WORLD_SIZE": "2"}, "train.global_batch_size"),
+        (["data.mock=false", "data.data_path=[/nonexistent/prefix]", "data.tokenizer=/nonexistent/tokenizer.json"], {},
+         "data.tokenizer"),
+        (["data.seq_length=8192"], {}, "data.seq_length"),
+        (["model.bf16=true", "model.params_dtype=bfloat16"], {}, "model.bf16"),
+        (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint.load"),
+        (["model.num_layer=3"], {}, "model.num_layers"),
+    ],
+)
+def test_bad_launch_fails_before_any_process_group(overrides, env, message, tmp_path):
+    if "model.bf16" in message:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("bf16 is allowed on a GPU")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml",
+         f"logging.run_dir={tmp_path}", *overrides],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
