@@ -1,0 +1,44 @@
+"""Table of a train_scaling.sh run: median throughput over steps 3.., per GPU, MFU, memory.
+
+    python benchmarks/summarize_scaling.py OUT_DIR gpu1 dp4 ...   (first run = the 1-GPU baseline)
+"""
+
+import json
+import os
+import statistics
+import sys
+
+
+def load(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if r["step"] >= 3]  # steps 1-2 include warm-up (allocator, kernels)
+
+
+def main():
+    out, names = sys.argv[1], sys.argv[2:]
+    gpus = {"gpu1": 1}
+    table, base = [], None
+    for name in names:
+        rows = load(os.path.join(out, name))
+        n = gpus.get(name, 4)
+        tps = statistics.median(r["tokens_per_sec"] for r in rows)
+        per_gpu = tps / n
+        base = base or per_gpu
+        table.append({
+            "run": name, "gpus": n, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": per_gpu,
+            "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in rows),
+            "mfu": statistics.median(r["mfu"] for r in rows if r["mfu"] is not None),
+            "mem_peak_gb": max(r["mem_peak_gb"] for r in rows),
+            "scaling_efficiency": per_gpu / base, "final_loss": rows[-1]["loss"],
+        })
+    with open(os.path.join(out, "scaling.json"), "w") as f:
+        json.dump(table, f, indent=2)
+    print(f"{'run':<8}{'GPUs':>5}{'tok/s':>10}{'tok/s/GPU':>11}{'TFLOP/s/GPU':>13}{'MFU':>7}{'peak GiB':>10}{'scaling':>9}")
+    for r in table:
+        print(f"{r['run']:<8}{r['gpus']:>5}{r['tokens_per_sec']:>10,.0f}{r['tokens_per_sec_per_gpu']:>11,.0f}"
+              f"{r['tflops_per_gpu']:>13.1f}{100 * r['mfu']:>6.1f}%{r['mem_peak_gb']:>10.1f}{r['scaling_efficiency']:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
