@@ -103,6 +103,9 @@ class DataIterator:
                 collate_fn=collate_batch,
                 pin_memory=torch.cuda.is_available(),
                 persistent_workers=False,
+                # The loader draws its base seed from this generator, not the global RNG, so starting
+                # an iterator (e.g. after a resume) leaves the training RNG stream untouched.
+                generator=torch.Generator().manual_seed(0),
             )
             self._batches = iter(loader)
         batch = next(self._batches)

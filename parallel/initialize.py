@@ -32,7 +32,17 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps its store across worker restarts, and process-group keys from the
+            # failed attempt (gloo/NCCL peer addresses under the same group names) would be read
+            # by the new one: give each attempt its own key space.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ["WORLD_SIZE"]), is_master=False)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"glm5/attempt_{restart}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group(backend=backend)
     else:
         # A lone process: a file store needs no free TCP port and no environment.
         store_file = tempfile.NamedTemporaryFile(prefix="glm5_store_", delete=False).name

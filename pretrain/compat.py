@@ -393,3 +393,75 @@ def rank_zero_without_process_group() -> Iterator[None]:
         yield
     finally:
         torch.distributed.get_rank = original
+
+
+# ------------------------------------------------------------------------------------------
+# dist_checkpointing: writing torch_dist checkpoints (used by pretrain.training.checkpoint)
+# ------------------------------------------------------------------------------------------
+
+_CKPT_WRITER_PATCHED = False
+
+
+def patch_dist_checkpoint_writer() -> None:
+    """Make `dist_checkpointing.save` (torch_dist format) finish, on every host, and on CPU in-process.
+
+    Called by `pretrain.training.checkpoint` before its first save; idempotent. Two problems of
+    megatron-core 0.16.1's `strategies/filesystem_async.py`, whose `FileSystemWriterAsync` writes
+    every torch_dist checkpoint (a synchronous save runs the same code via `execute_sync`):
+
+    * The hang. `write_preloaded_data`, the worker that writes one file, calls `_process_memory()`
+      (for a debug log line) *outside* its try block, and that raises without psutil. The worker
+      dies before it signals its `JoinableQueue`, so the parent waits in `count_queue.join()`
+      forever: every save hangs when psutil is not installed. The number is only logged: 0 is exact
+      enough. Applied everywhere (GPU hosts without psutil hang the same way).
+    * CPU only: the writer forks one process per output file and collects results through a
+      `multiprocessing.Manager` queue started with the "spawn" method, which re-imports `__main__`
+      (a script without an `if __name__ == "__main__"` guard re-runs itself) and leaves a server
+      process behind, orphaned if the trainer is SIGKILLed. On CPU the tensors are already in host
+      memory and nothing overlaps with training, so the same per-file writer runs in threads of
+      this process and results go through a plain `queue.Queue`: same files, same format, no child
+      processes. GPU hosts keep megatron's forked writers (writes proceed without the GIL).
+    """
+    global _CKPT_WRITER_PATCHED
+    if _CKPT_WRITER_PATCHED:
+        return
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    if not fsa.HAVE_PSUTIL:
+        fsa._process_memory = lambda: 0
+
+    if not torch.cuda.is_available():
+        writer_cls = fsa.FileSystemWriterAsync
+
+        def write_buckets_in_threads(transform_list, use_msc, rank, write_buckets, global_results_queue):
+            # Same contract as `write_preloaded_data_multiproc`: put {file index: [WriteResult]} or
+            # the first worker's exception into `global_results_queue`.
+            results_queue, count_queue = queue.Queue(), queue.Queue()
+            kwargs = {"use_msc": use_msc} if use_msc else {}
+            with ThreadPoolExecutor(max_workers=max(1, len(write_buckets)), thread_name_prefix="ckpt-write") as pool:
+                for index in range(len(write_buckets)):
+                    count_queue.put(index)  # each worker pops one entry and calls task_done()
+                futures = [
+                    pool.submit(writer_cls.write_preloaded_data, transform_list, index, bucket, results_queue,
+                                count_queue, True, **kwargs)
+                    for index, bucket in enumerate(write_buckets)
+                ]
+            failed = [f.exception() for f in futures if f.exception() is not None]
+            if failed:  # raised outside the worker's own try block
+                global_results_queue.put(failed[0])
+                return
+            results: dict | Exception = {}
+            for _ in write_buckets:
+                index, value = results_queue.get_nowait()
+                if isinstance(value, Exception):
+                    results = value
+                    break
+                results[index] = value
+            global_results_queue.put(results)
+
+        writer_cls.write_preloaded_data_multiproc = staticmethod(write_buckets_in_threads)
+        fsa._get_write_results_queue = queue.Queue
+    _CKPT_WRITER_PATCHED = True

@@ -136,3 +136,27 @@ def test_bad_launch_fails_before_any_process_group(overrides, env, message, tmp_
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _save_initial(rank, world_size, overrides):
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides)).save()
+
+
+def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path):
+    """1F1B over 2 pipeline stages (MTP and the MoE layer on the last) gives the 1-stage losses,
+    starting from the same weights (a 1-stage checkpoint of step 0, resharded on load)."""
+    init = tmp_path / "init"
+    base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "init_run", *base, f"checkpoint.save={init}"))
+    start = [*base, f"checkpoint.load={init}"]
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "pp1", *start))
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "pp2", *start, "parallel.pipeline_model_parallel_size=2"))
+    a, b = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["mtp_loss_3"] == pytest.approx(x["mtp_loss_3"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)

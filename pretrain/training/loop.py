@@ -35,6 +35,15 @@ from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step
 
 
+# megatron-core's tracker name of each load-balancing loss type (router.py); logged as "aux_loss",
+# the loss before its coefficient.
+_AUX_LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
+
 class TrainingStopped(RuntimeError):
     """Raised when too many consecutive steps had a non-finite loss or gradient norm."""
 
@@ -173,6 +182,7 @@ class Trainer:
             for d in range(depths):
                 out[f"mtp_loss_{d + 1}"] = (vec[d] / vec[depths]).item()
         moe = get_moe_layer_wise_logging_tracker()
+        self._ensure_aux_loss_entry(moe)
         if moe:
             reduce_aux_losses_tracker_across_ranks()
             for name, entry in moe.items():
@@ -182,6 +192,17 @@ class Trainer:
                 out[key] = values.sum().item() / reporting / self.num_microbatches
             clear_aux_losses_tracker()
         return out
+
+    def _ensure_aux_loss_entry(self, tracker: dict) -> None:
+        # The reduction all-reduces each tracked loss over the pipeline group, so every stage must
+        # hold the entry, also stages without MoE layers (their routers never create it).
+        m = self.cfg.model
+        name = _AUX_LOSS_NAMES.get(m.moe_router_load_balancing_type)
+        if not m.num_moe_experts or name is None or name in tracker:
+            return
+        size = m.num_layers + (m.mtp_num_layers or 0)
+        tracker[name] = {"values": torch.zeros(size, device=_device()), "reduce_group": None, "avg_group": None,
+                         "reduce_group_has_dp": False}
 
     def train_step(self) -> Dict[str, float]:
         for chunk in self.model:

@@ -63,5 +63,3 @@ def _check_checkpoint(cfg: GLM5Config) -> None:
     c = cfg.checkpoint
     if c.load and not os.path.isdir(c.load) and c.load != c.save:
         raise ConfigError(f"checkpoint.load={c.load!r} does not exist; fix the path or unset checkpoint.load")
-    if c.save_interval and not c.save:
-        raise ConfigError("checkpoint.save_interval is set but checkpoint.save is not; set checkpoint.save=DIR")

@@ -1,0 +1,237 @@
+"""Checkpoints with exact resume: megatron-core `dist_checkpointing` in step directories.
+
+    path = save_checkpoint(cfg.checkpoint.save, iteration, model_chunks, optimizer, scheduler, cfg,
+                           {"data": data_iterator.state_dict(), "skipped_steps": 3})
+    restored = load_checkpoint(load_dir, model_chunks, optimizer, scheduler)   # None: nothing to load
+    if restored is not None:
+        iteration, extra_state = restored
+
+What a step dir holds (layout and crash safety: `checkpoint_files`):
+
+* model and optimizer tensors: the chunks' `sharded_state_dict()` and the ShardedTensors of the
+  optimizer's sharded state dict (Adam moments, fp32 main weights), in megatron's `torch_dist`
+  format. Every tensor is stored under its parameter's global name with its global shape and
+  offset, so loading into another TP / PP / EP / DP layout (or virtual-pipeline split) reshards
+  weights and optimizer state alike (why the optimizer's other entries are not stored:
+  `checkpoint_state`).
+* common state (rank 0): iteration, the shared Adam step, LR-scheduler `state_dict()`, the layout.
+* `rank_state/rank_NNNNN.pt`, one per rank: the RNG states that differ between ranks (Python,
+  NumPy, torch CPU, CUDA when present, and megatron's model-parallel tracker, forked per TP rank
+  for dropout) and `extra_state` (the trainer's data position, counters). Restored on a resume with
+  the same layout; under another layout rank 0's extra state is used and the RNG streams restart
+  from their seeds (a warning says so): bitwise continuation is then impossible anyway.
+* `config.yaml`: the resolved config (`pretrain.config.load_config` reads it back).
+* `complete.json`: sizes of all the above, written once every rank has finished.
+
+Writing goes through megatron's `TorchDistSaveShardedStrategy`, chosen explicitly, with its writer
+patched by `pretrain.compat.patch_dist_checkpoint_writer` (the unpatched writer hangs without psutil
+and forks processes; on CPU it now writes in threads of the trainer process). Replicated tensors
+are spread over the data-parallel ranks (megatron's fully parallel save) when DP > 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state as ps
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.utils import unwrap_model
+
+from pretrain.compat import patch_dist_checkpoint_writer
+from pretrain.config import save_config
+from pretrain.training import checkpoint_files as files
+from pretrain.training.checkpoint_state import (
+    SHARDED_STATE_METADATA,
+    capture_rng_state,
+    check_plain,
+    fill_optimizer_state,
+    model_keys,
+    model_sharded_state,
+    optimizer_sharded_state,
+    optimizer_step,
+    parallel_layout,
+    prime_optimizer_state,
+    restore_rng_state,
+    set_optimizer_step,
+)
+
+__all__ = ["CheckpointWarning", "save_checkpoint", "load_checkpoint", "capture_rng_state", "parallel_layout"]
+_WRITER_THREADS = 2  # files written per rank, in parallel
+_RANK_STATE_DIR = "rank_state"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped, or part of the state could not be restored."""
+
+
+# ------------------------------------------------------------------------------------- save
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer,
+    scheduler,
+    cfg,
+    extra_state: Dict[str, Any],
+) -> str:
+    """Save a complete checkpoint of `iteration` into `save_dir/iter_{iteration:07d}`; return its path.
+
+    Collective: every rank calls it. `extra_state` may differ per rank and must hold plain values
+    (dict, list, tuple, str, int, float, bool, None, tensors). `latest` names the new step dir only
+    once every rank has written, and `cfg.checkpoint.keep_last` older step dirs are kept.
+    """
+    check_plain(extra_state, "extra_state")
+    patch_dist_checkpoint_writer()
+    rank = dist.get_rank()
+    save_path = Path(save_dir)
+    staging = save_path / (files.step_dir_name(iteration) + files.PARTIAL_SUFFIX)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+
+    state = model_sharded_state(model_chunks)
+    _, state["optimizer"] = optimizer_sharded_state(optimizer, dict(state), is_loading=False)
+    state.update(iteration=iteration, optimizer_step=optimizer_step(optimizer), scheduler=scheduler.state_dict(),
+                 layout=parallel_layout())
+    dist_checkpointing.save(
+        state, str(staging), sharded_strategy=_save_strategy(), content_metadata=dict(SHARDED_STATE_METADATA)
+    )
+    _save_rank_state(staging, rank, {"rng": capture_rng_state(), "extra": extra_state})
+    if rank == 0:
+        save_config(cfg, staging / "config.yaml")
+    dist.barrier()  # every rank's files are on disk
+
+    final = save_path / files.step_dir_name(iteration)
+    if rank == 0:
+        files.write_completion_record(staging, iteration, {"layout": parallel_layout()})
+        files.publish(save_path, staging, iteration)
+        files.prune(save_path, cfg.checkpoint.keep_last, newest=iteration)
+    dist.barrier()
+    return str(final)
+
+
+def _save_strategy():
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=_WRITER_THREADS)
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(dp_group) > 1:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, dp_group)
+    return strategy
+
+
+def _save_rank_state(step_dir: Path, rank: int, state: dict) -> None:
+    path = step_dir / _RANK_STATE_DIR / f"rank_{rank:05d}.pt"
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------- load
+def load_checkpoint(
+    load_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer, scheduler
+) -> Optional[Tuple[int, Dict[str, Any]]]:
+    """Restore the newest valid checkpoint under `load_dir`; return (iteration, extra_state).
+
+    Collective. Returns None when `load_dir` holds no checkpoint. Step dirs that are partial or
+    corrupted (missing or truncated files, unreadable metadata, a failed read) are skipped with a
+    `CheckpointWarning` and the previous valid one is used; if none is usable, raises RuntimeError.
+    `optimizer` and `scheduler` may be None (weights only).
+    """
+    rank = dist.get_rank()
+    found: List[Any] = [None]
+    if rank == 0:
+        candidates, problems = files.loadable_candidates(load_dir)
+        found[0] = ([(c.iteration, str(c.path)) for c in candidates], problems)
+    dist.broadcast_object_list(found, src=0)
+    candidates, problems = found[0]
+    for problem in problems:
+        _warn(problem)
+    if not candidates:
+        if problems:
+            raise RuntimeError(f"no usable checkpoint in {load_dir}: " + "; ".join(problems))
+        return None
+
+    failures = []
+    for iteration, path in candidates:
+        loaded, error = _load_all_ranks(path, model_chunks, optimizer)
+        if loaded is not None:
+            if problems or failures:
+                _warn(f"resuming from checkpoint {path} (iteration {iteration})")
+            return _apply(loaded, Path(path), model_chunks, optimizer, scheduler)
+        failures.append(f"{path}: {error}")
+        _warn(f"could not read checkpoint {path} ({error}); falling back to an older one")
+    raise RuntimeError(f"no usable checkpoint in {load_dir}: " + "; ".join(problems + failures))
+
+
+def _load_all_ranks(path: str, model_chunks, optimizer) -> Tuple[Optional[dict], Optional[str]]:
+    """The step dir's state on every rank, or (None, reason) if any rank failed to read it.
+
+    The result is the common state (iteration, scheduler, ...) with the requested shards, under
+    "optimizer" the current optimizer's state dict filled with the loaded tensors, and under
+    "rank_state" this rank's RNG and extra state (rank 0's if the layout changed). Nothing of the
+    model is modified here, so a failure can fall back to an older checkpoint.
+    """
+    error = None
+    loaded = None
+    try:
+        metadata = dist_checkpointing.load_content_metadata(path) or dict(SHARDED_STATE_METADATA)
+        request = model_sharded_state(model_chunks, metadata)
+        saved_step = dist_checkpointing.load_common_state_dict(path)["optimizer_step"]
+        # A checkpoint from before the first step (e.g. initial weights) has no optimizer state:
+        # a fresh optimizer is exactly its state.
+        with_optimizer = optimizer is not None and saved_step["step"] > 0
+        if with_optimizer:
+            prime_optimizer_state(optimizer, saved_step)
+            template, request["optimizer"] = optimizer_sharded_state(optimizer, dict(request), True, metadata)
+        loaded = dist_checkpointing.load(request, path)
+        if with_optimizer:
+            loaded["optimizer"] = fill_optimizer_state(template, loaded["optimizer"])
+        same_layout = loaded.get("layout") == parallel_layout()
+        loaded["rank_state"] = _load_rank_state(Path(path), dist.get_rank() if same_layout else 0)
+    except Exception as exc:  # noqa: BLE001 - any read failure means: try the previous checkpoint
+        error = f"{type(exc).__name__}: {exc}"
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)  # NCCL: on the GPU
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        return None, error or "another rank failed to read it"
+    return loaded, None
+
+
+def _apply(loaded: dict, step_dir: Path, model_chunks, optimizer, scheduler) -> Tuple[int, Dict[str, Any]]:
+    for key, chunk in zip(model_keys(model_chunks), unwrap_model(list(model_chunks))):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if optimizer is not None and loaded["optimizer_step"]["step"] > 0:  # else: saved before any step
+        optimizer.load_state_dict(loaded["optimizer"])
+        set_optimizer_step(optimizer, loaded["optimizer_step"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+
+    saved_layout, layout = loaded.get("layout"), parallel_layout()
+    if saved_layout == layout:
+        restore_rng_state(loaded["rank_state"]["rng"])
+    else:
+        _warn(
+            f"checkpoint {step_dir} was saved with parallel layout {saved_layout}, this run uses {layout}: "
+            "weights, optimizer and scheduler were resharded; RNG states were not restored (dropout and other "
+            "random streams restart from their seeds) and rank 0's extra state is used on every rank"
+        )
+    dist.barrier()
+    return int(loaded["iteration"]), loaded["rank_state"]["extra"]
+
+
+def _load_rank_state(step_dir: Path, rank: int) -> dict:
+    return torch.load(step_dir / _RANK_STATE_DIR / f"rank_{rank:05d}.pt", weights_only=True)
+
+
+def _warn(message: str) -> None:
+    if dist.get_rank() == 0:
+        warnings.warn(message, CheckpointWarning, stacklevel=3)

@@ -1,0 +1,105 @@
+"""Launch-level behaviour through real processes: kill -9 and resume, torchrun multi-node, restarts."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+from tests.test_training import ROOT, read_metrics, stdlib_data, tiny_overrides  # noqa: F401 (fixture)
+
+TRAIN = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def overrides(data, run_dir, ckpt, iters=16, *extra):
+    return tiny_overrides(data, run_dir, f"train.train_iters={iters}", "train.eval_interval=null",
+                          f"checkpoint.save={ckpt}", "checkpoint.save_interval=4", *extra)
+
+
+def losses(run_dir: Path):
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), [r["step"] for r in rows]
+    return [r["loss"] for r in rows]
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout=240):
+    deadline = time.time() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}")
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):  # noqa: F811
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    subprocess.run(TRAIN + overrides(stdlib_data, reference, tmp_path / "ckpt_a"), cwd=ROOT, env=ENV, check=True,
+                   capture_output=True, timeout=600)
+    kill_at = random.Random().randint(5, 13)
+    cmd = TRAIN + overrides(stdlib_data, interrupted, tmp_path / "ckpt_b")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(interrupted, kill_at, proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert losses(interrupted) == losses(reference), f"killed at step {kill_at}"
+
+
+def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):  # noqa: F811
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pretrain.train",
+                         "--config", "configs/models/glm5-tiny.yaml"]
+    subprocess.run(single + overrides(stdlib_data, one, tmp_path / "c1", 6), cwd=ROOT, env=ENV, check=True,
+                   capture_output=True, timeout=600)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                                     "--master-addr", "127.0.0.1", "--master-port", port, "-m", "pretrain.train",
+                                     "--config", "configs/models/glm5-tiny.yaml"]
+                         + overrides(stdlib_data, two, tmp_path / "c2", 6),
+                         cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        _, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-3000:]
+    a, b = losses(one), losses(two)
+    assert len(a) == 6
+    assert a == pytest.approx(b, rel=1e-6, abs=0)
+
+
+def test_killed_rank_is_restarted_and_the_run_finishes(stdlib_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    cmd = TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
+                      "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
+    proc = subprocess.Popen(cmd + overrides(stdlib_data, run_dir, tmp_path / "ckpt", 12), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_step(run_dir, 6, proc)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        os.kill(int(workers[1]), signal.SIGKILL)  # one rank dies mid-run
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert len(losses(run_dir)) == 12
