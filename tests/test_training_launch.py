@@ -69,12 +69,12 @@ def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):  # noqa: F811
     subprocess.run(single + overrides(stdlib_data, one, tmp_path / "c1", 6), cwd=ROOT, env=ENV, check=True,
                    capture_output=True, timeout=600)
     port = str(free_port())
-    nodes = [
-        subprocess.Popen(TORCHRUN + ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                                     "--master-addr", "127.0.0.1", "--master-port", port, "-m", "pretrain.train",
-                                     "--config", "configs/models/glm5-tiny.yaml"]
-                         + overrides(stdlib_data, two, tmp_path / "c2", 6),
-                         cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    nodes = [  # through the launch script, as a user starts each node
+        subprocess.Popen(["bash", "launch/train.sh", "--config", "configs/models/glm5-tiny.yaml"]
+                         + overrides(stdlib_data, two, tmp_path / "c2", 6), cwd=ROOT,
+                         env={**ENV, "NNODES": "2", "NODE_RANK": str(rank), "NPROC_PER_NODE": "1",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for rank in (0, 1)
     ]
     for node in nodes:
@@ -87,9 +87,10 @@ def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):  # noqa: F811
 
 def test_killed_rank_is_restarted_and_the_run_finishes(stdlib_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
-    cmd = TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port()),
-                      "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
-    proc = subprocess.Popen(cmd + overrides(stdlib_data, run_dir, tmp_path / "ckpt", 12), cwd=ROOT, env=ENV,
+    cmd = ["bash", "launch/train.sh", "--config", "configs/models/glm5-tiny.yaml"]
+    env = {**ENV, "NPROC_PER_NODE": "2", "MAX_RESTARTS": "1", "MASTER_PORT": str(free_port())}
+    # launch/train.sh execs torchrun, so proc.pid is the torchrun agent and its children the ranks
+    proc = subprocess.Popen(cmd + overrides(stdlib_data, run_dir, tmp_path / "ckpt", 12), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step(run_dir, 6, proc)
