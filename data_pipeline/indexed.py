@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pretrain.atomic_io import fsync_path
+
 META_SUFFIX = ".meta.json"
 PARTIAL = ".partial"
 META_FORMAT = "glm5-indexed-dataset/1"
@@ -69,14 +71,6 @@ def megatron_indexed_dataset():
         from megatron.core.datasets import indexed_dataset
 
     return indexed_dataset
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DatasetWriter:
@@ -129,7 +123,7 @@ class DatasetWriter:
         prefixes = [s["prefix"] for s in self.shards]
         for suffix in (".bin", ".idx"):
             for p in prefixes:
-                _fsync(p + suffix + PARTIAL)
+                fsync_path(p + suffix + PARTIAL)
                 os.replace(p + suffix + PARTIAL, p + suffix)
         itemsize = np.dtype(self.dtype).itemsize
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,6 +1,10 @@
 """Shared pytest setup: the `gpu` marker and quiet megatron-core import warnings."""
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,3 +25,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory):
+    """A small real corpus: part of the standard library, BPE-tokenized and preprocessed."""
+    import sysconfig
+
+    out = tmp_path_factory.mktemp("data")
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, "-m", "data_pipeline.train_tokenizer", "--input", src, "--vocab-size", "1024",
+                    "--output", str(out / "tokenizer.json")], check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, "-m", "data_pipeline.preprocess", "--input", src, "--extensions", ".py",
+                    "--tokenizer", str(out / "tokenizer.json"), "--output-prefix", str(out / "json"),
+                    "--append-eod", "--workers", "1"], check=True, env=env, capture_output=True)
+    return out

@@ -13,22 +13,6 @@ from tests.distributed import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def stdlib_data(tmp_path_factory):
-    """A small real corpus: part of the standard library, BPE-tokenized and preprocessed."""
-    import sysconfig
-
-    out = tmp_path_factory.mktemp("data")
-    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-m", "data_pipeline.train_tokenizer", "--input", src, "--vocab-size", "1024",
-                    "--output", str(out / "tokenizer.json")], check=True, env=env, capture_output=True)
-    subprocess.run([sys.executable, "-m", "data_pipeline.preprocess", "--input", src, "--extensions", ".py",
-                    "--tokenizer", str(out / "tokenizer.json"), "--output-prefix", str(out / "json"),
-                    "--append-eod", "--workers", "1"], check=True, env=env, capture_output=True)
-    return out
-
-
 def tiny_overrides(data: Path, run_dir: Path, *extra: str):
     return [
         "model.vocab_size=1024", "data.seq_length=64", "data.mock=false", f"data.data_path=[{data / 'json'}]",

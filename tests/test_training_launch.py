@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
-from tests.test_training import ROOT, read_metrics, stdlib_data, tiny_overrides  # noqa: F401 (fixture)
+from tests.test_training import ROOT, read_metrics, tiny_overrides
 
 TRAIN = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -44,7 +44,7 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout=240):
     raise TimeoutError(f"step {step} not reached")
 
 
-def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):  # noqa: F811
+def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run(TRAIN + overrides(stdlib_data, reference, tmp_path / "ckpt_a"), cwd=ROOT, env=ENV, check=True,
                    capture_output=True, timeout=600)
@@ -62,7 +62,7 @@ def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):
     assert losses(interrupted) == losses(reference), f"killed at step {kill_at}"
 
 
-def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):  # noqa: F811
+def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     single = TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pretrain.train",
                          "--config", "configs/models/glm5-tiny.yaml"]
@@ -85,7 +85,7 @@ def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):  # noqa: F811
     assert a == pytest.approx(b, rel=1e-6, abs=0)
 
 
-def test_killed_rank_is_restarted_and_the_run_finishes(stdlib_data, tmp_path):  # noqa: F811
+def test_killed_rank_is_restarted_and_the_run_finishes(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     cmd = ["bash", "launch/train.sh", "--config", "configs/models/glm5-tiny.yaml"]
     env = {**ENV, "NPROC_PER_NODE": "2", "MAX_RESTARTS": "1", "MASTER_PORT": str(free_port())}

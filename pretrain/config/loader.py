@@ -20,7 +20,6 @@ import dataclasses
 import difflib
 import os
 import re
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
@@ -28,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 import yaml
 from omegaconf import OmegaConf
 
+from pretrain.atomic_io import atomic_write_text
 from pretrain.config.errors import ConfigError
 from pretrain.config.schema import SECTIONS, GLM5Config
 from pretrain.config.validation import validate_config
@@ -68,30 +68,11 @@ def config_to_dict(cfg: GLM5Config) -> Dict[str, Dict[str, Any]]:
 
 def save_config(cfg: GLM5Config, path: PathLike) -> None:
     """Write the resolved config as YAML, atomically (readers never see a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = (
         "# Resolved GLM-5 config written by pretrain.config.save_config; load it with load_config().\n"
         + yaml.dump(config_to_dict(cfg), Dumper=_QuotingDumper, sort_keys=False, default_flow_style=False, width=100)
     )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    atomic_write_text(path, text)
 
 
 class _QuotingDumper(yaml.SafeDumper):

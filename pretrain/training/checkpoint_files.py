@@ -21,10 +21,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple, Union
+
+from pretrain.atomic_io import atomic_write_text, fsync_path
 
 PathLike = Union[str, os.PathLike]
 
@@ -55,31 +56,6 @@ def step_dirs(save_dir: PathLike) -> List[Tuple[int, Path]]:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def atomic_write_text(path: PathLike, text: str) -> None:
-    """Write `text` to `path` through a temporary file, fsync and os.replace: all or nothing."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _files(step_dir: Path) -> Iterable[Path]:
     for path in sorted(step_dir.rglob("*")):
         if path.is_file() and path.name != COMPLETE:
@@ -95,7 +71,7 @@ def write_completion_record(step_dir: PathLike, iteration: int, info: Optional[d
             os.fsync(f.fileno())
         files[path.relative_to(step_dir).as_posix()] = path.stat().st_size
     for sub in {p.parent for p in _files(step_dir)}:
-        fsync_dir(sub)
+        fsync_path(sub)
     record = {"format": RECORD_FORMAT, "iteration": iteration, **(info or {}), "files": files}
     atomic_write_text(step_dir / COMPLETE, json.dumps(record, indent=1) + "\n")
     return record
@@ -119,7 +95,7 @@ def publish(save_dir: PathLike, staging: PathLike, iteration: int) -> Path:
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
     os.replace(staging, final)
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
     write_latest(save_dir, iteration)
     shutil.rmtree(replaced, ignore_errors=True)
     return final

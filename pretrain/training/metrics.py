@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from pretrain.atomic_io import atomic_write_text
 from pretrain.training.flops import mfu as compute_mfu
 
 REQUIRED_KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "mem_peak_gb")
@@ -124,10 +123,7 @@ def truncate_metrics(path: Path, resume_step: int) -> int:
         return 0
     with open(path.with_name(STALE_FILE), "a", encoding="utf-8") as stale:
         stale.write("".join(line + "\n" for line in drop))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
     return len(drop)
 
 
