@@ -15,7 +15,7 @@
    since the machine may be shared; the mean is the reference.
 
 Reports per run: tokens/s, tokens/s per worker, and that divided by the raw single-thread
-`encode_batch_fast` speed (the issue's target: >= 80%). Not a test.
+`encode_batch_fast` speed (target: >= 80%). Not a test.
 """
 
 from __future__ import annotations
