@@ -144,3 +144,21 @@ def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["mtp_loss_3"] == pytest.approx(x["mtp_loss_3"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+def _resumed_iteration(rank, world_size, overrides):
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    return Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides)).iteration
+
+
+def test_restart_prefers_its_own_checkpoints_over_the_starting_one(stdlib_data, tmp_path):
+    init, own = tmp_path / "init", tmp_path / "own"
+    base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "r0", *base, f"checkpoint.save={init}"))
+    run_args = [*base, f"checkpoint.load={init}", f"checkpoint.save={own}", "checkpoint.save_interval=2"]
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "r1", *run_args))
+    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r2", *run_args))[0] == 4
+    no_auto = [*run_args, "checkpoint.auto_resume=false"]
+    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r3", *no_auto))[0] == 0

@@ -125,12 +125,17 @@ class Trainer:
 
     def _resume(self) -> None:
         c = self.cfg.checkpoint
-        load_dir = c.load or (c.save if c.auto_resume else None)
-        if not load_dir or not os.path.isdir(load_dir):
-            return
         from pretrain.training.checkpoint import load_checkpoint
 
-        restored = load_checkpoint(load_dir, self.model, self.optimizer, self.scheduler)
+        # This run's own checkpoints first (a restarted run continues where it stopped), then the
+        # one it was started from.
+        candidates = ([c.save] if c.auto_resume and c.save else []) + ([c.load] if c.load else [])
+        restored = None
+        for load_dir in candidates:
+            if os.path.isdir(load_dir):
+                restored = load_checkpoint(load_dir, self.model, self.optimizer, self.scheduler)
+                if restored is not None:
+                    break
         if restored is None:
             return
         self.iteration, extra = restored
