@@ -272,7 +272,8 @@ def _parallel_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
         wrapped.zero_grad_buffer()
         loss = _forward_backward(wrapped, local_tokens)
         finalize_model_grads([wrapped])
-        grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+        # frozen parameters (the DSA indexer while attention is dense) have no gradient buffer
+        grads = {n: p.main_grad.detach().clone() if p.requires_grad else None for n, p in model.named_parameters()}
     else:
         loss = _forward_backward(model, local_tokens)
         grads = _grads(model)

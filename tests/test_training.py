@@ -162,3 +162,15 @@ def test_restart_prefers_its_own_checkpoints_over_the_starting_one(stdlib_data, 
     assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r2", *run_args))[0] == 4
     no_auto = [*run_args, "checkpoint.auto_resume=false"]
     assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r3", *no_auto))[0] == 0
+
+
+def test_overlapped_gradient_reduction_matches_plain(stdlib_data, tmp_path):
+    """DP=2 with megatron's bucketed all-reduce overlapped with backward gives the same losses."""
+    base = ["train.train_iters=3", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "a", *base, "parallel.overlap_grad_reduce=true"))
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "b", *base, "parallel.overlap_grad_reduce=false"))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert len(a) == 3
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)

@@ -95,6 +95,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    # megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)
+    overlap_grad_reduce: bool = True
 
 
 @dataclass

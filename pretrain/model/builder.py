@@ -51,7 +51,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5Tran
     kwargs = {k: v for k, v in dataclasses.asdict(model).items() if k not in _BUILDER_KEYS}
     unknown = set(kwargs) - fields
     assert not unknown, f"ModelConfig keys without a TransformerConfig field: {sorted(unknown)}"
-    kwargs.update(dataclasses.asdict(parallel))
+    # ParallelConfig also holds DDP settings (overlap_grad_reduce) that the trainer consumes
+    kwargs.update({k: v for k, v in dataclasses.asdict(parallel).items() if k in fields})
     pattern = moe_layer_pattern(model)
     backend = specs.resolve_backend(model.transformer_impl)
     if model.num_moe_experts is None:

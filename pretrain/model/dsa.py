@@ -12,7 +12,7 @@ Per query token t, with H_I index heads of d_I dims:
 `LightningIndexer` holds the indexer's parameters under the names the checkpoint converter maps
 to Hugging Face's (`wq_b`, `wk`, `k_norm`, `weights_proj`). The parameters exist whenever
 `experimental_attention_variant == "dsa"`, so a dense MLA model carries its indexer through
-conversion and training unchanged; with every key selected (topk >= sequence length) DSA attention
+conversion and checkpoints unchanged; with every key selected (topk >= sequence length) DSA attention
 equals dense attention, which is what the core attention computes.
 """
 
@@ -42,3 +42,7 @@ class LightningIndexer(nn.Module):
         # Scores are combined in fp32 (HF keeps this projection in fp32 as well).
         self.linear_weights_proj = linear(n_heads, config.hidden_size)
         self.n_heads, self.head_dim = n_heads, head_dim
+        # No computation reads the indexer while attention is dense, so its weights take no
+        # gradient: megatron's DDP (with overlapped reduction) waits for a gradient from every
+        # trainable parameter, and the optimizer keeps no state for these.
+        self.requires_grad_(False)

@@ -55,7 +55,7 @@ def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and ps.get_data_parallel_world_size() > 1,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
     )
     return [
