@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
 
 from pretrain.model.dsa import LightningIndexer
 
@@ -56,8 +55,6 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else k_channels**-0.5
-        tp_size = pg_collection.tp.size() if pg_collection is not None else 1
-        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.indexer = (
             LightningIndexer(config)
             if getattr(config, "experimental_attention_variant", None) == "dsa"
