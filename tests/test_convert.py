@@ -98,9 +98,10 @@ def test_more_layers_in_config_than_checkpoint(tmp_path):
 
 def test_unsupported_checkpoints_are_refused(tmp_path):
     write_hf_checkpoint(str(tmp_path), 17, layers=2, mtp=False)
-    _edit_config(tmp_path, indexer_types=["full", "shared"])
-    with pytest.raises(ConversionError, match="indexer_types"):
-        load_hf_model(str(tmp_path))
+    for bad in (["full", "sometimes"], ["full"]):  # an unknown kind; one entry per layer is required
+        _edit_config(tmp_path, indexer_types=bad)
+        with pytest.raises(ConversionError, match="indexer_types"):
+            load_hf_model(str(tmp_path))
     _edit_config(tmp_path, indexer_types=["full", "full"], model_type="llama")
     with pytest.raises(ConversionError, match="glm_moe_dsa"):
         load_hf_model(str(tmp_path))

@@ -46,6 +46,14 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         + (f" x parallel.virtual_pipeline_model_parallel_size ({vpp})" if vpp > 1 else "")
         + " (uneven pipeline stages are not supported); change the pipeline size",
     )
+    if m.experimental_attention_variant == "dsa" and m.dsa_indexer_types and pp * vpp > 1:
+        per_stage = m.num_layers // (pp * vpp)
+        firsts = [i for i in range(0, m.num_layers, per_stage) if m.dsa_indexer_types[i] != "full"]
+        require(
+            not firsts,
+            f"model.dsa_indexer_types: layers {firsts} start a pipeline stage but are 'shared' (top-k indices do "
+            "not cross stages); make the first layer of every stage 'full'",
+        )
     if m.experimental_attention_variant == "dsa":  # megatron-core asserts this for DSAttention
         require(
             p.context_parallel_size == 1,
@@ -72,6 +80,16 @@ def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
             d.seq_length % (2 * cp) == 0,
             f"data.seq_length ({d.seq_length}) must be divisible by 2 x parallel.context_parallel_size ({2 * cp})",
         )
+
+
+def check_trainable(m: ModelConfig, t: TrainConfig) -> None:
+    if t.trainable_params != "dsa_indexer":
+        return
+    require(
+        m.experimental_attention_variant == "dsa" and m.dsa_indexer_loss_coeff > 0,
+        "train.trainable_params='dsa_indexer' trains only the indexer, which learns only from its KL loss: set "
+        "model.experimental_attention_variant=dsa and model.dsa_indexer_loss_coeff > 0",
+    )
 
 
 def check_schedule(o: OptimizerConfig, t: TrainConfig) -> None:

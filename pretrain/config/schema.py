@@ -78,8 +78,13 @@ class ModelConfig:
     dsa_indexer_n_heads: int = 4  # GLM-5: 32
     dsa_indexer_head_dim: int = 16  # GLM-5: 128
     dsa_indexer_topk: int = 2048
-    dsa_indexer_loss_coeff: float = 0.0
-    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_loss_coeff: float = 0.0  # > 0 trains the indexer (KL to the main attention)
+    dsa_indexer_use_sparse_loss: bool = False  # KL over the selected keys (needs dsa_sparse_attention)
+    dsa_sparse_attention: bool = False  # ours: attend only to the indexer's top-k keys
+    # ours: per decoder layer "full" (own indexer) or "shared" (previous full layer's top-k); null = all full
+    dsa_indexer_types: Optional[List[str]] = None
+    dsa_indexer_hadamard: bool = False  # ours: DeepSeek's FP8-oriented Hadamard rotation (GLM-5: off)
+    dsa_chunk_size: Optional[int] = None  # ours: query rows per chunk of the reference path; null = auto
     # --- implementation --------------------------------------------------------------------
     transformer_impl: str = "auto"  # "local", "transformer_engine", or "auto" (TE if importable)
     bf16: bool = False
@@ -153,6 +158,8 @@ class TrainConfig:
     eval_interval: Optional[int] = None
     eval_iters: int = 2
     max_consecutive_nan_steps: int = 3  # ours: stop after this many skipped steps in a row
+    # ours: "all", or "dsa_indexer" (DSA warm-up: every other parameter frozen)
+    trainable_params: str = "all"
 
 
 @dataclass
@@ -162,6 +169,9 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     keep_last: int = 2  # ours
     auto_resume: bool = True  # ours
+    # ours: weights a fresh run starts from (a checkpoint dir of ours, or `glm5-convert hf-to-checkpoint`
+    # output); iteration, optimizer and data start over. DSA indexer weights it lacks are initialized fresh
+    pretrained: Optional[str] = None
 
 
 @dataclass

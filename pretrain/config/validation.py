@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-from pretrain.config.cross_checks import check_model_parallel, check_schedule, check_sequence, check_world_size
+from pretrain.config.cross_checks import (
+    check_model_parallel,
+    check_schedule,
+    check_sequence,
+    check_trainable,
+    check_world_size,
+)
 from pretrain.config.errors import require, show
 from pretrain.config.moe_pattern import moe_layer_pattern
 from pretrain.config.schema import (
@@ -34,6 +40,7 @@ CHOICES = {
     "model.moe_router_dtype": (None, "fp32", "fp64"),
     "model.experimental_attention_variant": (None, "dsa"),
     "model.params_dtype": ("float32", "bfloat16"),
+    "train.trainable_params": ("all", "dsa_indexer"),
     "optimizer.optimizer": ("adam", "muon"),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
@@ -52,6 +59,7 @@ def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
     check_model_parallel(cfg.model, cfg.parallel)
     check_sequence(cfg.model, cfg.data, cfg.parallel)
     check_schedule(cfg.optimizer, cfg.train)
+    check_trainable(cfg.model, cfg.train)
     if world_size is not None:
         check_world_size(cfg, world_size)
 
@@ -152,6 +160,26 @@ def _check_dsa(m: ModelConfig) -> None:
         f"({m.qk_pos_emb_head_dim}): RoPE is applied to the first qk_pos_emb_head_dim dims of the index head",
     )
     _at_least(m, "model", ["dsa_indexer_loss_coeff"], 0)
+    _positive(m, "model", "dsa_chunk_size", optional=True)
+    require(
+        not m.dsa_indexer_use_sparse_loss or m.dsa_sparse_attention,
+        "model.dsa_indexer_use_sparse_loss=true needs model.dsa_sparse_attention=true (the sparse KL's target is "
+        "the sparse attention itself); set dsa_indexer_use_sparse_loss=false for the dense warm-up",
+    )
+    require(
+        not m.dsa_indexer_hadamard or m.dsa_indexer_head_dim & (m.dsa_indexer_head_dim - 1) == 0,
+        f"model.dsa_indexer_hadamard=true needs a power-of-two model.dsa_indexer_head_dim, got {m.dsa_indexer_head_dim}",
+    )
+    types = m.dsa_indexer_types
+    if types is not None:
+        require(
+            len(types) == m.num_layers and set(types) <= {"full", "shared"},
+            f"model.dsa_indexer_types must list 'full' or 'shared' for each of the {m.num_layers} layers, got {types}",
+        )
+        require(
+            types[0] == "full",
+            "model.dsa_indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of the previous full layer",
+        )
 
 
 def _check_moe(m: ModelConfig) -> None:
@@ -260,6 +288,7 @@ def _is_number(text: str) -> bool:
 
 
 def check_train(t: TrainConfig) -> None:
+    _choice(t, "train", "trainable_params")
     _positive(t, "train", "micro_batch_size", "global_batch_size", "train_iters", "max_consecutive_nan_steps")
     _positive(t, "train", "eval_interval", optional=True)
     _at_least(t, "train", ["eval_iters"], 0)

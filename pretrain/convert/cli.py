@@ -2,6 +2,9 @@
 
     glm5-convert import-hf HF_DIR OUT_DIR      # HF safetensors -> our sharded checkpoint
     glm5-convert export-hf CKPT_DIR OUT_HF_DIR # our checkpoint -> HF safetensors + config.json
+    glm5-convert hf-to-checkpoint HF_DIR OUT_DIR [--no-mtp]
+                                               # HF -> weights-only training checkpoint
+                                               # (checkpoint.pretrained; any parallel layout)
 """
 
 from __future__ import annotations
@@ -21,12 +24,20 @@ def main(argv=None) -> int:
     exp = sub.add_parser("export-hf", help="our checkpoint directory -> HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
+    to_ckpt = sub.add_parser("hf-to-checkpoint", help="HF directory -> weights for checkpoint.pretrained")
+    to_ckpt.add_argument("hf_dir")
+    to_ckpt.add_argument("out_dir")
+    to_ckpt.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer")
     for p in (imp, exp):
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
-    shard = int(args.max_shard_gb * 2**30)
+    shard = int(getattr(args, "max_shard_gb", 5.0) * 2**30)
     try:
-        if args.command == "import-hf":
+        if args.command == "hf-to-checkpoint":
+            from pretrain.training.pretrained import hf_to_checkpoint
+
+            out = hf_to_checkpoint(args.hf_dir, args.out_dir, **({"mtp_num_layers": None} if args.no_mtp else {}))
+        elif args.command == "import-hf":
             out = import_hf(args.hf_dir, args.out_dir, max_shard_bytes=shard)
         else:
             out = export_hf(args.ckpt_dir, args.out_dir, max_shard_bytes=shard)

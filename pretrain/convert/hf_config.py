@@ -22,10 +22,12 @@ def model_config_from_hf(hf: Dict[str, Any], **overrides: Any) -> ModelConfig:
         raise ConversionError("attention_bias / mlp_bias checkpoints are not supported (GLM-5 has no biases)")
     if not hf.get("norm_topk_prob", True):
         raise ConversionError("norm_topk_prob=false is not supported: the sigmoid router normalizes top-k weights")
-    indexer_types = hf.get("indexer_types") or []
-    if any(t != "full" for t in indexer_types):
-        raise ConversionError("indexer_types other than 'full' (index sharing) are not supported by this converter")
     n_layers = hf["num_hidden_layers"]
+    indexer_types = list(hf.get("indexer_types") or [])
+    if indexer_types and (len(indexer_types) != n_layers or set(indexer_types) - {"full", "shared"}):
+        raise ConversionError(
+            f"indexer_types must list 'full' or 'shared' for each of the {n_layers} layers, got {indexer_types}"
+        )
     mlp_types = hf.get("mlp_layer_types") or (
         ["dense"] * hf.get("first_k_dense_replace", 3) + ["sparse"] * n_layers
     )[:n_layers]
@@ -69,6 +71,9 @@ def model_config_from_hf(hf: Dict[str, Any], **overrides: Any) -> ModelConfig:
         dsa_indexer_n_heads=hf.get("index_n_heads", 32),
         dsa_indexer_head_dim=hf.get("index_head_dim", 128),
         dsa_indexer_topk=hf.get("index_topk", 2048),
+        # The reference model attends to the indexer's top-k keys: so does the imported one.
+        dsa_sparse_attention=True,
+        dsa_indexer_types=indexer_types if any(t != "full" for t in indexer_types) else None,
     )
     if rope_type == "yarn":
         values.update(
@@ -138,7 +143,7 @@ def hf_config_from_model(model: ModelConfig) -> Dict[str, Any]:
         "index_n_heads": model.dsa_indexer_n_heads,
         "index_head_dim": model.dsa_indexer_head_dim,
         "index_topk": model.dsa_indexer_topk,
-        "indexer_types": ["full"] * model.num_layers,
+        "indexer_types": list(model.dsa_indexer_types or ["full"] * model.num_layers),
         "attention_bias": False,
         "hidden_act": "silu",
         "dtype": "bfloat16" if model.bf16 else "float32",

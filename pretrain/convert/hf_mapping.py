@@ -90,10 +90,10 @@ _INDEXER = [
 ]
 
 
-def _layer_rules(cfg: ModelConfig, ours: str, theirs: str, moe: bool) -> Iterator[Rule]:
+def _layer_rules(cfg: ModelConfig, ours: str, theirs: str, moe: bool, own_indexer: bool = True) -> Iterator[Rule]:
     pairs = list(_ATTENTION)
     pairs += _Q_LORA if cfg.q_lora_rank is not None else [("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight")]
-    if cfg.experimental_attention_variant == "dsa":
+    if cfg.experimental_attention_variant == "dsa" and own_indexer:
         pairs += _INDEXER
     for a, b in pairs:
         yield Rule(ours + a, (theirs + b,))
@@ -133,8 +133,9 @@ def rules(cfg: ModelConfig) -> List[Rule]:
         raise ValueError("HF conversion covers MLA models only")
     pattern = moe_layer_pattern(cfg)
     out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    types = cfg.dsa_indexer_types or ["full"] * cfg.num_layers
     for i, moe in enumerate(pattern):
-        out += _layer_rules(cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", bool(moe))
+        out += _layer_rules(cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", bool(moe), types[i] == "full")
     out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
     for d in range(mtp_stored_layers(cfg)):
         ours, theirs = f"mtp.layers.{d}.", f"model.layers.{cfg.num_layers + d}."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,10 @@ class GLM5TransformerConfig(MLATransformerConfig):
 
     latent_layernorm_epsilon: float = 1e-6
     mtp_use_repeated_layer: bool = True
+    dsa_sparse_attention: bool = False
+    dsa_indexer_types: Optional[List[str]] = None
+    dsa_indexer_hadamard: bool = False
+    dsa_chunk_size: Optional[int] = None
 
 
 # ModelConfig keys that are not TransformerConfig fields (consumed by the builder itself).

@@ -5,10 +5,8 @@ V's (MLA: qk = qk_head_dim + qk_pos_emb_head_dim, v = v_head_dim) and K/V allowe
 heads than Q (GQA). On GPU, SDPA dispatches to cuDNN / flash kernels; on CPU to its math kernel.
 It needs no Transformer Engine, unlike megatron-core 0.16.1's MLA path.
 
-This module is also the DSA slot of the attention spec (GLM-5 report, DSA section): when
-`experimental_attention_variant == "dsa"` it owns the lightning indexer, and megatron's MLA hands
-it the layer input `x` and the normalized query latent `qr` the indexer reads. Attention here is
-dense: every causal key is attended.
+DSA layers use `pretrain.model.dsa_attention.DSACoreAttention`, which builds on this class for
+their dense attention.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from pretrain.model.dsa import LightningIndexer
 
 
 # cuDNN first on GPU: on Hopper it is the fastest SDPA kernel at MLA's head dims (qk 256, v 256).
@@ -55,11 +52,6 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else k_channels**-0.5
-        self.indexer = (
-            LightningIndexer(config)
-            if getattr(config, "experimental_attention_variant", None) == "dsa"
-            else None
-        )
 
     def forward(
         self,
@@ -70,8 +62,6 @@ class SDPACoreAttention(MegatronModule):
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias=None,
         packed_seq_params=None,
-        x: Optional[torch.Tensor] = None,
-        qr: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         # query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv] -> [sq, b, np * hv]
         if packed_seq_params is not None:

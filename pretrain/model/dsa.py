@@ -1,28 +1,37 @@
-"""DeepSeek Sparse Attention (DSA) as GLM-5 uses it (GLM-5 report, DSA; DeepSeek-V3.2 report).
+"""DeepSeek Sparse Attention (DSA): the lightning indexer and its top-k selection.
 
-Per query token t, with H_I index heads of d_I dims:
+GLM-5 report, section on DSA (following DeepSeek-V3.2, section 2.1). Per query token t, with
+H_I index heads of d_I dims:
 
     q_I = W_qb(qr_t)            viewed [H_I, d_I]     (qr: the MLA query latent after its RMSNorm)
     k_I = LayerNorm(W_k x_s)    [d_I], one key head shared by all index heads (eps 1e-6)
     interleaved RoPE on the first qk_pos_emb_head_dim dims of q_I and k_I
-    w   = W_w(x_t) * H_I^-1/2 * d_I^-1/2                  (fp32)
-    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])    for s <= t
-    attention of token t is restricted to topk(min(K, t + 1)) of I[t, :]
+    w   = W_w(x_t) * H_I^-1/2                               (fp32)
+    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * d_I^-1/2)   for visible s (causal, same document)
+    S_t = topk(min(K, #visible), I[t, :])                   (torch.topk: deterministic, ties included)
 
-`LightningIndexer` holds the indexer's parameters under the names the checkpoint converter maps
-to Hugging Face's (`wq_b`, `wk`, `k_norm`, `weights_proj`). The parameters exist whenever
-`experimental_attention_variant == "dsa"`, so a dense MLA model carries its indexer through
-conversion and checkpoints unchanged; with every key selected (topk >= sequence length) DSA attention
-equals dense attention, which is what the core attention computes.
+Visible keys are s <= t within t's document. Every attention head of token t attends only to S_t
+(`pretrain.model.sparse_mla`). DeepSeek's Hadamard rotation of q_I / k_I only serves FP8 and is off
+(GLM-5 trains without it); `dsa_indexer_hadamard` turns it on.
+
+Memory is linear in the sequence length: scores are formed for `chunk` query rows at a time
+([b, chunk, H_I, T] at most), and top-k runs on each chunk's rows, which selects exactly what
+torch.topk selects on the whole [S, T] score matrix (rows are independent). Selected slots that
+fall on invisible keys (rows with fewer than K visible keys) carry index -1.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 
 class LightningIndexer(nn.Module):
+    """The indexer's parameters, named as the checkpoint converter maps them to Hugging Face's
+    (`wq_b`, `wk`, `k_norm`, `weights_proj`). They train only through the indexer loss."""
+
     def __init__(self, config):
         super().__init__()
         n_heads, head_dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
@@ -39,10 +48,140 @@ class LightningIndexer(nn.Module):
         self.linear_wq_b = linear(n_heads * head_dim, config.q_lora_rank)
         self.linear_wk = linear(head_dim, config.hidden_size)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6, device=device, dtype=dtype)
-        # Scores are combined in fp32 (HF keeps this projection in fp32 as well).
         self.linear_weights_proj = linear(n_heads, config.hidden_size)
         self.n_heads, self.head_dim = n_heads, head_dim
-        # No computation reads the indexer while attention is dense, so its weights take no
-        # gradient: megatron's DDP (with overlapped reduction) waits for a gradient from every
-        # trainable parameter, and the optimizer keeps no state for these.
-        self.requires_grad_(False)
+        self.rope_dim = config.qk_pos_emb_head_dim
+        self.hadamard = bool(getattr(config, "dsa_indexer_hadamard", False))
+        # Without an indexer loss no computation reads the indexer: its weights then take no
+        # gradient (megatron's DDP waits for a gradient from every trainable parameter).
+        self.requires_grad_(bool(getattr(config, "dsa_indexer_loss_coeff", 0.0)))
+
+    def project(self, x: torch.Tensor, qr: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor]):
+        """x [s, b, hidden], qr [s, b, q_lora_rank] (both detached by the caller) ->
+        q_I [b, s, H_I, d_I], k_I [b, s, d_I] with RoPE applied, w [b, s, H_I] fp32 (with H_I^-1/2).
+
+        `rope(t)` rotates the first rope dims of t [s, b, heads, d] (interleaved pairs, megatron's
+        MLA layout)."""
+        s, b = x.shape[0], x.shape[1]
+        q = self.linear_wq_b(qr).view(s, b, self.n_heads, self.head_dim)
+        k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
+        q, k = rope(q), rope(k)
+        if self.hadamard:
+            q, k = hadamard_transform(q), hadamard_transform(k)
+        w = upcast(self.linear_weights_proj(x)) * self.n_heads**-0.5
+        return q.permute(1, 0, 2, 3), k[:, :, 0].transpose(0, 1), w.transpose(0, 1)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {d}")
+    shape = x.shape
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return y.reshape(shape) * d**-0.5
+
+
+class VisibleKeys:
+    """Which keys each query row may see: causal, within its document.
+
+    Documents come from a megatron dense mask (`attention_mask` [b|1, 1, s, t] bool, True =
+    masked; read one row chunk at a time, never copied whole) or from segment ids [b, t]
+    (packed sequences given by cu_seqlens). Without either, plain causal.
+    """
+
+    def __init__(self, s: int, t: int, device, attention_mask=None, segment_ids=None):
+        self.s, self.t, self.device = s, t, device
+        self.attention_mask, self.segment_ids = attention_mask, segment_ids
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        """[b | 1, r1 - r0, t] bool, True = visible."""
+        q = torch.arange(r0, r1, device=self.device)
+        k = torch.arange(self.t, device=self.device)
+        visible = (k[None, :] <= q[:, None] + (self.t - self.s)).unsqueeze(0)
+        if self.attention_mask is not None:
+            visible = visible & ~self.attention_mask[:, 0, r0:r1, :]
+        if self.segment_ids is not None:
+            seg = self.segment_ids
+            visible = visible & (seg[:, None, :] == seg[:, r0:r1, None])
+        return visible
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """cu_seqlens [n + 1] over a packed stream of `total` tokens -> segment id per token [1, total]."""
+    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    inner = cu_seqlens[1:-1].long()
+    starts[inner[inner < total]] = 1
+    return torch.cumsum(starts, 0).unsqueeze(0)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for half types, unchanged for fp32 / fp64 (float64 checks stay exact)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+    """I = sum_j w_j ReLU(q_j . k * d^-1/2): q [b, c, H, d], k [b, T, d], w [b, c, H] -> [b, c, T] fp32,
+    -inf where not visible."""
+    scores = torch.einsum("bchd,btd->bcht", upcast(q), upcast(k)) * q.shape[-1] ** -0.5
+    out = torch.einsum("bch,bcht->bct", upcast(w), torch.relu(scores))
+    if visible is not None:
+        out = out.masked_fill(~visible, float("-inf"))
+    return out
+
+
+def index_scores_at(q: torch.Tensor, k_sel: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Index scores at gathered keys: q [b, c, H, d], k_sel [b, c, K, d], w [b, c, H] -> [b, c, K]."""
+    scores = torch.einsum("bchd,bckd->bchk", upcast(q), upcast(k_sel)) * q.shape[-1] ** -0.5
+    return torch.einsum("bch,bchk->bck", upcast(w), torch.relu(scores))
+
+
+def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """torch.topk over the last dim (k = min(topk, T)); slots on -inf scores become -1."""
+    k = min(topk, scores.shape[-1])
+    values, indices = scores.topk(k, dim=-1)
+    return indices.masked_fill(values == float("-inf"), -1)
+
+
+@torch.no_grad()
+def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
+    """Top-k key indices [b, s, min(topk, T)] (int64, -1 = no key), `chunk` query rows at a time."""
+    b, s = q.shape[0], q.shape[1]
+    out = torch.empty(b, s, min(topk, keys.t), dtype=torch.long, device=q.device)
+    for r0 in range(0, s, chunk):
+        r1 = min(s, r0 + chunk)
+        scores = index_scores(q[:, r0:r1], k, w[:, r0:r1], keys.rows(r0, r1))
+        out[:, r0:r1] = select_topk(scores, topk)
+    return out
+
+
+def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """kv [b, T, d], indices [b, c, K] (-1 allowed) -> [b, c, K, d] (rows of -1 read key 0)."""
+    b, c, k = indices.shape
+    flat = indices.clamp(min=0).reshape(b, c * k, 1).expand(-1, -1, kv.shape[-1])
+    return torch.gather(kv, 1, flat).view(b, c, k, kv.shape[-1])
+
+
+def default_chunk(t: int, heads: int, budget_elements: int = 1 << 25) -> int:
+    """Query rows per chunk keeping a [chunk, heads, t] fp32 block near `budget_elements`."""
+    return max(1, min(4096, budget_elements // max(1, heads * t)))
+
+
+__all__ = [
+    "LightningIndexer",
+    "VisibleKeys",
+    "default_chunk",
+    "gather_keys",
+    "hadamard_transform",
+    "index_scores",
+    "index_scores_at",
+    "indexer_topk",
+    "segment_ids_from_cu_seqlens",
+    "select_topk",
+    "upcast",
+]

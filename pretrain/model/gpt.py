@@ -8,6 +8,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from pretrain.compat import gpt_model_mtp_block_class
+from pretrain.model.dsa_attention import link_shared_indexers
 from pretrain.model.mtp import SharedDepthMTPBlock
 
 
@@ -23,6 +24,8 @@ class GLM5Model(GPTModel):
     def __init__(self, *args, **kwargs):
         with gpt_model_mtp_block_class(SharedDepthMTPBlock):
             super().__init__(*args, **kwargs)
+        if getattr(self, "decoder", None) is not None:
+            link_shared_indexers(self.decoder)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         if labels is None and self.config.mtp_num_layers and self.post_process:

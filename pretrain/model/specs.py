@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from pretrain.compat import SequenceParallelTorchNorm, te_available
 from pretrain.model.core_attention import SDPACoreAttention
+from pretrain.model.dsa_attention import DSACoreAttention, DSAMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
 
 
@@ -97,8 +98,9 @@ def latent_norm(norm_cls: type) -> type:
 def _attention_spec(config, backend) -> ModuleSpec:
     if config.multi_latent_attention:
         norm = latent_norm(backend.layer_norm(rms_norm=True))
+        dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
         return ModuleSpec(
-            module=MLASelfAttention,
+            module=DSAMLASelfAttention if dsa else MLASelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=backend.column_parallel_linear(),
@@ -106,7 +108,7 @@ def _attention_spec(config, backend) -> ModuleSpec:
                 linear_q_up_proj=backend.column_parallel_linear(),
                 linear_kv_down_proj=backend.linear(),
                 linear_kv_up_proj=backend.column_parallel_linear(),
-                core_attention=SDPACoreAttention,
+                core_attention=DSACoreAttention if dsa else SDPACoreAttention,
                 linear_proj=backend.row_parallel_linear(),
                 q_layernorm=norm if config.q_lora_rank is not None else IdentityOp,
                 kv_layernorm=norm,

@@ -30,6 +30,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from parallel.initialize import initialize_parallel
 from pretrain.config.schema import GLM5Config
 from pretrain.model.builder import build_model
+from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
 from pretrain.training.optimizer import build_optimizer, build_scheduler
 from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step
@@ -48,9 +49,21 @@ class TrainingStopped(RuntimeError):
     """Raised when too many consecutive steps had a non-finite loss or gradient norm."""
 
 
+def freeze_for_stage(chunks, trainable_params: str) -> None:
+    """DSA warm-up (`train.trainable_params=dsa_indexer`): only the lightning indexers learn; the MoE
+    routers' correction biases (updated outside the optimizer) stay fixed as well."""
+    if trainable_params != "dsa_indexer":
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            param.requires_grad_(".core_attention.indexer." in name)
+        chunk.config.moe_router_bias_update_rate = 0.0
+
+
 def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = [build_model(cfg, vp_stage=i) for i in range(vpp)] if vpp else [build_model(cfg)]
+    freeze_for_stage(chunks, cfg.train.trainable_params)
     if cfg.model.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
@@ -91,7 +104,12 @@ class Trainer:
 
         tokens = t.global_batch_size * cfg.data.seq_length
         self.tokens_per_step = tokens
-        self.flops_per_step = training_flops_per_step(cfg.model, cfg.data.seq_length, tokens)["total"]
+        m = cfg.model
+        dsa = m.experimental_attention_variant == "dsa"
+        self.flops_per_step = training_flops_per_step(
+            m, cfg.data.seq_length, tokens, dsa_sparse=dsa and m.dsa_sparse_attention,
+            dsa_indexer=dsa and m.dsa_indexer_loss_coeff > 0,
+        )["total"]
         self.metrics = MetricsLogger(cfg, self.rank, self.world_size, resume_step=self.iteration)
 
     # ----------------------------------------------------------------------------- setup
@@ -137,6 +155,12 @@ class Trainer:
                 if restored is not None:
                     break
         if restored is None:
+            if c.pretrained:
+                from pretrain.training.pretrained import load_pretrained_weights
+
+                fresh = load_pretrained_weights(c.pretrained, self.model)
+                note = f"; {len(fresh)} DSA indexer tensors initialized fresh" if fresh else ""
+                self._log(f"started from the weights of {c.pretrained}{note}")
             return
         self.iteration, extra = restored
         for it in self._data_iterators():
@@ -151,6 +175,10 @@ class Trainer:
     # ----------------------------------------------------------------------------- steps
     def _run_schedule(self, data_iterator, forward_only: bool):
         seq = self.cfg.data.seq_length
+        # The indexer loss's gradient is averaged over micro-batches like the LM loss's (and carries
+        # the fp16 loss scale); megatron-core sets this for its MoE / MTP losses, not for DSA.
+        one = torch.ones(1, device=_device())
+        IndexerLossAutoScaler.set_loss_scale(self.optimizer.scale_loss(one) / self.num_microbatches)
         return self.schedule(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
@@ -196,6 +224,11 @@ class Trainer:
                 key = "aux_loss" if "load_balancing" in name else name.replace(" ", "_")
                 out[key] = values.sum().item() / reporting / self.num_microbatches
             clear_aux_losses_tracker()
+        if self.cfg.model.experimental_attention_variant == "dsa":
+            out.update(DSAMetrics.collect(
+                self.cfg.model.num_layers + 1, pp_group=ps.get_pipeline_model_parallel_group(),
+                dp_group=ps.get_data_parallel_group(), device=_device(),
+            ))
         return out
 
     def _ensure_aux_loss_entry(self, tracker: dict) -> None:
@@ -246,6 +279,7 @@ class Trainer:
             chunk.train()
         MTPLossLoggingHelper.tracker.pop("values", None)
         clear_aux_losses_tracker()
+        DSAMetrics.clear()
         return self._global_mean(losses)
 
     def save(self) -> Optional[str]:

@@ -63,6 +63,8 @@ def grouped_key(name: str) -> str:
         return f"loss/mtp_{name[len('mtp_loss_'):]}"
     if name.endswith("_loss"):  # aux_loss, indexer_loss, valid_loss, ...
         return f"loss/{name[: -len('_loss')]}"
+    if name.startswith(("indexer_loss/", "topk_recall")):  # DSA, per layer
+        return f"dsa/{name}"
     if name.startswith("tokens_per_sec") or name in ("tflops_per_gpu", "mfu", "step_time_s"):
         return f"throughput/{name}"
     if name.startswith("mem_"):
@@ -83,7 +85,7 @@ def format_line(record: Dict[str, Any]) -> str:
     mtp = [record[k] for k in sorted((k for k in record if k.startswith("mtp_loss_")), key=lambda k: int(k.rsplit("_", 1)[1]))]
     if mtp:
         parts.append("mtp " + "/".join("nan" if v is None else f"{v:.3f}" for v in mtp))
-    for key, label, fmt in (("aux_loss", "aux", ".2e"), ("indexer_loss", "idx", ".4f")):
+    for key, label, fmt in (("aux_loss", "aux", ".2e"), ("indexer_loss", "idx", ".4f"), ("topk_recall", "recall", ".3f")):
         if key in record:
             parts.append(f"{label} {num(key, fmt) or 'nan'}")
     if record.get("valid_loss") is not None:

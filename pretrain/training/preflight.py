@@ -61,5 +61,10 @@ def _check_data(cfg: GLM5Config) -> None:
 
 def _check_checkpoint(cfg: GLM5Config) -> None:
     c = cfg.checkpoint
+    if c.pretrained and not os.path.isdir(c.pretrained):
+        raise ConfigError(
+            f"checkpoint.pretrained={c.pretrained!r} does not exist; give a checkpoint directory of ours or convert "
+            "a Hugging Face model with `glm5-convert hf-to-checkpoint HF_DIR OUT_DIR`"
+        )
     if c.load and not os.path.isdir(c.load) and c.load != c.save:
         raise ConfigError(f"checkpoint.load={c.load!r} does not exist; fix the path or unset checkpoint.load")

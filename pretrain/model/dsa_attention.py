@@ -1,0 +1,224 @@
+"""GLM-5's DSA layer: MLA whose attention is restricted to the lightning indexer's top-k keys.
+
+GLM-5 report, DSA section; DeepSeek-V3.2 section 2. `DSAMLASelfAttention` computes MLA's
+projections as megatron-core's `MLASelfAttention` does (same parameters, same TP / SP layout) but
+keeps keys and values as the shared 512-dim latent plus the 64-dim rope key, and hands them with
+the key/value up-projection to `DSACoreAttention`, the attention spec's core-attention slot, which
+
+- owns the layer's `LightningIndexer` ("full" layers) or reuses the top-k of the previous full layer
+  (`dsa_indexer_types` "shared", HF's `indexer_types`),
+- attends densely (SDPA on the up-projected keys/values: dense pretraining and the DSA warm-up), or
+  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`), and
+- adds the indexer KL loss (dense or sparse, `pretrain.model.indexer_loss`) when
+  `dsa_indexer_loss_coeff > 0`.
+
+Tensor parallelism splits the attention heads; the indexer is replicated (every TP rank computes the
+same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
+sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences are
+respected through megatron's dense mask or through `packed_seq_params.cu_seqlens_q` (THD, b = 1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from pretrain.model.core_attention import SDPACoreAttention
+from pretrain.model.dsa import LightningIndexer, VisibleKeys, default_chunk, indexer_topk, segment_ids_from_cu_seqlens
+from pretrain.model.indexer_loss import (
+    DSAMetrics,
+    IndexerLossAutoScaler,
+    dense_target,
+    indexer_kl_dense,
+    indexer_kl_sparse,
+    sparse_target,
+)
+from pretrain.model.sparse_mla import absorb_query, expand_values, sparse_mla_attention
+
+
+def _tp_size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+class DSAMLASelfAttention(MLASelfAttention):
+    """MLA self-attention whose core attention sees the latent keys (training and evaluation)."""
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None,
+                *, inference_params=None):
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("DSA attention has no KV-cache inference path; run full sequences")
+        cfg, tp = self.config, self.pg_collection.tp
+        tp_size = _tp_size(tp)
+        sp = cfg.sequence_parallel and tp_size > 1
+
+        # Down projections and latent norms, laid out as megatron's MLA lays them out.
+        q_c, _ = self.linear_q_down_proj(hidden_states)
+        if q_c.size(-1) != cfg.q_lora_rank:
+            q_c = gather_from_tensor_model_parallel_region(q_c, group=tp)
+            if cfg.sequence_parallel:
+                q_c = scatter_to_sequence_parallel_region(q_c, group=tp)
+        q_c = self.q_layernorm(q_c)
+        kv, _ = self.linear_kv_down_proj(hidden_states)
+        full_seq = not sp
+        if kv.size(-1) != cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim:  # column-parallel: [s, b, width / TP]
+            kv = gather_from_tensor_model_parallel_region(kv, group=tp)
+            full_seq = True
+        latent, k_pe = torch.split(kv, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+        if full_seq and sp:  # the latent norm runs sequence-sharded (its weight is SP-marked)
+            latent = scatter_to_sequence_parallel_region(latent, group=tp)
+        latent = self.kv_layernorm(latent)
+        # The latent and the rope key are shared by this rank's heads: every TP rank's heads add to
+        # their gradient (megatron's MLA loses the rope key's share, Megatron-LM #1699).
+        if sp:
+            latent = gather_from_sequence_parallel_region(latent, group=tp)
+        elif tp_size > 1:
+            latent = copy_to_tensor_model_parallel_region(latent, group=tp)
+        if not full_seq:
+            k_pe = gather_from_sequence_parallel_region(k_pe, group=tp)
+        elif tp_size > 1:
+            k_pe = copy_to_tensor_model_parallel_region(k_pe, group=tp)
+
+        q, _ = self.linear_q_up_proj(q_c)
+        s, b = q.shape[0], q.shape[1]
+        q = q.view(s, b, self.num_attention_heads_per_partition, self.q_head_dim)
+        q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+
+        rope, segment_ids = self._rope(s, packed_seq_params, q.device)
+        q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
+        out = self.core_attention(
+            q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight,
+            x=hidden_states, qr=q_c, attention_mask=attention_mask, segment_ids=segment_ids, rope=rope,
+        )
+        output, bias = self.linear_proj(out)
+        return output, bias
+
+    def _rope(self, s: int, packed_seq_params, device):
+        """RoPE over the (full) sequence, positions restarting per document for THD packing."""
+        cfg = self.config
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd"
+        segment_ids = None
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q
+            segment_ids = segment_ids_from_cu_seqlens(cu, s)
+            positions = torch.arange(s, device=device) - cu.long().to(device)[segment_ids[0]]
+            length = int(positions.max().item()) + 1
+        else:
+            positions, length = None, s
+        if cfg.rope_type == "rope":
+            freqs, mscale = self.rotary_pos_emb(length), 1.0
+        else:
+            freqs, mscale = self.rotary_pos_emb(length)
+        freqs = freqs[positions] if positions is not None else freqs[:s]
+        cp = self.pg_collection.cp
+
+        def rope(t: torch.Tensor) -> torch.Tensor:
+            return apply_rotary_pos_emb(t, freqs, config=cfg, mscale=mscale, cp_group=cp)
+
+        return rope, segment_ids
+
+
+class DSACoreAttention(SDPACoreAttention):
+    """The core-attention slot of a DSA layer (see the module docstring)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, **kwargs)
+        types = getattr(config, "dsa_indexer_types", None)
+        # Decoder layers 1..num_layers follow dsa_indexer_types; the MTP layer always has its own.
+        self.index_type = types[layer_number - 1] if types and layer_number <= config.num_layers else "full"
+        self.indexer = LightningIndexer(config) if self.index_type == "full" else None
+        self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
+        self.last_indices: Optional[torch.Tensor] = None
+        self.tp_group = pg_collection.tp if (pg_collection := kwargs.get("pg_collection")) is not None else None
+
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None, segment_ids=None,
+                rope=None):
+        """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [s, b, c], k_pe [s, b, 1, dr] (roped),
+        kv_up_weight [h * (dn + dv), c] -> [s, b, h * dv]."""
+        cfg = self.config
+        s, b, h, dn = q_nope.shape
+        c, dv = latent.shape[-1], cfg.v_head_dim
+        w = kv_up_weight.view(h, dn + dv, c)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask < 0
+        keys = VisibleKeys(s, s, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids)
+        coeff = cfg.dsa_indexer_loss_coeff or 0.0
+        train_indexer = coeff > 0 and self.indexer is not None and torch.is_grad_enabled()
+        chunk = cfg.dsa_chunk_size or default_chunk(s, max(h, cfg.dsa_indexer_n_heads))
+        sparse = cfg.dsa_sparse_attention
+        indexed = self._index_inputs(x, qr, rope) if (self.indexer is not None and (sparse or train_indexer)) else None
+
+        if sparse:
+            if self.indexer is not None:
+                indices = indexer_topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                self.last_indices = indices
+            else:
+                indices = self._shared_indices(b, s)
+            q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
+            kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)
+            o_latent, _ = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, chunk)
+            out = expand_values(o_latent, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
+            if train_indexer:
+                target = sparse_target(q_abs.detach(), kv.detach(), self.softmax_scale, self.tp_group)
+                loss, _ = indexer_kl_sparse(*indexed, indices, target, chunk)
+                out = self._attach(out, loss, coeff)
+            return out
+
+        k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(s, b, h, dn + dv).split([dn, dv], dim=-1)
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)
+        mask = attention_mask
+        if mask is None and segment_ids is not None:  # dense attention over THD documents
+            mask = ~keys.rows(0, s).unsqueeze(1)
+        out = super().forward(query, key, value, mask)
+        if train_indexer:
+            target = dense_target(query.detach().transpose(0, 1), key.detach().transpose(0, 1),
+                                  self.softmax_scale, self.tp_group)
+            loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk)
+            DSAMetrics.record("topk_recall", self.layer_number, recall)
+            out = self._attach(out, loss, coeff)
+        return out
+
+    def _index_inputs(self, x, qr, rope):
+        """The indexer's q_I, k_I, w from detached inputs over the full sequence."""
+        x, qr = x.detach(), qr.detach()
+        if self.config.sequence_parallel and _tp_size(self.tp_group) > 1:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
+            qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False, group=self.tp_group)
+        return self.indexer.project(x, qr, rope)
+
+    def _shared_indices(self, b: int, s: int) -> torch.Tensor:
+        source = self.index_source
+        indices = source.last_indices if source is not None else None
+        if indices is None or indices.shape[:2] != (b, s):
+            raise RuntimeError(
+                f"DSA layer {self.layer_number} is 'shared' but no full indexer layer ran before it on "
+                "this pipeline stage; the first layer of every stage must be 'full'"
+            )
+        return indices
+
+    def _attach(self, out: torch.Tensor, loss: torch.Tensor, coeff: float) -> torch.Tensor:
+        DSAMetrics.record("indexer_loss", self.layer_number, loss)
+        return IndexerLossAutoScaler.apply(out, loss * coeff)
+
+
+def link_shared_indexers(module: torch.nn.Module) -> None:
+    """Point every 'shared' DSA layer at the nearest full layer before it (module order)."""
+    last = None
+    for sub in module.modules():
+        if isinstance(sub, DSACoreAttention):
+            if sub.indexer is not None:
+                last = sub
+            else:
+                sub.__dict__["index_source"] = last

@@ -1,0 +1,200 @@
+"""The lightning indexer's training loss (DeepSeek-V3.2 section 2.1; GLM-5 report, DSA training).
+
+Target: the main attention's probabilities summed over all heads (every TP rank's heads) and
+L1-normalized, p[t, :] = sum_h P_h[t, :] / sum_{h, s} P_h[t, s]. Loss, averaged over query tokens:
+
+    L_I = mean_t KL( p[t, S] || softmax(I[t, S]) )
+
+- dense mode (warm-up): S = every visible key of t; attention is dense.
+- sparse mode (joint stage): S = S_t, the selected keys; P_h is the sparse attention's own softmax.
+
+The target is computed without gradient and the indexer reads detached inputs, so L_I trains only
+the indexer and the LM loss never reaches it. The gradient of `coeff * L_I` is attached to the
+attention output by `IndexerLossAutoScaler` and scaled by 1 / (number of micro-batches), as
+megatron scales its other auxiliary losses (megatron-core 0.16.1's DSA omits that division).
+
+Memory is linear in the sequence length: `indexer_kl` forms index scores and targets for `chunk`
+query rows at a time and differentiates each chunk right away (the per-chunk gradients of q_I,
+k_I and w are what backward returns), so no [S, T] block lives beyond one chunk.
+Top-k recall, the share of p[t, :] on t's selected keys, is measured in dense mode.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from pretrain.model.dsa import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
+
+
+def _kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sum over rows of KL(p || softmax(logits)); p is 0 and logits -inf where not valid."""
+    logq = torch.where(valid, torch.log_softmax(logits, dim=-1), 0.0)
+    return torch.where(valid, torch.xlogy(p, p) - p * logq, 0.0).sum()
+
+
+def _normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
+    """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized."""
+    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(probs_sum, group=tp_group)
+    return probs_sum / probs_sum.sum(-1, keepdim=True)
+
+
+def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=None) -> Callable:
+    """Target rows of dense attention: query [b, s, h, d], key [b, T, h, d] (detached)."""
+
+    def rows(r0: int, r1: int, visible: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bchd,bthd->bhct", upcast(query[:, r0:r1]), upcast(key)) * scale
+        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+        return _normalize_heads(probs.sum(1), tp_group)
+
+    return rows
+
+
+def sparse_target(q_absorbed: torch.Tensor, kv: torch.Tensor, scale: float, tp_group=None) -> Callable:
+    """Target rows of sparse absorbed attention: q [b, s, h, D], kv [b, T, D] (detached)."""
+
+    def rows(r0: int, r1: int, indices: torch.Tensor) -> torch.Tensor:
+        sel = upcast(gather_keys(kv, indices))
+        scores = torch.einsum("bchd,bckd->bchk", upcast(q_absorbed[:, r0:r1]), sel) * scale
+        probs = scores.masked_fill((indices < 0)[:, :, None], float("-inf")).softmax(-1)
+        return _normalize_heads(probs.sum(2), tp_group)
+
+    return rows
+
+
+class _IndexerKL(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, its gradient; backward scales that gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, plan):
+        loss, grads, recall = plan(q, k, w)
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(recall)
+        return loss, recall
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_recall):
+        return (*(g * grad_loss for g in ctx.saved_tensors), None)
+
+
+def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torch.Tensor]:
+    b, s = q.shape[0], q.shape[1]
+    acc = upcast(q).dtype
+    dq, dw = torch.empty(q.shape, dtype=acc, device=q.device), torch.empty(w.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    total = torch.zeros((), dtype=acc, device=q.device)
+    recall = torch.zeros((), dtype=acc, device=q.device)
+    for r0 in range(0, s, chunk):
+        r1 = min(s, r0 + chunk)
+        with torch.enable_grad():
+            qc = q[:, r0:r1].detach().requires_grad_()
+            wc = w[:, r0:r1].detach().requires_grad_()
+            kc = k.detach().requires_grad_()
+            loss_c, recall_c = rows_fn(r0, r1, qc, kc, wc)
+            gq, gk, gw = torch.autograd.grad(loss_c, (qc, kc, wc))
+        dq[:, r0:r1], dw[:, r0:r1] = gq, gw
+        dk += gk
+        total += loss_c.detach()
+        recall += recall_c
+    n = b * s
+    return total / n, ((dq / n).to(q.dtype), (dk / n).to(k.dtype), (dw / n).to(w.dtype)), recall / n
+
+
+def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int):
+    """Dense-mode loss: q [b, s, H_I, d_I], k [b, T, d_I], w [b, s, H_I] -> (mean KL, top-k recall)."""
+
+    def rows(r0, r1, qc, kc, wc):
+        visible = keys.rows(r0, r1).expand(qc.shape[0], -1, -1)
+        logits = index_scores(qc, kc, wc, visible)
+        p = target(r0, r1, visible)
+        idx = select_topk(logits.detach(), topk)
+        recall = (p.gather(-1, idx.clamp(min=0)) * (idx >= 0)).sum()
+        return _kl_sum(p, logits, visible), recall
+
+    return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
+
+
+def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int):
+    """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1)."""
+
+    def rows(r0, r1, qc, kc, wc):
+        idx = indices[:, r0:r1]
+        valid = idx >= 0
+        logits = index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(~valid, float("-inf"))
+        p = target(r0, r1, idx)
+        return _kl_sum(p, logits, valid), p.sum()
+
+    return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
+
+
+class IndexerLossAutoScaler(torch.autograd.Function):
+    """Identity on the activation; its backward feeds d(indexer loss) = scale into the loss.
+
+    The trainer sets `scale` to 1 / (number of micro-batches) each step (times the loss scale of
+    fp16 training), so the indexer's gradient is averaged over micro-batches like the LM loss's.
+    """
+
+    main_loss_backward_scale: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor):
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        scale = IndexerLossAutoScaler.main_loss_backward_scale
+        grad = torch.ones_like(loss) if scale is None else torch.ones_like(loss) * scale.to(loss.device)
+        return grad_output, grad
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        IndexerLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
+
+
+class DSAMetrics:
+    """Per-layer indexer loss and top-k recall of the current step, for logging.
+
+    Layers record into slots 1..num_layers (decoder) and num_layers + 1 (the MTP layer, every
+    depth); `collect` sums over pipeline stages, averages over data-parallel ranks and clears.
+    """
+
+    values: Dict[str, Dict[int, list]] = {}
+
+    @classmethod
+    def record(cls, name: str, layer: int, value: torch.Tensor) -> None:
+        slot = cls.values.setdefault(name, {}).setdefault(layer, [0.0, 0])
+        slot[0] = slot[0] + value.detach().float()
+        slot[1] += 1
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.values = {}
+
+    @classmethod
+    def collect(cls, num_slots: int, names=("indexer_loss", "topk_recall"), pp_group=None, dp_group=None,
+                device=None) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for name in names:
+            table = torch.zeros(2, num_slots + 1, dtype=torch.float64, device=device)
+            for layer, (total, count) in cls.values.get(name, {}).items():
+                table[0, min(layer, num_slots)] += torch.as_tensor(total, dtype=torch.float64).to(table.device)
+                table[1, min(layer, num_slots)] += count
+            if dist.is_initialized():
+                for group in (pp_group, dp_group):
+                    if group is not None and dist.get_world_size(group) > 1:
+                        dist.all_reduce(table, group=group)
+            seen = table[1] > 0
+            if not bool(seen.any()):
+                continue
+            per_layer = table[0][seen] / table[1][seen]
+            out[name] = per_layer.mean().item()
+            for layer, value in zip(seen.nonzero().flatten().tolist(), per_layer.tolist()):
+                label = "mtp" if layer == num_slots else f"layer_{layer:02d}"
+                out[f"{name}/{label}"] = value
+        cls.clear()
+        return out

@@ -1,0 +1,102 @@
+"""Starting a run from another run's weights: continued pretraining and the DSA recipe.
+
+`checkpoint.pretrained` names the weights a fresh run starts from (iteration 0, new optimizer,
+scheduler and data order): a training checkpoint directory of ours (its newest valid step dir),
+one step dir, or a weights-only checkpoint written by `glm5-convert hf-to-checkpoint` from a
+Hugging Face GLM-5 directory. dist_checkpointing reshards the weights to this run's TP / PP / EP.
+
+Parameters of the DSA lightning indexer that the source lacks (a dense MLA model, or a model
+trained without DSA) keep their fresh initialization; any other missing tensor is an error. The
+run's own checkpoints (`checkpoint.save`, then `checkpoint.load`) take precedence when they exist,
+so a restarted stage resumes instead of starting over.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.utils import unwrap_model
+
+from pretrain.training import checkpoint_files as files
+from pretrain.training.checkpoint_state import SHARDED_STATE_METADATA, model_keys, model_sharded_state
+
+WEIGHTS_MARKER = "weights_only.json"  # a checkpoint that holds only model weights
+
+
+def _is_indexer(name: str) -> bool:
+    return ".core_attention.indexer." in name
+
+
+def resolve_weights_dir(path: str) -> str:
+    """The dist_checkpointing directory to read under `path` (a run dir, a step dir, or weights)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"checkpoint.pretrained: {path} does not exist")
+    if (p / WEIGHTS_MARKER).is_file():
+        return str(p)
+    if files.check_step_dir(p) is None:
+        return str(p)
+    candidates, problems = files.loadable_candidates(p)
+    if not candidates:
+        detail = "; ".join(problems) or "no step dirs"
+        raise FileNotFoundError(f"checkpoint.pretrained: no usable checkpoint in {path} ({detail})")
+    return str(candidates[0].path)
+
+
+def load_pretrained_weights(path: str, model_chunks: Sequence[torch.nn.Module]) -> List[str]:
+    """Load model weights from `path` into `model_chunks` (collective); return the parameter names
+    that were absent from it and kept their initialization (DSA indexer parameters only)."""
+    source = resolve_weights_dir(path)
+    metadata = dist_checkpointing.load_content_metadata(source) or dict(SHARDED_STATE_METADATA)
+    request = model_sharded_state(model_chunks, metadata)
+    available = set(dist_checkpointing.load_tensors_metadata(source).keys())
+    fresh: List[str] = []
+    for key in model_keys(model_chunks):
+        state = request[key]
+        absent = [n for n, v in state.items() if getattr(v, "key", None) not in available]
+        for name in [n for n in absent if not n.endswith("_extra_state")]:
+            if not _is_indexer(name):
+                raise RuntimeError(
+                    f"checkpoint.pretrained={path}: the checkpoint has no tensor for model parameter {name}; "
+                    "only DSA indexer parameters may be missing (they are initialized fresh)"
+                )
+            fresh.append(name)
+            del state[name]
+    loaded = dist_checkpointing.load(request, source)
+    for key, chunk in zip(model_keys(model_chunks), unwrap_model(list(model_chunks))):
+        result = chunk.load_state_dict(loaded[key], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k not in fresh]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"checkpoint.pretrained={path}: missing {missing[:5]}, unexpected "
+                               f"{result.unexpected_keys[:5]}")
+    dist.barrier()
+    return fresh
+
+
+def hf_to_checkpoint(hf_dir: str, out_dir: str, **overrides) -> str:
+    """A Hugging Face GLM-5 directory -> a weights-only checkpoint `checkpoint.pretrained` can read
+    at any parallel layout (one process; the directory appears only when complete)."""
+    import json
+
+    from pretrain.config.loader import save_config
+    from pretrain.convert import load_hf_model
+
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out_dir} exists; choose a new directory")
+    cfg, model = load_hf_model(hf_dir, **overrides)
+    staging = out.with_name(out.name + files.PARTIAL_SUFFIX)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    state = {"model": model.sharded_state_dict(metadata=dict(SHARDED_STATE_METADATA))}
+    dist_checkpointing.save(state, str(staging), content_metadata=dict(SHARDED_STATE_METADATA))
+    save_config(cfg, staging / "config.yaml")
+    (staging / WEIGHTS_MARKER).write_text(json.dumps({"source": os.path.abspath(hf_dir)}) + "\n")
+    os.replace(staging, out)
+    return str(out)
