@@ -2,7 +2,8 @@
 # GLM-5's DSA continued-pretraining recipe: adapt a dense MLA checkpoint to DeepSeek Sparse Attention.
 #
 #   bash launch/dsa_continued_pretraining.sh --model glm5-tiny|glm5-proxy|glm5-744b \
-#        --from CKPT_DIR_OR_HF_DIR [--run-dir runs/dsa-NAME] [--baseline] [dotted.overrides ...]
+#        --from CKPT_DIR_OR_HF_DIR [--run-dir runs/dsa-NAME] [--baseline] [--discard-final]
+#        [dotted.overrides ...]
 #
 #   1. dsa_warmup  configs/dsa/<model>-dsa-warmup.yaml: dense attention, only the indexer trains
 #                  (dense KL to the main attention); starts from --from
@@ -10,7 +11,8 @@
 #                  starts from the warm-up's weights
 #   3. --baseline  configs/dsa/<model>-dense-continue.yaml: dense attention for the same steps from
 #                  the same weights, to compare LM losses with stage 2
-#   then a report (markdown table + plot) in <run-dir>/dsa_report.{md,png}.
+#   then a report (markdown table + plot) in <run-dir>/dsa_report.{md,png}. --discard-final deletes
+#   the checkpoints of stages 2 and 3 once they finish (when only the comparison is wanted).
 #
 # --from is a checkpoint directory of ours (a dense MLA model without indexer weights is fine: they
 # are initialized fresh) or a Hugging Face GLM-5 directory (converted once with
@@ -19,14 +21,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-model="" src="" run_dir="" baseline=0 overrides=()
+model="" src="" run_dir="" baseline=0 discard=0 overrides=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --model) model="$2"; shift 2 ;;
         --from) src="$2"; shift 2 ;;
         --run-dir) run_dir="$2"; shift 2 ;;
         --baseline) baseline=1; shift ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        --discard-final) discard=1; shift ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) overrides+=("$1"); shift ;;
     esac
 done
@@ -62,7 +65,9 @@ stage() {  # stage NAME CONFIG PRETRAINED
 }
 stage warmup "configs/dsa/$model-dsa-warmup.yaml" "$weights"
 stage sparse "configs/dsa/$model-dsa-sparse.yaml" "$run_dir/warmup/checkpoints"
+if [[ $discard == 1 ]]; then rm -rf "$run_dir/sparse/checkpoints"; fi
 if [[ $baseline == 1 ]]; then
     stage dense "configs/dsa/$model-dense-continue.yaml" "$run_dir/warmup/checkpoints"
+    if [[ $discard == 1 ]]; then rm -rf "$run_dir/dense/checkpoints"; fi
 fi
 "$PY" -m pretrain.dsa_report "$run_dir"
