@@ -11,8 +11,8 @@
 #                  starts from the warm-up's weights
 #   3. --baseline  configs/dsa/<model>-dense-continue.yaml: dense attention for the same steps from
 #                  the same weights, to compare LM losses with stage 2
-#   then a report (markdown table + plot) in <run-dir>/dsa_report.{md,png}. --discard-final deletes
-#   the checkpoints of stages 2 and 3 once they finish (when only the comparison is wanted).
+#   then a report (markdown table + plot) in <run-dir>/dsa_report.{md,png}. --discard-final saves no
+#   checkpoints in stages 2 and 3 (when only the comparison is wanted).
 #
 # --from is a checkpoint directory of ours (a dense MLA model without indexer weights is fine: they
 # are initialized fresh) or a Hugging Face GLM-5 directory (converted once with
@@ -60,14 +60,14 @@ fi
 
 stage() {  # stage NAME CONFIG PRETRAINED
     echo "=== $1 ($2) ==="
+    local save="$run_dir/$1/checkpoints"
+    if [[ $discard == 1 && $1 != warmup ]]; then save=null; fi
     bash launch/train.sh --config "$2" checkpoint.pretrained="$3" checkpoint.load=null \
-        checkpoint.save="$run_dir/$1/checkpoints" logging.run_dir="$run_dir/$1" "${overrides[@]}"
+        checkpoint.save="$save" logging.run_dir="$run_dir/$1" "${overrides[@]}"
 }
 stage warmup "configs/dsa/$model-dsa-warmup.yaml" "$weights"
 stage sparse "configs/dsa/$model-dsa-sparse.yaml" "$run_dir/warmup/checkpoints"
-if [[ $discard == 1 ]]; then rm -rf "$run_dir/sparse/checkpoints"; fi
 if [[ $baseline == 1 ]]; then
     stage dense "configs/dsa/$model-dense-continue.yaml" "$run_dir/warmup/checkpoints"
-    if [[ $discard == 1 ]]; then rm -rf "$run_dir/dense/checkpoints"; fi
 fi
 "$PY" -m pretrain.dsa_report "$run_dir"
