@@ -99,9 +99,28 @@ def apply_megatron_patches() -> None:
     _patch_mla_have_te()
     _patch_moe_fused_names()
     _patch_mla_rope_key_grad()
+    _patch_tp_reduce_noncontiguous()
     if not torch.cuda.is_available():
         install_cpu_support()
     _PATCHED = True
+
+
+def _patch_tp_reduce_noncontiguous() -> None:
+    # megatron-core 0.16.1 `mappings._reduce` all-reduces `input_.contiguous()` but returns
+    # `input_`: a non-contiguous tensor (e.g. the gradient of one slice of a concatenation, which
+    # reaches `copy_to_tensor_model_parallel_region`'s backward in DSA's absorbed attention) comes
+    # back unreduced, so each TP rank keeps only its own heads' share of the gradient.
+    from megatron.core.tensor_parallel import mappings
+
+    def _reduce(input_, group):
+        assert group is not None, "group should not be None"
+        if group.size() == 1:
+            return input_
+        out = input_.contiguous()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    mappings._reduce = _reduce
 
 
 # ------------------------------------------------------------------------------------------

@@ -212,6 +212,8 @@ def _apply(loaded: dict, step_dir: Path, model_chunks, optimizer, scheduler) -> 
     if optimizer is not None and loaded["optimizer_step"]["step"] > 0:  # else: saved before any step
         optimizer.load_state_dict(loaded["optimizer"])
         set_optimizer_step(optimizer, loaded["optimizer_step"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 main copies (bf16 training) follow the loaded weights
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
 

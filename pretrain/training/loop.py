@@ -159,6 +159,8 @@ class Trainer:
                 from pretrain.training.pretrained import load_pretrained_weights
 
                 fresh = load_pretrained_weights(c.pretrained, self.model)
+                # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them.
+                self.optimizer.reload_model_params()
                 note = f"; {len(fresh)} DSA indexer tensors initialized fresh" if fresh else ""
                 self._log(f"started from the weights of {c.pretrained}{note}")
             return
@@ -296,6 +298,7 @@ class Trainer:
         from pretrain.training.profiler import ProfilerWindow
 
         t, c = self.cfg.train, self.cfg.checkpoint
+        first_iteration = self.iteration
         last: Dict[str, float] = {}
         profiler = ProfilerWindow(self.cfg)
         while self.iteration < t.train_iters:
@@ -316,7 +319,7 @@ class Trainer:
                                       f"(last at iteration {self.iteration}); stopping")
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 self.save()
-        if c.save and (not c.save_interval or self.iteration % c.save_interval):
+        if c.save and self.iteration > first_iteration and (not c.save_interval or self.iteration % c.save_interval):
             self.save()
         profiler.close()
         self.metrics.close()
