@@ -129,11 +129,17 @@ def _save_initial(rank, world_size, overrides):
     Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides)).save()
 
 
-def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path):
+DSA_SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_topk=16", "model.dsa_indexer_loss_coeff=0.5",
+              "model.dsa_indexer_use_sparse_loss=true"]
+
+
+@pytest.mark.parametrize("extra", [[], DSA_SPARSE], ids=["dense", "dsa_sparse"])
+def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path, extra):
     """1F1B over 2 pipeline stages (MTP and the MoE layer on the last) gives the 1-stage losses,
-    starting from the same weights (a 1-stage checkpoint of step 0, resharded on load)."""
+    starting from the same weights (a 1-stage checkpoint of step 0, resharded on load); with DSA
+    sparse attention, also each stage's indexer losses (reduced over the pipeline)."""
     init = tmp_path / "init"
-    base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
+    base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2", *extra]
     run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "init_run", *base, f"checkpoint.save={init}"))
     start = [*base, f"checkpoint.load={init}"]
     run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "pp1", *start))
@@ -144,6 +150,10 @@ def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["mtp_loss_3"] == pytest.approx(x["mtp_loss_3"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+        if extra:
+            for key in ("indexer_loss", "indexer_loss/layer_01", "indexer_loss/layer_02", "indexer_loss/mtp"):
+                # KL values near 0 are differences of nearly equal sums: an absolute tolerance too
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-8)
 
 
 def _resumed_iteration(rank, world_size, overrides):
