@@ -140,7 +140,8 @@ class DSACoreAttention(SDPACoreAttention):
         self.indexer = LightningIndexer(config) if self.index_type == "full" else None
         self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
         self.last_indices: Optional[torch.Tensor] = None
-        self.tp_group = pg_collection.tp if (pg_collection := kwargs.get("pg_collection")) is not None else None
+        pg_collection = kwargs.get("pg_collection")
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
 
     def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None, segment_ids=None,
                 rope=None):

@@ -1,0 +1,510 @@
+"""The DSA continued-pretraining recipe through the trainer: weights-only starts, warm-up freezing,
+the indexer loss over micro-batches, HF starts, the new config rules and the launch script.
+
+References the code under test does not compute itself:
+
+* the dense checkpoint's own saved tensors, read with torch.distributed.checkpoint directly (not
+  through megatron's loader), for what a warm-up loads;
+* the model's state dict before training, for what a frozen warm-up must leave untouched;
+* a run whose global batch is a single micro-batch, for the 2-micro-batch indexer gradient;
+* transformers' `GlmMoeDsaForCausalLM`, for a model started from an HF checkpoint;
+* means computed here from metrics.jsonl, for the numbers of the recipe's report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.distributed import free_port, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs/models/glm5-tiny.yaml"
+WARMUP = ROOT / "configs/dsa/glm5-tiny-dsa-warmup.yaml"
+SPARSE = ROOT / "configs/dsa/glm5-tiny-dsa-sparse.yaml"
+DENSE_CONTINUE = ROOT / "configs/dsa/glm5-tiny-dense-continue.yaml"
+INDEXER = ".core_attention.indexer."
+# Every layer with attention: the two decoder layers and the (shared) MTP layer.
+ATTENTION_LAYERS = ("decoder.layers.0.", "decoder.layers.1.", "mtp.layers.0.")
+PER_LAYER = ("layer_01", "layer_02", "mtp")
+
+
+def is_indexer(name: str) -> bool:
+    return INDEXER in name
+
+
+def data_overrides(data: Path, seq: int = 64) -> List[str]:
+    """The tiny model on the stdlib corpus of `stdlib_data` (no run dir, no checkpoint paths)."""
+    return [
+        "model.vocab_size=1024", f"data.seq_length={seq}", "data.mock=false", f"data.data_path=[{data / 'json'}]",
+        f"data.tokenizer={data / 'tokenizer.json'}", "data.split=90,10,0",
+    ]
+
+
+def run_overrides(data: Path, run_dir: Path, *extra: str, seq: int = 64) -> List[str]:
+    """A run in `run_dir` that neither loads nor saves anything unless `extra` says so (the recipe's
+    configs point at runs/ in the repository, which may hold real checkpoints)."""
+    return [
+        *data_overrides(data, seq), "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_interval=null",
+        "optimizer.lr_warmup_iters=0", "checkpoint.load=null", "checkpoint.save=null", "checkpoint.pretrained=null",
+        f"logging.run_dir={run_dir}", "logging.log_interval=100", *extra,
+    ]
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def step_dir(ckpt: Path) -> Path:
+    steps = sorted(ckpt.glob("iter_*"))
+    assert steps, f"no step dir in {ckpt}"
+    return steps[-1]
+
+
+def saved_tensors(ckpt_dir: Path, tmp: Path) -> Dict[str, torch.Tensor]:
+    """The tensors of a torch_dist checkpoint, read by torch.distributed.checkpoint itself."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt_dir.name}.pt"
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def saved_layout(name: str, tensor: torch.Tensor, saved: Dict[str, torch.Tensor]):
+    """(checkpoint key, the model tensor in the checkpoint's layout). Grouped-GEMM expert weights are
+    stored per expert as SequentialMLP's fc1 [E, 2F, H] / fc2 [E, H, F]; weight1 is [E*H, 2F] in
+    memory and weight2 [E*F, H]."""
+    if name.endswith("mlp.experts.weight1"):
+        key = name[: -len("weight1")] + "experts.linear_fc1.weight"
+        e, _, h = saved[key].shape
+        return key, tensor.reshape(e, h, -1).transpose(1, 2)
+    if name.endswith("mlp.experts.weight2"):
+        key = name[: -len("weight2")] + "experts.linear_fc2.weight"
+        e, h, _ = saved[key].shape
+        return key, tensor.reshape(e, -1, h).transpose(1, 2)
+    return name, tensor
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item()
+    diff = (out - ref).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+# ------------------------------------------------------------------------------------------------
+# rank bodies (module level: run_ranks spawns fresh interpreters that import them)
+# ------------------------------------------------------------------------------------------------
+
+
+def _train_stage(rank, world_size, config: str, overrides: List[str]) -> dict:
+    """Build a Trainer (which loads checkpoint.pretrained), train, and report the model's state dict
+    before and after training and which parameters were trainable."""
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer, _unwrap
+
+    trainer = Trainer(load_config(config, overrides))
+    model = _unwrap(trainer.model[0])
+
+    def state():
+        return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    before = state()
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    trainer.train()
+    return {"before": before, "after": state(), "trainable": trainable}
+
+
+def _indexer_gradients(rank, world_size, overrides: List[str]) -> dict:
+    """One warm-up train_step whose optimizer step only records the reduced gradients (main_grad)."""
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer, _unwrap
+
+    trainer = Trainer(load_config(str(WARMUP), overrides))
+    model = _unwrap(trainer.model[0])
+    grads: Dict[str, torch.Tensor] = {}
+
+    def record_step():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                grads[name] = param.main_grad.detach().clone()
+        return True, 0.0, None
+
+    trainer.optimizer.step = record_step
+    values = trainer.train_step()
+    return {"grads": grads, "values": values, "num_microbatches": trainer.num_microbatches}
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(stdlib_data, tmp_path_factory):
+    """A dense MLA tiny model (no DSA, so no indexer tensors) trained 2 steps, checkpointed."""
+    root = tmp_path_factory.mktemp("dense")
+    run_ranks(_train_stage, 1, str(TINY), run_overrides(
+        stdlib_data, root / "run", "model.experimental_attention_variant=null", "train.train_iters=2",
+        f"checkpoint.save={root / 'ckpt'}"))
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny GLM-5 HF directory with its MTP layer; returns (path, the HF model of the main layers)."""
+    from tests.hf_fixtures import write_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("hf") / "glm5"
+    return path, write_hf_checkpoint(str(path), 5, layers=2, dense=1, mtp=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. the recipe's stages through the trainer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_warmup_freezes_all_but_the_indexer_then_sparse_and_dense_stages(stdlib_data, dense_ckpt, tmp_path):
+    steps = 2
+    saved = saved_tensors(step_dir(dense_ckpt), tmp_path)
+    # The dense run really trained the MoE correction biases (they start at 0), so leaving them
+    # unchanged below is the warm-up's doing.
+    biases = [k for k in saved if k.endswith("router.expert_bias")]
+    assert len(biases) == 2 and all(saved[k].abs().sum() > 0 for k in biases)
+
+    warm_ckpt = tmp_path / "warmup_ckpt"
+    warm = run_ranks(_train_stage, 1, str(WARMUP), run_overrides(
+        stdlib_data, tmp_path / "warmup", f"train.train_iters={steps}", f"checkpoint.pretrained={dense_ckpt}",
+        f"checkpoint.save={warm_ckpt}"))[0]
+    before, after = warm["before"], warm["after"]
+    indexer = sorted(k for k in before if is_indexer(k))
+    others = sorted(k for k in before if not is_indexer(k))
+    for prefix in ATTENTION_LAYERS:
+        assert any(k.startswith(prefix) for k in indexer), f"no indexer in {prefix}"
+
+    # loaded: every non-indexer tensor is the checkpoint's, bit for bit; the dense checkpoint has no
+    # indexer tensors, and nothing it holds is left out
+    model_weights = {k for k in saved if not k.startswith("optimizer.") and "_extra_state" not in k}
+    assert not any(is_indexer(k) for k in saved)
+    mapped = set()
+    for name in others:
+        key, value = saved_layout(name, before[name], saved)
+        assert key in saved, f"{name} ({key}) is not in the dense checkpoint"
+        assert torch.equal(value, saved[key]), f"{name} differs from the checkpoint's {key}"
+        mapped.add(key)
+    assert mapped == model_weights
+
+    # trained: only indexer parameters; everything else (MoE expert biases included) bitwise unchanged
+    assert warm["trainable"] == indexer
+    assert any(k.endswith("router.expert_bias") for k in others)
+    changed = [k for k in others if not torch.equal(before[k], after[k])]
+    assert not changed, f"frozen tensors changed in the warm-up: {changed}"
+    unchanged = [k for k in indexer if torch.equal(before[k], after[k])]
+    assert not unchanged, f"indexer tensors did not train: {unchanged}"
+
+    rows = read_metrics(tmp_path / "warmup")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert not r["skipped"] and math.isfinite(r["loss"])
+        for key in ("indexer_loss", "topk_recall"):
+            per_layer = [r[f"{key}/{label}"] for label in PER_LAYER]
+            assert all(v is not None and math.isfinite(v) for v in [r[key], *per_layer]), (key, r)
+            assert r[key] == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-6)
+        assert all(v >= 0 for v in [r["indexer_loss"], *(r[f"indexer_loss/{x}"] for x in PER_LAYER)])
+        assert all(0.0 <= v <= 1.0 for v in [r["topk_recall"], *(r[f"topk_recall/{x}"] for x in PER_LAYER)])
+
+    # the two later stages start from the warm-up's checkpoint, with the same data (a fresh run's data
+    # iterator starts at sample 0) and the same number of steps (the same sample order)
+    later = [f"train.train_iters={steps}", f"checkpoint.pretrained={warm_ckpt}"]
+    sparse = run_ranks(_train_stage, 1, str(SPARSE), run_overrides(stdlib_data, tmp_path / "sparse", *later))[0]
+    dense = run_ranks(_train_stage, 1, str(DENSE_CONTINUE), run_overrides(stdlib_data, tmp_path / "dense", *later))[0]
+    for stage in (sparse, dense):
+        # both load the warm-up's trained weights, indexer included
+        assert set(stage["before"]) == set(after)
+        assert all(torch.equal(stage["before"][k], after[k]) for k in after)
+        assert set(stage["trainable"]) >= set(indexer) and "embedding.word_embeddings.weight" in stage["trainable"]
+    sparse_rows, dense_rows = read_metrics(tmp_path / "sparse"), read_metrics(tmp_path / "dense")
+    assert len(sparse_rows) == len(dense_rows) == steps
+    for r in sparse_rows:
+        assert r["indexer_loss"] is not None and math.isfinite(r["indexer_loss"]) and r["indexer_loss"] >= 0
+        assert all(math.isfinite(r[f"indexer_loss/{x}"]) for x in PER_LAYER)
+    # Dense continuation and the warm-up see the same first batch with the same non-indexer weights and
+    # dense attention: the same LM loss. Sparse attention (top-16 of 64 keys) changes it.
+    assert dense_rows[0]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
+    assert sparse_rows[0]["loss"] != pytest.approx(dense_rows[0]["loss"], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. the indexer loss's gradient over micro-batches
+# ------------------------------------------------------------------------------------------------
+
+
+def test_indexer_gradient_is_averaged_over_microbatches(stdlib_data, tmp_path):
+    """Two micro-batches of 2 sequences and one of the same 4 sequences: the same indexer gradient
+    (the KL is a token mean per micro-batch, every micro-batch has the same number of tokens). Without
+    the 1/num_microbatches scale the first would be twice the second."""
+    common = ["train.train_iters=1", "train.global_batch_size=4"]
+    two = run_ranks(_indexer_gradients, 1, run_overrides(
+        stdlib_data, tmp_path / "two", *common, "train.micro_batch_size=2", seq=32))[0]
+    one = run_ranks(_indexer_gradients, 1, run_overrides(
+        stdlib_data, tmp_path / "one", *common, "train.micro_batch_size=4", seq=32))[0]
+    assert two["num_microbatches"] == 2 and one["num_microbatches"] == 1
+    # the same tokens: the same LM loss and mean indexer loss
+    assert two["values"]["loss"] == pytest.approx(one["values"]["loss"], rel=1e-6)
+    assert two["values"]["indexer_loss"] == pytest.approx(one["values"]["indexer_loss"], rel=1e-5)
+    # only the indexer has gradients (warm-up), and each of them is the single micro-batch's
+    assert sorted(two["grads"]) == sorted(one["grads"])
+    assert two["grads"] and all(is_indexer(k) for k in two["grads"])
+    for prefix in ATTENTION_LAYERS:
+        assert any(k.startswith(prefix) for k in two["grads"])
+    for name, ref in one["grads"].items():
+        assert ref.abs().max() > 0, name
+        assert relative_error(two["grads"][name], ref) <= 1e-5, name
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. load_pretrained_weights: what may be missing, and what may not
+# ------------------------------------------------------------------------------------------------
+
+
+def _single_rank_model(cfg):
+    from parallel.initialize import ensure_single_rank
+    from pretrain.model.builder import build_model
+
+    ensure_single_rank()
+    return build_model(cfg)
+
+
+def test_missing_tensors_other_than_the_indexer_are_errors(stdlib_data, dense_ckpt, hf_dir, tmp_path):
+    from pretrain.config import load_config
+    from pretrain.training.pretrained import hf_to_checkpoint, load_pretrained_weights
+
+    # positive control: a DSA model from the dense checkpoint; only the indexer is missing, and it
+    # keeps its initialization while everything else takes the checkpoint's values
+    model = _single_rank_model(load_config(str(TINY), data_overrides(stdlib_data)))
+    init = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    fresh = load_pretrained_weights(str(dense_ckpt), [model])
+    assert sorted(fresh) == sorted(k for k in init if is_indexer(k)) and fresh
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], init[k]) for k in fresh)
+    assert not torch.equal(loaded["embedding.word_embeddings.weight"], init["embedding.word_embeddings.weight"])
+
+    # a deeper target: its third layer is nowhere in the 2-layer checkpoint
+    deeper = load_config(str(TINY), [*data_overrides(stdlib_data), "model.num_layers=3", "model.moe_layer_freq=[0,1,1]"])
+    with pytest.raises(RuntimeError, match=r"decoder\.layers\.2\."):
+        load_pretrained_weights(str(dense_ckpt), [_single_rank_model(deeper)])
+
+    # an HF model converted without its MTP layer, into a target with MTP
+    path, _ = hf_dir
+    no_mtp = Path(hf_to_checkpoint(str(path), str(tmp_path / "no_mtp"), mtp_num_layers=None))
+    plain_cfg = load_config(str(no_mtp / "config.yaml"))
+    assert not plain_cfg.model.mtp_num_layers
+    assert load_pretrained_weights(str(no_mtp), [_single_rank_model(plain_cfg)]) == []  # positive control
+    with_mtp = load_config(str(no_mtp / "config.yaml"), ["model.mtp_num_layers=3"])
+    with pytest.raises(RuntimeError, match=r"mtp\.layers\.0\."):
+        load_pretrained_weights(str(no_mtp), [_single_rank_model(with_mtp)])
+
+    with pytest.raises(FileNotFoundError, match="checkpoint.pretrained"):
+        load_pretrained_weights(str(tmp_path / "nowhere"), [model])
+
+
+def test_nonexistent_pretrained_fails_before_any_process_group(stdlib_data, tmp_path):
+    missing = tmp_path / "no_such_checkpoint"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.train", "--config", str(WARMUP),
+         *run_overrides(stdlib_data, tmp_path / "run", f"checkpoint.pretrained={missing}")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "checkpoint.pretrained" in proc.stderr and str(missing) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. an HF checkpoint as the starting point
+# ------------------------------------------------------------------------------------------------
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1), None)
+
+
+def test_hf_to_checkpoint_starts_a_model_with_transformers_logits(hf_dir, tmp_path, capsys):
+    from transformers import GlmMoeDsaForCausalLM
+
+    from pretrain.config import load_config
+    from pretrain.convert.cli import main as convert_cli
+    from pretrain.training.pretrained import hf_to_checkpoint, load_pretrained_weights
+
+    path, hf = hf_dir
+    out = Path(hf_to_checkpoint(str(path), str(tmp_path / "weights")))
+    cfg = load_config(str(out / "config.yaml"))
+    assert cfg.model.mtp_num_layers == 3 and cfg.model.dsa_sparse_attention  # the HF import sets both
+    model = _single_rank_model(cfg)
+    assert load_pretrained_weights(str(out), [model]) == []  # the HF checkpoint has the indexers
+    seq = 24
+    assert hf.config.index_topk >= seq  # every causal key is selected: sparse attention is dense here
+    ids = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out_logits = _logits(model, ids)
+    assert out_logits.shape == ref.shape
+    assert relative_error(out_logits, ref) <= 1e-5
+
+    # the sparse regime: the same weights with index_topk below the sequence length
+    sparse_hf_dir = tmp_path / "hf_sparse"
+    shutil.copytree(path, sparse_hf_dir)
+    config = json.loads((sparse_hf_dir / "config.json").read_text())
+    config["index_topk"] = 6
+    (sparse_hf_dir / "config.json").write_text(json.dumps(config))
+    sparse_out = Path(hf_to_checkpoint(str(sparse_hf_dir), str(tmp_path / "weights_sparse")))
+    sparse_cfg = load_config(str(sparse_out / "config.yaml"))
+    assert sparse_cfg.model.dsa_sparse_attention and sparse_cfg.model.dsa_indexer_topk == 6
+    sparse_model = _single_rank_model(sparse_cfg)
+    assert load_pretrained_weights(str(sparse_out), [sparse_model]) == []
+    sparse_ref_model = GlmMoeDsaForCausalLM.from_pretrained(str(sparse_hf_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        sparse_ref = sparse_ref_model(ids).logits
+    assert relative_error(_logits(sparse_model, ids), sparse_ref) <= 1e-5
+    assert relative_error(sparse_ref, ref) > 1e-3  # top-6 of 24 keys really differs from dense
+
+    # the CLI writes the same tensors, and refuses an existing output directory
+    cli_out = tmp_path / "weights_cli"
+    proc = subprocess.run([sys.executable, "-m", "pretrain.convert.cli", "hf-to-checkpoint", str(path), str(cli_out)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = saved_tensors(out, tmp_path), saved_tensors(cli_out, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert convert_cli(["hf-to-checkpoint", str(path), str(cli_out)]) == 2
+    err = capsys.readouterr().err
+    assert "exists" in err and str(cli_out) in err
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. the DSA config rules
+# ------------------------------------------------------------------------------------------------
+
+DSA_RULES = [
+    # (overrides that break a rule, the key the message names, overrides that satisfy it)
+    (["model.dsa_indexer_use_sparse_loss=true", "model.dsa_sparse_attention=false"],
+     "model.dsa_indexer_use_sparse_loss",
+     ["model.dsa_indexer_use_sparse_loss=true", "model.dsa_sparse_attention=true"]),
+    (["model.dsa_indexer_types=[full]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,full]"]),
+    (["model.dsa_indexer_types=[full,full,full]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,shared]"]),
+    (["model.dsa_indexer_types=[full,sparse]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,shared]"]),
+    (["model.dsa_indexer_types=[shared,full]"], "model.dsa_indexer_types[0]", ["model.dsa_indexer_types=[full,full]"]),
+    (["model.dsa_indexer_types=[full,shared]", "parallel.pipeline_model_parallel_size=2"], "model.dsa_indexer_types",
+     ["model.dsa_indexer_types=[full,full]", "parallel.pipeline_model_parallel_size=2"]),
+    (["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=0.0"], "train.trainable_params",
+     ["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0"]),
+    (["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0",
+      "model.experimental_attention_variant=null"], "train.trainable_params",
+     ["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0"]),
+    (["model.dsa_indexer_hadamard=true", "model.dsa_indexer_head_dim=12"], "model.dsa_indexer_hadamard",
+     ["model.dsa_indexer_hadamard=true", "model.dsa_indexer_head_dim=16"]),
+    (["model.dsa_chunk_size=0"], "model.dsa_chunk_size", ["model.dsa_chunk_size=8"]),
+    (["model.dsa_chunk_size=-4"], "model.dsa_chunk_size", ["model.dsa_chunk_size=null"]),
+]
+
+
+@pytest.mark.parametrize("bad, key, good", DSA_RULES, ids=[f"{i}-{r[1]}" for i, r in enumerate(DSA_RULES)])
+def test_dsa_config_rules(bad, key, good):
+    from pretrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(str(TINY), bad)
+    assert key in str(err.value)
+    load_config(str(TINY), good)  # the nearest valid config loads
+
+
+def test_pipeline_rule_names_the_stage_starting_layers():
+    from pretrain.config import ConfigError, load_config
+
+    types = "model.dsa_indexer_types=[full,shared,full,shared]"
+    base = [types, "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]"]
+    load_config(str(TINY), [*base, "parallel.pipeline_model_parallel_size=2"])  # layers 0 and 2 start stages
+    with pytest.raises(ConfigError, match=r"layers \[1, 3\]") as err:
+        load_config(str(TINY), [*base, "parallel.pipeline_model_parallel_size=4"])
+    assert "model.dsa_indexer_types" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. the launch script
+# ------------------------------------------------------------------------------------------------
+
+
+def _launch(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "NPROC_PER_NODE": "1",
+           "MASTER_PORT": str(free_port())}
+    return subprocess.run(["bash", "launch/dsa_continued_pretraining.sh", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _report_rows(text: str) -> Dict[str, tuple]:
+    rows = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\| (.+?) \| (-?[\d.]+|nan) \| (-?[\d.]+|nan) \|", line.strip())
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    return rows
+
+
+def test_launch_script_runs_the_recipe_and_reports(stdlib_data, dense_ckpt, tmp_path):
+    run = tmp_path / "recipe"
+    steps = 4
+    proc = _launch("--model", "glm5-tiny", "--from", str(dense_ckpt), "--run-dir", str(run), "--baseline",
+                   "--discard-final", *data_overrides(stdlib_data, seq=32), f"train.train_iters={steps}",
+                   "logging.log_interval=1")
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    metrics = {name: read_metrics(run / name) for name in ("warmup", "sparse", "dense")}
+    assert all([r["step"] for r in rows] == list(range(1, steps + 1)) for rows in metrics.values())
+    # --discard-final: the compared stages save nothing; the warm-up keeps its checkpoint
+    assert step_dir(run / "warmup" / "checkpoints")
+    for name in ("sparse", "dense"):
+        assert not (run / name / "checkpoints").exists()
+        assert not list((run / name).rglob("iter_*")) and not list((run / name).rglob("*.distcp"))
+
+    report = (run / "dsa_report.md").read_text()
+    rows = _report_rows(report)
+    window = 5  # the report's default: means over the first and last 5 logged steps
+
+    def means(records, key):
+        values = [r[key] for r in records]
+        first, last = values[:window], values[-window:]
+        return f"{sum(first) / len(first):.4f}", f"{sum(last) / len(last):.4f}"
+
+    assert rows["warm-up indexer KL"] == means(metrics["warmup"], "indexer_loss")
+    assert rows["warm-up top-k recall"] == means(metrics["warmup"], "topk_recall")
+    assert rows["sparse stage LM loss"] == means(metrics["sparse"], "loss")
+    assert rows["dense continuation LM loss"] == means(metrics["dense"], "loss")
+    diff = re.search(r"sparse minus dense: ([-+][\d.]+)", report)
+    assert diff, report
+    mean = lambda rs: sum(r["loss"] for r in rs) / len(rs)  # noqa: E731
+    assert float(diff.group(1)) == pytest.approx(mean(metrics["sparse"]) - mean(metrics["dense"]), abs=1.01e-4)
+
+
+def test_launch_script_refuses_bad_arguments(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    proc = _launch("--model", "glm5-nonexistent", "--from", str(source), "--run-dir", str(tmp_path / "a"))
+    assert proc.returncode == 2
+    assert "configs/dsa/glm5-nonexistent-dsa-warmup.yaml not found" in proc.stderr and "glm5-tiny" in proc.stderr
+    proc = _launch("--model", "glm5-tiny", "--from", str(tmp_path / "nowhere"), "--run-dir", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--from" in proc.stderr
+    proc = _launch("--model", "glm5-tiny")
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
