@@ -261,6 +261,7 @@ BAD = [
     ("min_lr>lr", ["optimizer.min_lr=1.0"], "optimizer.min_lr"),
     ("warmup>=decay", ["optimizer.lr_warmup_iters=300"], "optimizer.lr_warmup_iters"),
     ("split", ["data.split=a,b"], "data.split"),
+    ("doc-mask", ["data.reset_attention_mask=true", "data.create_attention_mask=false"], "data.create_attention_mask"),
     ("profile", ["logging.profile_step_start=5"], "logging.profile_step_end"),
     ("vpp-needs-pp", ["parallel.virtual_pipeline_model_parallel_size=2"],
      "parallel.virtual_pipeline_model_parallel_size"),
