@@ -243,7 +243,7 @@ def check_optimizer(o: OptimizerConfig) -> None:
 def check_data(d: DataConfig) -> None:
     _positive(d, "data", "seq_length")
     require(
-        not d.reset_attention_mask or d.create_attention_mask or d.mock,
+        not d.reset_attention_mask or d.create_attention_mask,
         "data.reset_attention_mask=true needs data.create_attention_mask=true: the training step hands document "
         "boundaries to attention through the dense document mask (without it documents would attend to each other)",
     )
