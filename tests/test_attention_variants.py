@@ -31,7 +31,9 @@ def test_variant_forward_backward(name):
         # q: 8 heads x 16, k and v: 2 groups x 16 each
         assert attn.linear_qkv.weight.shape == (8 * 16 + 2 * 2 * 16, 64)
     else:
-        assert type(attn).__name__ == "MLASelfAttention"
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+        assert isinstance(attn, MLASelfAttention)  # DSAMLASelfAttention when the indexer is on
         heads, qk, v = cfg.model.num_attention_heads, cfg.model.qk_head_dim, cfg.model.v_head_dim
         assert attn.linear_kv_up_proj.weight.shape == (heads * (qk + v), cfg.model.kv_lora_rank)
     grads = [p.grad for n, p in model.named_parameters() if "indexer" not in n]
