@@ -167,9 +167,10 @@ def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.gather(kv, 1, flat).view(b, c, k, kv.shape[-1])
 
 
-def default_chunk(t: int, heads: int, budget_elements: int = 1 << 25) -> int:
-    """Query rows per chunk keeping a [chunk, heads, t] fp32 block near `budget_elements`."""
-    return max(1, min(4096, budget_elements // max(1, heads * t)))
+def default_chunk(per_row_elements: int, budget_elements: int = 1 << 26) -> int:
+    """Query rows per chunk keeping a chunk's largest fp32 block (`per_row_elements` per query row:
+    heads x keys for scores, K x (D + heads) for gathered keys) near `budget_elements`."""
+    return max(1, min(4096, budget_elements // max(1, per_row_elements)))
 
 
 __all__ = [

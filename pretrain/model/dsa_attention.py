@@ -156,7 +156,11 @@ class DSACoreAttention(SDPACoreAttention):
         keys = VisibleKeys(s, s, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
         train_indexer = coeff > 0 and self.indexer is not None and torch.is_grad_enabled()
-        chunk = cfg.dsa_chunk_size or default_chunk(s, max(h, cfg.dsa_indexer_n_heads))
+        # Query rows per chunk: row blocks over all keys ([rows, heads, s]: top-k, dense KL) and over the
+        # selected keys ([rows, K, 576] gathered: sparse attention and KL) have different widths.
+        k_sel = min(cfg.dsa_indexer_topk, s)
+        chunk = cfg.dsa_chunk_size or default_chunk(max(h, cfg.dsa_indexer_n_heads) * s)
+        sparse_chunk = cfg.dsa_chunk_size or default_chunk(k_sel * (c + q_pe.shape[-1] + h))
         sparse = cfg.dsa_sparse_attention
         indexed = self._index_inputs(x, qr, rope) if (self.indexer is not None and (sparse or train_indexer)) else None
 
@@ -168,11 +172,11 @@ class DSACoreAttention(SDPACoreAttention):
                 indices = self._shared_indices(b, s)
             q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
             kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)
-            o_latent, _ = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, chunk)
+            o_latent, _ = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
             out = expand_values(o_latent, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
             if train_indexer:
                 target = sparse_target(q_abs.detach(), kv.detach(), self.softmax_scale, self.tp_group)
-                loss, _ = indexer_kl_sparse(*indexed, indices, target, chunk)
+                loss, _ = indexer_kl_sparse(*indexed, indices, target, sparse_chunk)
                 out = self._attach(out, loss, coeff)
             return out
 
