@@ -1,0 +1,181 @@
+"""Muon with Muon Split (GLM-5 report, section on MLA-256 and Muon Split; GLM-4.5's optimizer settings).
+
+For a matrix parameter W (m x n) with gradient G, momentum mu and learning rate lr:
+
+    M <- mu M + G                                   (momentum buffer)
+    U <- G + mu M  (Nesterov)   or   U <- M
+    O <- NS_5(U) ~ U (U^T U)^(-1/2)                  (quintic Newton-Schulz, 5 steps, bf16 by default)
+    W <- W (1 - lr wd) - lr * 0.2 * sqrt(max(m, n)) * O
+
+0.2 * sqrt(max(m, n)) gives the update about AdamW's RMS (Moonlight), so AdamW's learning rate and
+weight decay carry over. Muon Split: instead of orthogonalizing a whole up-projection, cut it into
+blocks (one per attention head of MLA's W_UQ; W_UK and W_UV of every head separately; one per
+expert of a grouped expert weight) and orthogonalize each block on its own, scaled by its own
+0.2 * sqrt(max(m_b, n_b)). Blocks of equal shape go through one batched Newton-Schulz.
+
+`Muon` is a `torch.optim.Optimizer` over plain tensors: parameter groups with `use_muon=False` (or
+parameters that are not 2-D) are updated with AdamW. A parameter's split comes from `splits`
+(parameter -> `MuonSplit`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+# Quintic Newton-Schulz coefficients (Jordan et al., Muon): fast convergence of singular values
+# into a band around 1 rather than exactly to 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonalization of the last two dims of `g` ([..., m, n]), batched."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:  # iterate on the wide orientation: X X^T is the smaller Gram matrix
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if transposed else x).to(g.dtype)
+
+
+@dataclass(frozen=True)
+class MuonSplit:
+    """How a 2-D weight is cut into independently orthogonalized blocks.
+
+    The weight is viewed along `axis` (0: rows, 1: columns) as `groups` equal slices (heads or
+    experts); each slice is cut along the same axis into `sections` (e.g. [d_nope, d_v] for MLA's
+    kv up-projection: W_UK and W_UV). Every (group, section) pair is one block.
+    """
+
+    groups: int
+    sections: Tuple[int, ...]
+    axis: int = 0
+
+    def blocks(self, w: torch.Tensor) -> List[torch.Tensor]:
+        """Views of `w` grouped by section: one [groups, rows, cols] tensor per section."""
+        per_group = sum(self.sections)
+        if w.shape[self.axis] != self.groups * per_group:
+            raise ValueError(f"MuonSplit({self.groups} x {self.sections}, axis {self.axis}) does not fit a weight of "
+                             f"shape {tuple(w.shape)}")
+        if self.axis == 0:
+            grouped = w.view(self.groups, per_group, w.shape[1])
+            return list(torch.split(grouped, list(self.sections), dim=1))
+        grouped = w.view(w.shape[0], self.groups, per_group).permute(1, 0, 2)
+        return list(torch.split(grouped, list(self.sections), dim=2))
+
+
+def orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], steps: int, dtype: torch.dtype,
+                          scale_rms: float) -> torch.Tensor:
+    """The scaled Newton-Schulz update of one matrix (whole, or block by block with `split`)."""
+    if split is None:
+        return newton_schulz(u, steps, dtype) * (scale_rms * math.sqrt(max(u.shape)))
+    out = torch.empty_like(u)
+    for src, dst in zip(split.blocks(u), split.blocks(out)):
+        dst.copy_(newton_schulz(src, steps, dtype) * (scale_rms * math.sqrt(max(src.shape[-2:]))))
+    return out
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrices, AdamW for everything else (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 2e-4,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        scale_rms: float = 0.2,
+        adam_betas: Tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        splits: Optional[Dict[torch.Tensor, MuonSplit]] = None,
+    ):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if ns_steps < 1:
+            raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_dtype=ns_dtype, scale_rms=scale_rms, adam_betas=adam_betas, adam_eps=adam_eps,
+                        use_muon=True)
+        super().__init__(params, defaults)
+        self._splits = {id(p): s for p, s in (splits or {}).items()}
+
+    def uses_muon(self, group: dict, p: torch.Tensor) -> bool:
+        return bool(group["use_muon"]) and p.ndim == 2
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.uses_muon(group, p):
+                    self._muon_update(group, p)
+                else:
+                    self._adamw_update(group, p)
+        return loss
+
+    def _muon_update(self, group: dict, p: torch.Tensor) -> None:
+        state = self.state[p]
+        grad = p.grad
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.mul_(group["momentum"]).add_(grad)
+        u = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+        update = orthogonalized_update(u, self._splits.get(id(p)), group["ns_steps"], group["ns_dtype"],
+                                       group["scale_rms"])
+        p.mul_(1.0 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"])
+
+    def _adamw_update(self, group: dict, p: torch.Tensor) -> None:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["adam_betas"]
+        state["step"] += 1
+        t = state["step"]
+        state["exp_avg"].lerp_(p.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["adam_eps"])
+        p.mul_(1.0 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**t))
+
+
+def mla_splits(named_params: Sequence[Tuple[str, torch.Tensor]], heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
+               v_head_dim: int, num_experts: int = 0, q_rope_own_block: bool = False) -> Dict[torch.Tensor, MuonSplit]:
+    """Muon Split blocks of a GLM-5 model's parameters (megatron-core names, this rank's heads/experts).
+
+    q up-projection: one block per head (the rope slice inside it, or its own block with
+    `q_rope_own_block`); kv up-projection: W_UK and W_UV per head; grouped experts: one block per
+    expert (weight1 [hidden, E * 2 * ffn] by columns, weight2 [E * ffn, hidden] by rows).
+    """
+    out: Dict[torch.Tensor, MuonSplit] = {}
+    q_sections = (qk_head_dim, qk_pos_emb_head_dim) if q_rope_own_block else (qk_head_dim + qk_pos_emb_head_dim,)
+    for name, p in named_params:
+        if p.ndim != 2:
+            continue
+        if name.endswith("linear_q_up_proj.weight"):
+            out[p] = MuonSplit(heads, q_sections, axis=0)
+        elif name.endswith("linear_kv_up_proj.weight"):
+            out[p] = MuonSplit(heads, (qk_head_dim, v_head_dim), axis=0)
+        elif num_experts and name.endswith("experts.weight1"):
+            out[p] = MuonSplit(num_experts, (p.shape[1] // num_experts,), axis=1)
+        elif num_experts and name.endswith("experts.weight2"):
+            out[p] = MuonSplit(num_experts, (p.shape[0] // num_experts,), axis=0)
+    return out
