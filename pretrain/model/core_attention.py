@@ -20,7 +20,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 
-
 # cuDNN first on GPU: on Hopper it is the fastest SDPA kernel at MLA's head dims (qk 256, v 256).
 _GPU_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,

@@ -114,10 +114,13 @@ class VisibleKeys:
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """cu_seqlens [n + 1] over a packed stream of `total` tokens -> segment id per token [1, total]."""
-    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
-    inner = cu_seqlens[1:-1].long()
-    starts[inner[inner < total]] = 1
-    return torch.cumsum(starts, 0).unsqueeze(0)
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return torch.bucketize(positions, cu_seqlens[1:-1].to(positions.dtype), right=True).unsqueeze(0)
+
+
+def is_indexer_parameter(name: str) -> bool:
+    """Whether a model parameter name belongs to a DSA lightning indexer."""
+    return ".core_attention.indexer." in name
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
@@ -182,6 +185,7 @@ __all__ = [
     "index_scores",
     "index_scores_at",
     "indexer_topk",
+    "is_indexer_parameter",
     "segment_ids_from_cu_seqlens",
     "select_topk",
     "upcast",

@@ -21,10 +21,11 @@ Top-k recall, the share of p[t, :] on t's selected keys, is measured in dense mo
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
 from pretrain.model.dsa import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
 
@@ -130,30 +131,10 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
     return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
 
 
-class IndexerLossAutoScaler(torch.autograd.Function):
-    """Identity on the activation; its backward feeds d(indexer loss) = scale into the loss.
-
-    The trainer sets `scale` to 1 / (number of micro-batches) each step (times the loss scale of
-    fp16 training), so the indexer's gradient is averaged over micro-batches like the LM loss's.
-    """
-
-    main_loss_backward_scale: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, loss: torch.Tensor):
-        ctx.save_for_backward(loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (loss,) = ctx.saved_tensors
-        scale = IndexerLossAutoScaler.main_loss_backward_scale
-        grad = torch.ones_like(loss) if scale is None else torch.ones_like(loss) * scale.to(loss.device)
-        return grad_output, grad
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        IndexerLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
+# megatron-core's scaler: identity on the activation, and its backward feeds d(indexer loss) =
+# main_loss_backward_scale into the loss. The trainer sets that scale every step to
+# 1 / (number of micro-batches) (times the fp16 loss scale); megatron-core 0.16.1 never sets it.
+IndexerLossAutoScaler = DSAIndexerLossAutoScaler
 
 
 class DSAMetrics:

@@ -30,6 +30,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from parallel.initialize import initialize_parallel
 from pretrain.config.schema import GLM5Config
 from pretrain.model.builder import build_model
+from pretrain.model.dsa import is_indexer_parameter
 from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
 from pretrain.training.optimizer import build_optimizer, build_scheduler
 from pretrain.training.preflight import preflight
@@ -56,7 +57,7 @@ def freeze_for_stage(chunks, trainable_params: str) -> None:
         return
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            param.requires_grad_(".core_attention.indexer." in name)
+            param.requires_grad_(is_indexer_parameter(name))
         chunk.config.moe_router_bias_update_rate = 0.0
 
 

@@ -23,14 +23,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.utils import unwrap_model
 
+from pretrain.model.dsa import is_indexer_parameter
 from pretrain.training import checkpoint_files as files
 from pretrain.training.checkpoint_state import SHARDED_STATE_METADATA, model_keys, model_sharded_state
 
 WEIGHTS_MARKER = "weights_only.json"  # a checkpoint that holds only model weights
-
-
-def _is_indexer(name: str) -> bool:
-    return ".core_attention.indexer." in name
 
 
 def resolve_weights_dir(path: str) -> str:
@@ -61,7 +58,7 @@ def load_pretrained_weights(path: str, model_chunks: Sequence[torch.nn.Module]) 
         state = request[key]
         absent = [n for n, v in state.items() if getattr(v, "key", None) not in available]
         for name in [n for n in absent if not n.endswith("_extra_state")]:
-            if not _is_indexer(name):
+            if not is_indexer_parameter(name):
                 raise RuntimeError(
                     f"checkpoint.pretrained={path}: the checkpoint has no tensor for model parameter {name}; "
                     "only DSA indexer parameters may be missing (they are initialized fresh)"
