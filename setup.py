@@ -26,7 +26,9 @@ setup(
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
-        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard"],
+        # the DSA kernels; CUDA builds of torch ship it, the CPU tests run it in its interpreter
+        "kernels": ["triton==3.6.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard", "triton==3.6.0"],
     },
     entry_points={
         "console_scripts": [

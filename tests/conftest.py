@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the DSA Triton kernels run in Triton's interpreter (tests/test_dsa_kernels.py). Triton
+# decides interpreter vs compiler when it is imported, so this must precede any import of triton. The
+# "auto" DSA backend still picks the PyTorch reference for CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")

@@ -93,10 +93,15 @@ def naive_index_scores(q, k, w, vis):
 
 
 def ref_topk(scores, topk):
-    """torch.topk on the full naive [b, S, T] matrix; slots on -inf scores are empty (-1)."""
+    """The documented selection by a naive sort of each row of the [b, S, T] matrix: the k largest
+    finite scores, ties to the lower key index, listed in ascending key order, -1 padded."""
     k = min(topk, scores.shape[-1])
-    vals, idx = torch.topk(scores, k, dim=-1)
-    return idx.masked_fill(vals == NEG_INF, -1)
+    out = []
+    for row in scores.reshape(-1, scores.shape[-1]).tolist():
+        finite = [i for i, v in enumerate(row) if v != NEG_INF]
+        chosen = sorted(sorted(finite, key=lambda i: (-row[i], i))[:k])
+        out.append(chosen + [-1] * (k - len(chosen)))
+    return torch.tensor(out, dtype=torch.long).view(*scores.shape[:-1], k)
 
 
 def dense_index_scores(q, k, w):
@@ -267,18 +272,13 @@ def test_select_topk_and_gathers():
     scores[0, 1, 3:] = NEG_INF
     scores[1, 4, :] = 0.0
     scores[1, 4, 6] = NEG_INF
+    scores[0, 2, :4] = 0.5  # a four-way tie at the top
+    scores[0, 2, 4:] = -1.0
     for topk in (2, 5, 7, 10):
         got = select_topk(scores, topk)
         assert got.shape == (2, 5, min(topk, 7))
-        # naive: sort each row descending by value (stable on the index for the -inf check only)
-        for bi, t in itertools.product(range(2), range(5)):
-            row = scores[bi, t].tolist()
-            finite = sorted((v for v in row if v != NEG_INF), reverse=True)
-            n = min(topk, 7)
-            sel = got[bi, t].tolist()
-            assert sum(1 for i in sel if i >= 0) == min(n, len(finite))
-            assert sorted((row[i] for i in sel if i >= 0), reverse=True) == finite[: min(n, len(finite))]
-            assert all(i == -1 for i in sel[min(n, len(finite)):])
+        assert torch.equal(got, ref_topk(scores, topk)), topk
+    assert select_topk(scores, 2)[0, 2].tolist() == [0, 1]  # the lowest indices win the tie
 
     q = torch.randn(2, 4, 3, 5, generator=gen, dtype=F64)
     k = torch.randn(2, 9, 5, generator=gen, dtype=F64)

@@ -85,6 +85,9 @@ class ModelConfig:
     dsa_indexer_types: Optional[List[str]] = None
     dsa_indexer_hadamard: bool = False  # ours: DeepSeek's FP8-oriented Hadamard rotation (GLM-5: off)
     dsa_chunk_size: Optional[int] = None  # ours: query rows per chunk of the reference path; null = auto
+    # ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"
+    dsa_kernel_backend: str = "auto"
+    deterministic_mode: bool = False  # bitwise-reproducible kernels (DSA backward without atomics)
     # --- implementation --------------------------------------------------------------------
     transformer_impl: str = "auto"  # "local", "transformer_engine", or "auto" (TE if importable)
     bf16: bool = False

@@ -39,6 +39,7 @@ CHOICES = {
     "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
     "model.moe_router_dtype": (None, "fp32", "fp64"),
     "model.experimental_attention_variant": (None, "dsa"),
+    "model.dsa_kernel_backend": ("auto", "triton", "reference"),
     "model.params_dtype": ("float32", "bfloat16"),
     "train.trainable_params": ("all", "dsa_indexer"),
     "optimizer.optimizer": ("adam", "muon"),
@@ -107,7 +108,8 @@ def check_model(m: ModelConfig) -> None:
     _positive(m, "model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
     _positive(m, "model", "max_position_embeddings", "layernorm_epsilon", "latent_layernorm_epsilon", "init_method_std")
     _fraction(m, "model", "hidden_dropout", "attention_dropout")
-    for name in ("normalization", "rope_type", "transformer_impl", "params_dtype", "experimental_attention_variant"):
+    for name in ("normalization", "rope_type", "transformer_impl", "params_dtype", "experimental_attention_variant",
+                 "dsa_kernel_backend"):
         _choice(m, "model", name)
     _positive(m, "model", "rotary_base", "rotary_scaling_factor")
     _check_attention(m)

@@ -27,6 +27,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     dsa_indexer_types: Optional[List[str]] = None
     dsa_indexer_hadamard: bool = False
     dsa_chunk_size: Optional[int] = None
+    dsa_kernel_backend: str = "auto"
 
 
 # ModelConfig keys that are not TransformerConfig fields (consumed by the builder itself).

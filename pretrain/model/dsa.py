@@ -8,7 +8,7 @@ H_I index heads of d_I dims:
     interleaved RoPE on the first qk_pos_emb_head_dim dims of q_I and k_I
     w   = W_w(x_t) * H_I^-1/2                               (fp32)
     I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * d_I^-1/2)   for visible s (causal, same document)
-    S_t = topk(min(K, #visible), I[t, :])                   (torch.topk: deterministic, ties included)
+    S_t = topk(min(K, #visible), I[t, :])     (ties: the lowest key indices; `select_topk`)
 
 Visible keys are s <= t within t's document. Every attention head of token t attends only to S_t
 (`pretrain.model.sparse_mla`). DeepSeek's Hadamard rotation of q_I / k_I only serves FP8 and is off
@@ -111,6 +111,31 @@ class VisibleKeys:
             visible = visible & (seg[:, None, :] == seg[:, r0:r1, None])
         return visible
 
+    def ranges(self, chunk: int = 1024):
+        """(lo, hi) int32 [b | 1, s]: each query row's visible keys as one range [lo, hi) (what the
+        Triton kernels take). Raises ValueError if a dense mask gives some row non-contiguous keys."""
+        causal_hi = torch.arange(self.s, device=self.device) + (self.t - self.s) + 1
+        if self.attention_mask is None and self.segment_ids is None:
+            return torch.zeros(1, self.s, dtype=torch.int32, device=self.device), causal_hi.clamp(max=self.t).int()[None]
+        if self.attention_mask is None:  # cu_seqlens segments (non-decreasing ids, s == t)
+            seg = self.segment_ids.contiguous()
+            lo = torch.searchsorted(seg, seg[:, self.t - self.s:])
+            return lo.int(), causal_hi.clamp(max=self.t).int()[None].expand(seg.shape[0], -1).contiguous()
+        los, his = [], []
+        keys = torch.arange(self.t, device=self.device)
+        for r0 in range(0, self.s, chunk):
+            vis = self.rows(r0, min(self.s, r0 + chunk))
+            count = vis.sum(-1)
+            lo = torch.where(count > 0, (keys + (~vis) * self.t).amin(-1), 0)
+            hi = torch.where(count > 0, (keys * vis).amax(-1) + 1, 0)
+            if not bool((hi - lo == count).all()):
+                raise ValueError("the DSA Triton kernels need every query's visible keys to form one contiguous "
+                                 "range (causal attention within documents); this attention mask does not. Set "
+                                 "model.dsa_kernel_backend=reference")
+            los.append(lo)
+            his.append(hi)
+        return torch.cat(los, 1).int(), torch.cat(his, 1).int()
+
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """cu_seqlens [n + 1] over a packed stream of `total` tokens -> segment id per token [1, total]."""
@@ -145,10 +170,22 @@ def index_scores_at(q: torch.Tensor, k_sel: torch.Tensor, w: torch.Tensor) -> to
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """torch.topk over the last dim (k = min(topk, T)); slots on -inf scores become -1."""
-    k = min(topk, scores.shape[-1])
-    values, indices = scores.topk(k, dim=-1)
-    return indices.masked_fill(values == float("-inf"), -1)
+    """The k = min(topk, T) largest scores of each row (last dim) -> their key indices, ascending.
+
+    Tie rule (the Triton kernel's too): keys scoring above the k-th largest value are all taken;
+    among keys equal to it, the lowest indices. Rows with fewer than k finite scores take all of
+    them and pad with -1 (-inf marks invisible keys)."""
+    t = scores.shape[-1]
+    k = min(topk, t)
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    tie = (scores == kth) & (kth > float("-inf"))
+    need = k - above.sum(-1, keepdim=True)
+    take = above | (tie & (tie.cumsum(-1) <= need))
+    positions = torch.arange(t, device=scores.device)
+    key = torch.where(take, positions, t)
+    chosen = key.topk(k, dim=-1, largest=False, sorted=True).values
+    return chosen.masked_fill(chosen == t, -1)
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ from pretrain.model.indexer_loss import (
     indexer_kl_sparse,
     sparse_target,
 )
+from pretrain.model.kernels import use_triton
 from pretrain.model.sparse_mla import absorb_query, expand_values, sparse_mla_attention
 
 
@@ -165,18 +166,34 @@ class DSACoreAttention(SDPACoreAttention):
         indexed = self._index_inputs(x, qr, rope) if (self.indexer is not None and (sparse or train_indexer)) else None
 
         if sparse:
+            kernels = use_triton(getattr(cfg, "dsa_kernel_backend", "auto"), q_nope.device.type)
+            if kernels:
+                from pretrain.model.kernels import ops as triton_ops
             if self.indexer is not None:
-                indices = indexer_topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                if kernels:
+                    indices = triton_ops.indexer_topk(*indexed, cfg.dsa_indexer_topk, *keys.ranges())
+                else:
+                    indices = indexer_topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
                 self.last_indices = indices
             else:
                 indices = self._shared_indices(b, s)
             q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
             kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)
-            o_latent, _ = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
+            if kernels:
+                o_latent, lse = triton_ops.sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c,
+                                                                cfg.deterministic_mode)
+            else:
+                o_latent, lse = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
             out = expand_values(o_latent, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
             if train_indexer:
-                target = sparse_target(q_abs.detach(), kv.detach(), self.softmax_scale, self.tp_group)
-                loss, _ = indexer_kl_sparse(*indexed, indices, target, sparse_chunk)
+                if kernels:
+                    target = triton_ops.sparse_target(q_abs.detach(), kv.detach(), indices, lse, self.softmax_scale, c,
+                                                      self.tp_group)
+                    loss, _ = indexer_kl_sparse(*indexed, indices, target, default_chunk(8 * k_sel),
+                                                scores_at=triton_ops.scores_at(cfg.deterministic_mode))
+                else:
+                    target = sparse_target(q_abs.detach(), kv.detach(), self.softmax_scale, self.tp_group)
+                    loss, _ = indexer_kl_sparse(*indexed, indices, target, sparse_chunk)
                 out = self._attach(out, loss, coeff)
             return out
 

@@ -118,13 +118,20 @@ def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, ch
     return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
 
 
-def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int):
-    """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1)."""
+def _scores_at_reference(qc, kc, wc, idx):
+    return index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(idx < 0, float("-inf"))
+
+
+def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
+                      scores_at: Callable = _scores_at_reference):
+    """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1).
+    `scores_at(q_rows, k, w_rows, idx_rows)` gives the index scores at the selected keys (-inf on
+    empty slots): the reference gathers keys, the Triton backend (`kernels.ops.scores_at`) does not."""
 
     def rows(r0, r1, qc, kc, wc):
         idx = indices[:, r0:r1]
         valid = idx >= 0
-        logits = index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(~valid, float("-inf"))
+        logits = scores_at(qc, kc, wc, idx)
         p = target(r0, r1, idx)
         return _kl_sum(p, logits, valid), p.sum()
 

@@ -30,6 +30,12 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
     if cfg.optimizer.optimizer != "adam":
         raise ConfigError(f"optimizer.optimizer={cfg.optimizer.optimizer!r} is not available in the training loop "
                           "yet; set optimizer.optimizer=adam")
+    if cfg.model.experimental_attention_variant == "dsa" and cfg.model.dsa_kernel_backend == "triton":
+        from pretrain.model.kernels import interpreting, triton_available
+
+        if not triton_available() or not (torch.cuda.is_available() or interpreting()):
+            raise ConfigError("model.dsa_kernel_backend=triton needs the triton package and a GPU (or "
+                              "TRITON_INTERPRET=1 on CPU); set model.dsa_kernel_backend=auto or reference")
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local > torch.cuda.device_count():

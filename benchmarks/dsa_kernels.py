@@ -1,0 +1,250 @@
+"""DSA attention kernels vs dense cuDNN attention vs the PyTorch reference, at GLM-5 shapes.
+
+    python benchmarks/dsa_kernels.py --seqs 4096,8192,16384,32768,65536,131072 --out results.json
+
+Per sequence length S (batch 1, causal), GLM-5 attention shapes: 64 heads, absorbed MLA keys of
+576 = 512 latent + 64 rope dims, values 512, top-k 2048, indexer 32 heads x 128.
+
+(a) ours (Triton): indexer scores + exact top-k, sparse MLA attention, sparse indexer KL loss;
+(b) dense causal attention, SDPA with the cuDNN backend (flash if cuDNN refuses), the equivalent
+    multi-head shapes (q/k 256, v 256, 64 heads);
+(c) the reference path (`pretrain.model.dsa` / `sparse_mla` / `indexer_loss`, PyTorch).
+
+Times are medians of CUDA-event-timed repeats after warm-up; fresh random inputs per length.
+TFLOP/s of sparse attention use the convention 2 * S * k * heads * (576 + 512) forward and
+2 * S * k * heads * (2 * 576 + 3 * 512 - 512 + 576) = 2.53x that backward (QK recompute, dP, dQ,
+dK, dV), over all S * k slots; the "valid" columns count only slots on visible keys (the first
+k rows of a causal sequence have fewer than k keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pretrain.model.dsa import VisibleKeys  # noqa: E402
+from pretrain.model.kernels import indexer_kl as tkl  # noqa: E402
+from pretrain.model.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.kernels import sparse_mla as tsm  # noqa: E402
+
+H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
+D = C + R
+SCALE = 256**-0.5  # MLA: (qk_head_dim 192 + rope 64)^-1/2
+
+
+def timed(fn, reps: int, warmup: int = 2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def peak(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def inputs(s: int, gen: torch.Generator):
+    dev = "cuda"
+    q = (torch.randn(1, s, H, D, device=dev, generator=gen) * 0.5).bfloat16()
+    kv = torch.randn(1, s, D, device=dev, generator=gen).bfloat16()
+    qi = torch.randn(1, s, HI, DI, device=dev, generator=gen).bfloat16()
+    ki = torch.randn(1, s, DI, device=dev, generator=gen).bfloat16()
+    w = torch.randn(1, s, HI, device=dev, generator=gen) * HI**-0.5
+    return q, kv, qi, ki, w
+
+
+def sparse_kl_triton(qi, ki, w, idx, q, kv, lse, chunk: int = 1 << 14):
+    """The sparse indexer loss through the Triton pieces (what the DSA layer runs)."""
+    from pretrain.model.indexer_loss import _kl_sum
+
+    s = q.shape[1]
+    total = 0.0
+    for r0 in range(0, s, chunk):
+        r1 = min(s, r0 + chunk)
+        p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, r0, r1)
+        p = p / p.sum(-1, keepdim=True)
+        logits = tkl.index_scores_at(qi, ki, w, idx, r0, r1)
+        total = total + _kl_sum(p, logits, idx[:, r0:r1] >= 0)
+    return total / s
+
+
+def ours(s, q, kv, qi, ki, w, reps):
+    lo, hi = VisibleKeys(s, s, "cuda").ranges()
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    qi, ki, w = qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
+    g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
+    idx = ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi)
+    res = {"topk_ms": timed(lambda: ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi), reps)}
+    res["attn_fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
+    out, lse = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+
+    def attn_fb():
+        o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+        o.backward(g)
+
+    res["attn_fwdbwd_ms"] = timed(attn_fb, reps)
+    res["attn_bwd_ms"] = res["attn_fwdbwd_ms"] - res["attn_fwd_ms"]
+    res["kl_fwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q.detach(), kv.detach(), lse), reps)
+    res["kl_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q.detach(), kv.detach(), lse).backward(), reps)
+
+    def whole(backward: bool):
+        ix = ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi)
+        o, ls = tsm.sparse_mla_attention(q, kv, ix, SCALE, C)
+        loss = sparse_kl_triton(qi, ki, w, ix, q.detach(), kv.detach(), ls)
+        if backward:
+            torch.autograd.backward([o, loss], [g, torch.ones_like(loss)])
+
+    res["fwd_ms"] = timed(lambda: whole(False), reps)
+    res["fwdbwd_ms"] = timed(lambda: whole(True), reps)
+    res["bwd_ms"] = res["fwdbwd_ms"] - res["fwd_ms"]
+    res["peak_gib"] = peak(lambda: whole(True))
+    valid = float((idx >= 0).sum())
+    flops_fwd = 2 * s * TOPK * H * (C + D)
+    flops_bwd = 2 * s * TOPK * H * (2 * D + C + C + D)  # QK, dP, dV, dQ, dK
+    res["attn_fwd_tflops"] = flops_fwd / res["attn_fwd_ms"] / 1e9
+    res["attn_bwd_tflops"] = flops_bwd / res["attn_bwd_ms"] / 1e9
+    frac = valid / (s * TOPK)
+    res["attn_fwd_tflops_valid"] = res["attn_fwd_tflops"] * frac
+    res["attn_bwd_tflops_valid"] = res["attn_bwd_tflops"] * frac
+    q.grad = kv.grad = qi.grad = ki.grad = w.grad = None
+    return res
+
+
+def dense(s, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = "cuda"
+    q = torch.randn(1, H, s, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, H, s, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, H, s, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(1, H, s, 256, device=dev, dtype=torch.bfloat16)
+    backend = None
+    for cand in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(cand):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+            backend = cand
+            break
+        except RuntimeError:
+            continue
+
+    def fwd():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def fb():
+        fwd().backward(g)
+
+    res = {"backend": str(backend), "fwd_ms": timed(fwd, reps), "fwdbwd_ms": timed(fb, reps)}
+    res["bwd_ms"] = res["fwdbwd_ms"] - res["fwd_ms"]
+    res["peak_gib"] = peak(fb)
+    flops = 2 * 2 * s * s / 2 * H * 256  # causal: half of QK^T and PV
+    res["fwd_tflops"] = flops / res["fwd_ms"] / 1e9
+    res["bwd_tflops"] = 2.5 * flops / res["bwd_ms"] / 1e9
+    return res
+
+
+def reference(s, q, kv, qi, ki, w, reps):
+    from pretrain.model import indexer_loss as ref_loss
+    from pretrain.model.dsa import default_chunk, indexer_topk
+    from pretrain.model.sparse_mla import sparse_mla_attention
+
+    keys = VisibleKeys(s, s, "cuda")
+    q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    qi, ki, w = (t.detach().requires_grad_() for t in (qi, ki, w))
+    g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
+    chunk = default_chunk(HI * s)
+    sparse_chunk = default_chunk(TOPK * (D + H))
+
+    def whole(backward: bool):
+        ix = indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, keys, chunk)
+        o, _ = sparse_mla_attention(q, kv, ix, SCALE, C, sparse_chunk)
+        target = ref_loss.sparse_target(q.detach(), kv.detach(), SCALE)
+        loss, _ = ref_loss.indexer_kl_sparse(qi, ki, w, ix, target, sparse_chunk)
+        if backward:
+            torch.autograd.backward([o, loss], [g, torch.ones_like(loss)])
+
+    res = {"fwd_ms": timed(lambda: whole(False), reps, warmup=1), "fwdbwd_ms": timed(lambda: whole(True), reps, warmup=1)}
+    res["bwd_ms"] = res["fwdbwd_ms"] - res["fwd_ms"]
+    res["peak_gib"] = peak(lambda: whole(True))
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--reference-max", type=int, default=16384, help="largest S for the (slow) reference path")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for s in (int(x) for x in args.seqs.split(",")):
+        entry = {"S": s}
+        t0 = time.time()
+        q, kv, qi, ki, w = inputs(s, gen)
+        try:
+            entry["dsa"] = ours(s, q, kv, qi, ki, w, args.reps)
+        except torch.OutOfMemoryError as e:
+            entry["dsa"] = {"error": f"OOM: {e}"[:200]}
+        torch.cuda.empty_cache()
+        try:
+            entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)
+        except torch.OutOfMemoryError as e:
+            entry["dense"] = {"error": f"OOM: {e}"[:200]}
+        torch.cuda.empty_cache()
+        if s <= args.reference_max:
+            entry["reference"] = reference(s, q, kv, qi, ki, w, 2)
+            torch.cuda.empty_cache()
+        del q, kv, qi, ki, w
+        torch.cuda.empty_cache()
+        rows.append(entry)
+        print(json.dumps(entry), f"({time.time() - t0:.0f}s)", flush=True)
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+    print(table(rows))
+
+
+def table(rows) -> str:
+    lines = ["| S | DSA fwd ms | DSA bwd ms | DSA fwd+bwd ms | dense fwd+bwd ms | dense / DSA | attn fwd TFLOP/s | "
+             "attn bwd TFLOP/s | DSA peak GiB | dense peak GiB | reference fwd+bwd ms |", "|" + " --- |" * 11]
+    for e in rows:
+        a, d, r = e.get("dsa", {}), e.get("dense", {}), e.get("reference", {})
+
+        def f(x, key, fmt="{:.1f}"):
+            return fmt.format(x[key]) if key in x else "-"
+
+        ratio = d["fwdbwd_ms"] / a["fwdbwd_ms"] if "fwdbwd_ms" in a and "fwdbwd_ms" in d else math.nan
+        lines.append(f"| {e['S']} | {f(a, 'fwd_ms')} | {f(a, 'bwd_ms')} | {f(a, 'fwdbwd_ms')} | {f(d, 'fwdbwd_ms')} | "
+                     f"{ratio:.2f} | {f(a, 'attn_fwd_tflops', '{:.0f}')} | {f(a, 'attn_bwd_tflops', '{:.0f}')} | "
+                     f"{f(a, 'peak_gib', '{:.2f}')} | {f(d, 'peak_gib', '{:.2f}')} | {f(r, 'fwdbwd_ms')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Triton sparse MLA attention in absorbed form, forward and backward (GLM-5 report, DSA section;
+DeepSeek-V3.2 section 2). The math and the reference are `pretrain.model.sparse_mla`:
+
+    s_h(t, j) = scale * q_h(t) . kv[S_t[j]]          q: [latent C ; rope R] = 512 + 64 dims at GLM-5
+    o_h(t)    = sum_j softmax_j(s_h(t, .)) kv[S_t[j], :C],   lse_h(t) saved (fp32)
+
+One program per query token: its H heads form the MMA's M dimension (all heads share S_t), the
+token's selected keys are gathered BN at a time, with an online softmax in fp32 (exp2 domain).
+
+Backward per token recomputes P = exp(s - lse), dP = dO kv[:, :C]^T, dS = P (dP - Delta) scale, with
+Delta = rowsum(dO * O), and forms dq = dS kv and the key/value gradient of each gathered block,
+dkv[S_t[j]] += dS^T q  (+ P^T dO on the latent part). Keys are shared between tokens, so that sum
+runs either through fp32 atomics (fast, order-dependent rounding) or, with `deterministic=True`,
+through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
+                s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ob, s_ot, s_oh, qk_scale,
+                C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+                BN: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0)
+    bid = tl.program_id(1)
+    h = tl.arange(0, BH)
+    c = tl.arange(0, BC)
+    r = tl.arange(0, BR)
+    qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
+    q_lat = tl.load(qb + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
+    q_rope = tl.load(qb + C + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
+    m_i = tl.full((BH,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, BC), tl.float32)
+    nv = tl.load(nv_ptr + bid * S + t)
+    for j0 in range(0, nv, BN):
+        j = j0 + tl.arange(0, BN)
+        idx = tl.load(idx_ptr + bid * s_ib + t * s_it + j, mask=j < nv, other=-1)
+        ok = idx >= 0
+        kb = kv_ptr + bid * s_kb + idx.to(tl.int64)[:, None] * s_kt
+        k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
+        k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=PREC)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    ob = o_ptr + bid * s_ob + t * s_ot
+    tl.store(ob + h[:, None] * s_oh + c[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(h[:, None] < H) & (c[None, :] < C))
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + (bid * S + t) * H + h, lse, mask=h < H)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, part_ptr,
+                S, H, T, r0, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh,
+                s_pb, s_pt, s_pj, sm_scale, qk_scale,
+                C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+                BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr):
+    # q and dO stay resident as the A operands of S = q K^T and dP = dO V^T; the key-side products
+    # dS^T q and P^T dO re-read q / dO in CC-wide column slices (L1 / L2 hits), which keeps shared
+    # memory to one copy of each.
+    t = r0 + tl.program_id(0)
+    bid = tl.program_id(1)
+    h = tl.arange(0, BH)
+    c = tl.arange(0, BC)
+    r = tl.arange(0, BR)
+    cc = tl.arange(0, CC)
+    hm = h < H
+    qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
+    dob = do_ptr + bid * s_dob + t * s_dot + h[:, None] * s_doh
+    q_lat = tl.load(qb + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
+    q_rope = tl.load(qb + C + r[None, :], mask=hm[:, None] & (r[None, :] < R), other=0.0)
+    do = tl.load(dob + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
+    lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + (bid * S + t) * H + h, mask=hm, other=0.0)
+    dq_lat = tl.zeros((BH, BC), tl.float32)
+    dq_rope = tl.zeros((BH, BR), tl.float32)
+    nv = tl.load(nv_ptr + bid * S + t)
+    for j0 in range(0, nv, BN):
+        j = j0 + tl.arange(0, BN)
+        idx = tl.load(idx_ptr + bid * s_ib + t * s_it + j, mask=j < nv, other=-1)
+        ok = idx >= 0
+        row = idx.to(tl.int64)[:, None]
+        kb = kv_ptr + bid * s_kb + row * s_kt
+        k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
+        k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(k_lat), input_precision=PREC)
+        ds = p * (dp - delta[:, None]) * sm_scale
+        dsc = ds.to(k_lat.dtype)
+        dq_lat = tl.dot(dsc, k_lat, dq_lat, input_precision=PREC)
+        dq_rope = tl.dot(dsc, k_rope, dq_rope, input_precision=PREC)
+        ds_t = tl.trans(dsc)
+        p_t = tl.trans(p.to(k_lat.dtype))
+        dk_rope = tl.dot(ds_t, q_rope, input_precision=PREC)
+        # DKV: 0 = fp32 atomics into dkv, 1 = per-(token, slot) rows into part (deterministic),
+        # 2 = no key gradient (timing only).
+        pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
+        db = dkv_ptr + (bid * T + row) * (C + R)
+        if DKV == 1:
+            tl.store(pb + C + r[None, :], dk_rope, mask=ok[:, None] & (r[None, :] < R))
+        elif DKV == 0:
+            tl.atomic_add(db + C + r[None, :], dk_rope, mask=ok[:, None] & (r[None, :] < R), sem="relaxed")
+        for c0 in tl.static_range(0, BC, CC):
+            cm = (c0 + cc) < C
+            q_c = tl.load(qb + c0 + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+            do_c = tl.load(dob + c0 + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+            dk_c = tl.dot(ds_t, q_c, input_precision=PREC)
+            dk_c = tl.dot(p_t, do_c, dk_c, input_precision=PREC)
+            if DKV == 1:
+                tl.store(pb + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :])
+            elif DKV == 0:
+                tl.atomic_add(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :], sem="relaxed")
+    dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
+    tl.store(dqb + c[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (c[None, :] < C))
+    tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (r[None, :] < R))
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(int(n)))
+
+
+def _shapes(q, kv, v_dim):
+    b, s, h, d = q.shape
+    c, r = int(v_dim), d - int(v_dim)
+    if kv.shape[-1] != d or r <= 0:
+        raise ValueError(f"sparse MLA kernels need q [.., {d}] and kv [.., {d}] with a rope part after v_dim={v_dim}")
+    if q.stride(-1) != 1 or kv.stride(-1) != 1:
+        raise ValueError("sparse MLA kernels need the feature dim contiguous in q and kv")
+    return b, s, h, c, r
+
+
+DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
+
+
+def kernel_config(h: int, c: int, backward: bool = False):
+    """(BN, num_warps, num_stages[, CC]) chosen by the H200 sweep in benchmarks/dsa_kernel_sweep.py."""
+    small = _pow2(h) * _pow2(c) <= 64 * 512
+    if backward:
+        return (32 if small else 16), 8, 1, 64
+    return (64 if small else 32), 8, 2
+
+
+class SparseMLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, scale: float, v_dim: int, deterministic: bool):
+        b, s, h, c, r = _shapes(q, kv, v_dim)
+        indices = indices.to(torch.int32)
+        nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
+        out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+        bn, warps, stages = kernel_config(h, c)[:3]
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        _fwd_kernel[(s, b)](
+            q, kv, indices, nvalid, out, lse, s, h,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
+            C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn, PREC=prec, num_warps=warps, num_stages=stages)
+        ctx.save_for_backward(q, kv, indices, nvalid, out, lse)
+        ctx.scale, ctx.v_dim, ctx.deterministic = scale, v_dim, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, kv, indices, nvalid, out, lse = ctx.saved_tensors
+        b, s, h, c, r = _shapes(q, kv, ctx.v_dim)
+        t, k = kv.shape[1], indices.shape[-1]
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+        dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
+        dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
+        bn, warps, stages, cc = kernel_config(h, c, backward=True)
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+
+        def launch(r0, rows, part):
+            _bwd_kernel[(rows, b)](
+                q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
+                indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+                *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)),
+                ctx.scale, ctx.scale * LOG2E,
+                C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn, CC=min(cc, _pow2(c)), PREC=prec,
+                DKV=DKV_MODE if DKV_MODE is not None else int(ctx.deterministic), num_warps=warps, num_stages=stages)
+
+        if ctx.deterministic:
+            scatter_rows_deterministic(launch, indices, dkv, s)
+        else:
+            launch(0, s, dkv)
+        return dq, dkv.to(kv.dtype), None, None, None, None
+
+
+def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int,
+                         deterministic: bool = False):
+    """Triton version of `pretrain.model.sparse_mla.sparse_mla_attention` (same arguments and results).
+    The valid slots of each row of `indices` must come first (-1 after them), as both top-k paths
+    produce them."""
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax scale must be finite, got {scale}")
+    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim), bool(deterministic))

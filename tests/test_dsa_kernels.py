@@ -1,0 +1,266 @@
+"""The DSA Triton kernels (pretrain/model/kernels) on CPU through Triton's interpreter.
+
+Every kernel is compared with something it does not compute itself:
+
+* index scores: the float64 formula (tests/test_dsa_ops.py's naive loops' einsum form);
+* top-k selection: a naive Python sort implementing the documented rule (ties to the lower key
+  index), applied to the kernel's own scores, so the check is exact; and the whole `indexer_topk`
+  against the reference `pretrain.model.dsa.indexer_topk` where no ties straddle the boundary;
+* sparse MLA forward / backward and the indexer-KL pieces: the float64 reference path
+  (`pretrain.model.sparse_mla`, `pretrain.model.dsa.index_scores_at`) on the same inputs;
+* the DSA layer with `dsa_kernel_backend=triton`: transformers' GlmMoeDsaForCausalLM logits and the
+  reference backend's losses and gradients.
+
+Shapes are tiny and ragged (S not a multiple of any block, heads / dims padded inside the kernels).
+The same kernels run compiled on the GPU in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pretrain.model.dsa import VisibleKeys, gather_keys, index_scores_at, indexer_topk, segment_ids_from_cu_seqlens  # noqa: E402
+from pretrain.model.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
+from tests.test_dsa_ops import NEG_INF, ref_topk  # noqa: E402
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The kernel modules; on CPU they are interpreted (tests/conftest.py sets TRITON_INTERPRET=1 before
+    triton is imported)."""
+    from pretrain.model.kernels import interpreting
+
+    if not torch.cuda.is_available() and not interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    return {name: importlib.import_module(f"pretrain.model.kernels.{name}")
+            for name in ["segment_sum", "sparse_mla", "indexer_kl", "indexer_topk", "ops"]}
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def naive_scores(q, k, w, visible):
+    """float64 index scores [b, S, T], -inf where not visible."""
+    d = q.shape[-1]
+    dots = torch.einsum("bshd,btd->bsht", q.double(), k.double()) * d**-0.5
+    out = torch.einsum("bsh,bsht->bst", w.double(), dots.clamp(min=0))
+    return out.masked_fill(~visible, NEG_INF)
+
+
+def visibility(mode: str, b: int, s: int, t: int):
+    """VisibleKeys and its dense bool matrix [b, S, T] for causal / dense document mask / cu_seqlens."""
+    if mode == "causal":
+        keys = VisibleKeys(s, t, "cpu")
+    elif mode == "mask":
+        doc = torch.tensor([0] * 5 + [1] * 13 + [2] * (s - 18))
+        same = (doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+        keys = VisibleKeys(s, s, "cpu", attention_mask=(~same)[None, None].expand(b, 1, s, s))
+    else:
+        cu = torch.tensor([0, 9, 10, 30, s])
+        keys = VisibleKeys(s, s, "cpu", segment_ids=segment_ids_from_cu_seqlens(cu, s))
+    return keys, keys.rows(0, s).expand(b, -1, -1)
+
+
+@pytest.mark.parametrize("mode", ["causal", "mask", "segments"])
+def test_indexer_scores_and_exact_selection(kern, mode):
+    ktop = kern["indexer_topk"]
+    gen = torch.Generator().manual_seed(len(mode))
+    b, s, h, d = 2, 37, 3, 16
+    t = s + 4 if mode == "causal" else s  # a key prefix: T > S
+    q, k, w = torch.randn(b, s, h, d, generator=gen), torch.randn(b, t, d, generator=gen), torch.randn(b, s, h, generator=gen)
+    k[:, 3::5] = 0.0  # keys scoring exactly 0 for every query: ties at the top-k boundary
+    keys, vis = visibility(mode, b, s, t)
+    lo, hi = ktop.visible_ranges(*keys.ranges())
+    # ranges are the visible sets
+    cols = torch.arange(t)
+    assert torch.equal((cols >= lo[..., None]) & (cols < hi[..., None]), vis[: lo.shape[0]])
+
+    buf = torch.full((b, s, t), float("nan"))
+    ktop.index_score_rows(q, k, w, lo, hi, 0, s, buf, block_n=16)
+    want = naive_scores(q, k, w, vis)
+    assert rel(buf[vis], want[vis]) < 1e-6
+    scores = buf.masked_fill(~vis, NEG_INF)
+    assert int(((scores == 0) & vis).sum()) > b * s  # the tie case is real
+    for topk in (1, 6, 40):
+        out = torch.full((b, s, min(topk, t)), -7, dtype=torch.int32)
+        ktop.select_rows(buf, lo, hi, 0, s, topk, out)
+        assert torch.equal(out.long(), ref_topk(scores, topk)), topk
+        # the whole kernel, rows in two buffer blocks, equals selection on its own scores
+        got = ktop.indexer_topk(q, k, w, topk, lo, hi, buffer_bytes=4 * t * b * 16, block_n=16)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), ref_topk(scores, topk))
+        # and the reference path, which selects by the same rule
+        assert torch.equal(got.long(), indexer_topk(q, k, w, topk, keys, 5))
+
+
+def test_radix_select_tie_rule_and_special_values(kern):
+    ktop = kern["indexer_topk"]
+    rows = torch.tensor([
+        [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, 0.0, 2.0, -3.0, 0.0, 0.0, 0.0],  # zeros of both signs tie
+        [-1.0, -2.0, -1.0, -5.0, -1.0, -1.0, -2.0, -2.0, -7.0, -1.0, -1e-30, 1e-30],  # negatives, denormal-ish
+        [5.0] * 12,  # all equal: the lowest indices
+        [3.4e38, -3.4e38, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    ])
+    n, t = rows.shape
+    lo = torch.zeros(1, n, dtype=torch.int32)
+    hi = torch.full((1, n), t, dtype=torch.int32)
+    hi[0, 3] = 7  # a row with only 7 visible keys
+    scores = rows.clone()
+    scores[3, 7:] = NEG_INF
+    for topk in (1, 3, 5, 8, 12):
+        out = torch.full((1, n, topk), -7, dtype=torch.int32)
+        ktop.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
+        assert torch.equal(out[0].long(), ref_topk(scores, topk)[:, :topk]), topk
+    out = torch.empty(1, n, 3, dtype=torch.int32)
+    ktop.select_rows(rows[None].clone(), lo, hi, 0, n, 3, out)
+    assert out[0, 2].tolist() == [0, 1, 2]
+    assert out[0, 0].tolist() == [0, 4, 7]  # 2.0, 1.0 and the first of the (signed) zeros, ascending
+    with pytest.raises(ValueError, match="contiguous|backwards"):
+        ktop.visible_ranges(torch.tensor([[0, 2, 1]]), torch.tensor([[1, 2, 3]]))
+
+
+def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
+    """bf16-free fp32 inputs and causal top-k style indices (valid slots first, -1 after)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, c + r, generator=gen)
+    kv = torch.randn(b, s, c + r, generator=gen)
+    scores = torch.rand(b, s, s, generator=gen).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), NEG_INF)
+    idx = ref_topk(scores, topk)
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("config", [None, (16, 4, 1, 16)], ids=["default", "small_tiles"])
+def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, deterministic, config):
+    sm = kern["sparse_mla"]
+    if config is not None:  # several key blocks and latent column slices per token
+        monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: config if backward else config[:3])
+    q, kv, idx = sparse_case(3)
+    scale = 0.3
+    q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = sm.sparse_mla_attention(q1, kv1, idx.int(), scale, 24, deterministic)
+    q2, kv2 = q.double().requires_grad_(), kv.double().requires_grad_()
+    ref, ref_lse = ref_sparse_mla(q2, kv2, idx, scale, 24, 7)
+    assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-6
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    dq, dkv = torch.autograd.grad(out, (q1, kv1), g)
+    rdq, rdkv = torch.autograd.grad(ref, (q2, kv2), g.double())
+    assert rel(dq, rdq) < 1e-5 and rel(dkv, rdkv) < 1e-5
+    if deterministic:  # bitwise reproducible
+        q3, kv3 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out3, _ = sm.sparse_mla_attention(q3, kv3, idx.int(), scale, 24, True)
+        dq3, dkv3 = torch.autograd.grad(out3, (q3, kv3), g)
+        assert torch.equal(dq3, dq) and torch.equal(dkv3, dkv)
+
+
+def test_indexer_kl_kernels_match_reference(kern):
+    kl = kern["indexer_kl"]
+    sm = kern["sparse_mla"]
+    gen = torch.Generator().manual_seed(4)
+    b, s, hi, d = 2, 29, 3, 16
+    q, k, w = torch.randn(b, s, hi, d, generator=gen), torch.randn(b, s, d, generator=gen), torch.randn(b, s, hi, generator=gen)
+    _, _, idx = sparse_case(5, b=b, s=s, topk=9)
+    r0, r1 = 4, 23
+    for det in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
+        got = kl.index_scores_at(*leaves, idx.int(), r0, r1, det)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, w)]
+        rq, rk, rw = ref_leaves
+        ref = index_scores_at(rq[:, r0:r1], gather_keys(rk, idx[:, r0:r1]), rw[:, r0:r1])
+        ref = ref.masked_fill(idx[:, r0:r1] < 0, NEG_INF)
+        valid = idx[:, r0:r1] >= 0
+        assert torch.equal(torch.isinf(got), ~valid)
+        assert rel(got[valid], ref[valid]) < 1e-6
+        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(2)).masked_fill(~valid, 0)
+        grads = torch.autograd.grad(got, leaves, g)
+        ref_grads = torch.autograd.grad(ref.masked_fill(~valid, 0), ref_leaves, g.double())
+        for a, e in zip(grads, ref_grads):
+            assert e.abs().max() > 0 and rel(a, e) < 1e-5
+    # head-summed probabilities from the attention's saved lse
+    qa, kv, idx = sparse_case(6, b=b, s=s)
+    _, lse = sm.sparse_mla_attention(qa, kv, idx.int(), 0.25, 24)
+    got = kl.head_summed_probs(qa, kv, idx.int(), lse, 0.25, 24, r0, r1)
+    sel = gather_keys(kv.double(), idx[:, r0:r1])
+    logits = torch.einsum("bchd,bckd->bchk", qa[:, r0:r1].double(), sel) * 0.25
+    want = logits.masked_fill((idx[:, r0:r1] < 0)[:, :, None], NEG_INF).softmax(-1).sum(2)
+    assert rel(got, want) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# the DSA layer on the Triton backend
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def interpret(kern):
+    return kern
+
+
+def test_triton_backend_matches_transformers(interpret, tmp_path):
+    from pretrain.convert import load_hf_model
+    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, positions, relative_error, tokens
+
+    hf = hf_checkpoint(tmp_path, 41, layers=2, dense=1, index_topk=7, index_n_heads=NO_TIE_INDEX_HEADS)
+    ids = tokens(41, 2, 21)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    cfg, model = load_hf_model(str(tmp_path), mtp_num_layers=None, dsa_kernel_backend="triton")
+    assert cfg.model.dsa_sparse_attention
+    with torch.no_grad():
+        out = model(ids, positions(2, 21), None)
+    assert relative_error(out, ref) <= 1e-5
+
+
+def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
+    """Sparse attention + sparse indexer loss, LM and indexer gradients: Triton vs reference backend
+    (same weights, same tokens), with the deterministic backward too."""
+    from pretrain.convert import load_hf_model
+    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
+
+    hf_checkpoint(tmp_path, 42, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
+    ids_all = tokens(42, 2, 20)
+    ids, labels = ids_all[:, :-1], ids_all[:, 1:]
+    common = dict(mtp_num_layers=None, dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=True)
+    runs = {}
+    for name, extra in [("reference", dict(dsa_kernel_backend="reference")),
+                        ("triton", dict(dsa_kernel_backend="triton")),
+                        ("deterministic", dict(dsa_kernel_backend="triton", deterministic_mode=True))]:
+        _, model = load_hf_model(str(tmp_path), **common, **extra)
+        runs[name] = lm_step(model, ids, labels, scale=1.0)
+    ref_loss, ref_grads, ref_kl = runs["reference"]
+    for name in ("triton", "deterministic"):
+        loss, grads, recorded = runs[name]
+        assert relative_error(loss, ref_loss) <= 1e-5
+        assert set(recorded) == set(ref_kl) and len(recorded) == 2
+        for layer in recorded:
+            assert abs(float(recorded[layer]) - float(ref_kl[layer])) <= 1e-5 * abs(float(ref_kl[layer])) + 1e-7
+        indexer_seen = 0
+        for n, g in ref_grads.items():
+            if g is None:
+                assert grads[n] is None, n
+                continue
+            assert relative_error(grads[n], g) <= 1e-4, (name, n, relative_error(grads[n], g))
+            indexer_seen += ".indexer." in n
+        assert indexer_seen >= 8  # the indexer really trained through the kernels
+
+
+def test_backend_choice(kern, monkeypatch):
+    from pretrain.model.kernels import use_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert use_triton("auto", "cuda") and not use_triton("auto", "cpu") and not use_triton("reference", "cuda")
+    with pytest.raises(RuntimeError, match="dsa_kernel_backend=triton needs"):
+        use_triton("triton", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton("triton", "cpu") and not use_triton("auto", "cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        use_triton("cuda", "cuda")
+
