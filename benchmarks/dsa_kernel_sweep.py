@@ -60,9 +60,9 @@ def check_topk(s, topk, gen):
     ref = index_scores(qi.float(), ki.float(), w, keys.rows(0, s))
     vis = keys.rows(0, s).expand_as(ref)
     out = {"S": s, "topk": topk}
-    for variant in ("mma", "sum"):
+    for variant in ("sum",):
         buf = torch.full((1, s, s), float("nan"), device="cuda")
-        ttopk.index_score_rows(qi, ki, w, lo, hi, 0, s, buf, variant)
+        ttopk.index_score_rows(qi, ki, w, lo, hi, 0, s, buf)
         out[f"{variant}_scores_rel"] = rel(buf[vis], ref[vis])
         idx = torch.full((1, s, min(topk, s)), -7, device="cuda", dtype=torch.int32)
         ttopk.select_rows(buf, lo, hi, 0, s, topk, idx)
@@ -73,41 +73,66 @@ def check_topk(s, topk, gen):
 
 
 def breakdown(res, gen, s=4096):
-    """Backward kernel time by key-gradient mode: atomics / plain stores / none."""
-    from pretrain.model.kernels import segment_sum
-
+    """Backward: fused token kernel vs dq + key-major dkv kernels, atomics vs deterministic."""
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     q, kv = q.requires_grad_(), kv.requires_grad_()
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    part = torch.empty(1, s, TOPK, D, device="cuda")
-    original = tsm.scatter_rows_deterministic
-    tsm.scatter_rows_deterministic = lambda launch, indices, dkv, n: launch(0, n, part)
     fl = 2 * s * TOPK * H * (2 * D + C + C + D)
+    configs = [(False, None), (True, (64, 8, 1, 32)), (True, (64, 8, 1, 16)), (True, (64, 4, 1, 16)),
+               (True, (64, 8, 2, 16)), (True, (128, 8, 1, 16))]
     try:
-        for bn in (32, 64):
-            tsm.kernel_config = lambda h, c, backward=False, cfg=(bn, 8, 1, 64): cfg if backward else (64, 8, 2)
-            for mode in (0, 1, 2):
-                tsm.DKV_MODE = mode
-                o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=(mode == 1))
-                ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
-                row = {"S": s, "BN": bn, "dkv_mode": ["atomic", "store", "none"][mode], "bwd_ms": ms,
-                       "tflops_all_flops": fl / ms / 1e9}
+        for split, dkv_cfg in configs:
+            tsm.SPLIT_BACKWARD = split
+            tsm.kernel_config = (lambda h, c, backward=False, d=dkv_cfg:
+                                 d if backward == "dkv" else ORIGINAL_CONFIG(h, c, backward))
+            for det in (False, True):
+                row = {"S": s, "split": split, "dkv_cfg": dkv_cfg, "deterministic": det}
+                try:
+                    o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=det)
+                    row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
+                    row["tflops"] = fl / row["bwd_ms"] / 1e9
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:200]
                 res["bwd"].append(row)
                 print("breakdown", row, flush=True)
+                if not split:
+                    break
     finally:
-        tsm.DKV_MODE = None
-        tsm.scatter_rows_deterministic = original
+        tsm.SPLIT_BACKWARD = True
         tsm.kernel_config = ORIGINAL_CONFIG
-    o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=True)
-    ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
-    res["bwd"].append({"S": s, "deterministic_bwd_ms": ms})
-    print("deterministic full", ms, flush=True)
-    del segment_sum
 
 
 ORIGINAL_CONFIG = tsm.kernel_config
+
+
+def kl_breakdown(res, gen, s):
+    """Where the sparse indexer loss spends its time."""
+    from benchmarks.dsa_kernels import sparse_kl_triton
+    from pretrain.model.indexer_loss import _kl_sum
+    from pretrain.model.kernels import indexer_kl as tkl
+
+    q, kv, qi, ki, w = inputs(s, gen)
+    lo, hi = VisibleKeys(s, s, "cuda").ranges()
+    idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+    _, lse = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+    qi, ki, w = qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
+    out = {"S": s}
+    for stages in (1, 2, 3):
+        tkl.PROBS_STAGES = stages
+        out[f"probs_ms_stages{stages}"] = timed(lambda: tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s), 3)
+    out["scores_at_fwd_ms"] = timed(lambda: tkl.index_scores_at(qi, ki, w, idx, 0, s), 3)
+    sc = tkl.index_scores_at(qi, ki, w, idx, 0, s)
+    gsc = torch.randn_like(sc)
+    out["scores_at_bwd_ms"] = timed(lambda: torch.autograd.grad(sc, (qi, ki, w), gsc, retain_graph=True), 3)
+    p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s)
+    logits = sc.detach().requires_grad_()
+    out["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(_kl_sum(p / p.sum(-1, keepdim=True), logits, idx >= 0),
+                                                                  logits), 3)
+    out["total_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q, kv, lse).backward(), 3)
+    res["kl"] = out
+    print("kl", out, flush=True)
 
 
 def main():
@@ -118,60 +143,35 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "checks": [], "fwd": [], "bwd": [], "scores": []}
     for s, k in ((1000, 256), (4096, TOPK)):
-        for fn in (check_topk, check):
+        for fn in (check,):
             try:
                 res["checks"].append(fn(s, k, gen))
             except Exception as e:  # noqa: BLE001
                 res["checks"].append({"S": s, "error": repr(e)[:300]})
             print(res["checks"][-1], flush=True)
-    breakdown(res, gen)
+    breakdown(res, gen, 4096)
     s = args.seq
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     fl = 2 * s * TOPK * H * (C + D)
-    original = tsm.kernel_config
-    g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    for bn, warps, stages in [(64, 8, 2), (32, 8, 3), (32, 8, 4), (64, 4, 2)]:
-        tsm.kernel_config = lambda h, c, backward=False, cfg=(bn, warps, stages): cfg
-        row = {"BN": bn, "warps": warps, "stages": stages}
-        try:
-            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), 3)
-            row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
-        except Exception as e:  # noqa: BLE001 (out of resources etc.)
-            row["error"] = repr(e)[:200]
-        res["fwd"].append(row)
-        print("fwd", row, flush=True)
-    tsm.kernel_config = original
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-    for bn, warps, stages, cc in [(64, 8, 1, 64), (64, 8, 1, 128), (128, 8, 1, 64)]:
-        tsm.kernel_config = lambda h, c, backward=False, cfg=(bn, warps, stages, cc): cfg
-        brow = {"BN": bn, "warps": warps, "stages": stages, "CC": cc}
-        try:
-            brow["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), 3)
-            brow["bwd_tflops"] = 2 * s * TOPK * H * (2 * D + C + C + D) / brow["bwd_ms"] / 1e9
-        except Exception as e:  # noqa: BLE001
-            brow["error"] = repr(e)[:200]
-        res["bwd"].append(brow)
-        print("bwd", brow, flush=True)
-    tsm.kernel_config = original
+    res["fwd"].append({"fwd_ms": timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), 3)})
+    res["fwd"][-1]["fwd_tflops"] = fl / res["fwd"][-1]["fwd_ms"] / 1e9
+    print("fwd", res["fwd"][-1], flush=True)
     buf = torch.empty(1, s, s, device="cuda")
     lo32, hi32 = ttopk.visible_ranges(lo, hi)
     out = torch.empty(1, s, TOPK, device="cuda", dtype=torch.int32)
-    for variant, bm, bn, warps in [("mma", 16, 64, 8), ("sum", 4, 64, 8), ("sum", 4, 128, 8), ("sum", 2, 64, 8),
-                                   ("sum", 4, 64, 4)]:
-        row = {"variant": variant, "BM": bm, "BN": bn, "warps": warps}
+    for bm, bn, warps in [(4, 64, 8)]:
+        row = {"BM": bm, "BN": bn, "warps": warps}
         try:
-            row["scores_ms"] = timed(lambda: ttopk.index_score_rows(qi, ki, w, lo32, hi32, 0, s, buf, variant, bm, bn,
-                                                                    warps), 3)
+            row["scores_ms"] = timed(lambda: ttopk.index_score_rows(qi, ki, w, lo32, hi32, 0, s, buf, bm, bn, warps), 3)
             row["tflops"] = s * s / 2 * 32 * 128 * 2 / row["scores_ms"] / 1e9
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         res["scores"].append(row)
         print("scores", row, flush=True)
     res["select"] = []
-    for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
+    for block, warps in [(1024, 4), (512, 4)]:
         ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = block, warps
         row = {"BLOCK": block, "warps": warps}
         try:
@@ -180,6 +180,7 @@ def main():
             row["error"] = repr(e)[:200]
         res["select"].append(row)
         print("select", row, flush=True)
+    kl_breakdown(res, gen, s)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -112,6 +112,9 @@ def _scores_at_bwd(q_ptr, k_ptr, w_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, 
     tl.store(dw_ptr + base, dw, mask=hm)
 
 
+PROBS_STAGES = 2
+
+
 def _probs_config(h: int, c: int):
     return (64 if _pow2(h) * _pow2(c) <= 64 * 512 else 32), 8
 
@@ -128,7 +131,7 @@ def head_summed_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
         q, kv, indices, lse, out, s, h, k, r0, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
         C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=PROBS_STAGES)
     return out
 
 

@@ -92,22 +92,19 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, r0, K, s_sb, s_sr, s_lb
         # Radix selection of the K-th largest key, 8 bits per pass from the top.
         prefix = (lo * 0).to(tl.int64)
         k_rem = K
-        # Elements outside the row or off the prefix go to bins 256..511, which are never chosen
-        # (a histogram without a mask: one code path on every backend).
-        bins = tl.arange(0, 512)
+        bins = tl.arange(0, 256)
         for p in tl.static_range(4):
             shift = 24 - 8 * p
-            hist = tl.zeros((512,), tl.int32)
+            hist = tl.zeros((256,), tl.int32)
             for j0 in range(0, n, BLOCK):
                 j = j0 + offs
                 key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
                 match = (key >> (shift + 8)) == (prefix >> (shift + 8))
                 digit = ((key >> shift) & 255).to(tl.int32)
-                hist += tl.histogram(tl.where((j < n) & match, digit, 256 + (j & 255)), 512)
-            hist = tl.where(bins < 256, hist, 0)
+                hist += tl.histogram(digit, 256, mask=(j < n) & match)
             below = tl.cumsum(hist, 0)
             above = tl.sum(hist, 0) - below               # count with a larger digit
-            hit = (above < k_rem) & (above + hist >= k_rem) & (bins < 256)
+            hit = (above < k_rem) & (above + hist >= k_rem)
             digit_sel = tl.sum(tl.where(hit, bins, 0), 0)
             k_rem -= tl.sum(tl.where(hit, above, 0), 0)
             prefix += digit_sel.to(tl.int64) << shift
@@ -155,7 +152,7 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
     return out
 
 
-SELECT_BLOCK, SELECT_WARPS = 2048, 4  # H200 sweep
+SELECT_BLOCK, SELECT_WARPS = 512, 4  # H200 sweep
 
 
 def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         p_t = tl.trans(p.to(k_lat.dtype))
         dk_rope = tl.dot(ds_t, q_rope, input_precision=PREC)
         # DKV: 0 = fp32 atomics into dkv, 1 = per-(token, slot) rows into part (deterministic),
-        # 2 = no key gradient (timing only).
+        # 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only).
         pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
         db = dkv_ptr + (bid * T + row) * (C + R)
         if DKV == 1:
@@ -132,6 +132,8 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
             dk_c = tl.dot(p_t, do_c, dk_c, input_precision=PREC)
             if DKV == 1:
                 tl.store(pb + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :])
+            elif DKV == 3:
+                tl.store(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :] & (nv < 0))
             elif DKV == 0:
                 tl.atomic_add(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :], sem="relaxed")
     dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
@@ -160,7 +162,7 @@ def kernel_config(h: int, c: int, backward: bool = False):
     """(BN, num_warps, num_stages[, CC]) chosen by the H200 sweep in benchmarks/dsa_kernel_sweep.py."""
     small = _pow2(h) * _pow2(c) <= 64 * 512
     if backward:
-        return (32 if small else 16), 8, 1, 64
+        return (64 if small else 32), 8, 1, 64
     return (64 if small else 32), 8, 2
 
 
@@ -196,20 +198,21 @@ class SparseMLAFunction(torch.autograd.Function):
         bn, warps, stages, cc = kernel_config(h, c, backward=True)
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
-        def launch(r0, rows, part):
+        mode = DKV_MODE if DKV_MODE is not None else int(ctx.deterministic)
+
+        def launch(r0, rows, part, dkv_mode):
+            pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
             _bwd_kernel[(rows, b)](
                 q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
                 q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
-                indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-                *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)),
-                ctx.scale, ctx.scale * LOG2E,
-                C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn, CC=min(cc, _pow2(c)), PREC=prec,
-                DKV=DKV_MODE if DKV_MODE is not None else int(ctx.deterministic), num_warps=warps, num_stages=stages)
+                indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
+                ctx.scale, ctx.scale * LOG2E, C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn,
+                CC=min(cc, _pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
 
-        if ctx.deterministic:
-            scatter_rows_deterministic(launch, indices, dkv, s)
+        if mode == 1:
+            scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
         else:
-            launch(0, s, dkv)
+            launch(0, s, dkv, mode)
         return dq, dkv.to(kv.dtype), None, None, None, None
 
 
