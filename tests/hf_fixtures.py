@@ -56,11 +56,11 @@ def tiny_hf_model(seed: int, **kw) -> GlmMoeDsaForCausalLM:
 
 
 def write_hf_checkpoint(path: str, seed: int, layers: int = 3, dense: int = 1, mtp: bool = True,
-                        max_shard_size: Optional[str] = None) -> GlmMoeDsaForCausalLM:
+                        max_shard_size: Optional[str] = None, **kw) -> GlmMoeDsaForCausalLM:
     """An HF directory as GLM-5 ships it: `layers` decoder layers plus, with `mtp`, one MTP layer
     stored as `model.layers.{layers}` (eh_proj, enorm, hnorm, shared_head.norm and a full MoE
     decoder layer). Returns the HF model of the main layers (which ignores the MTP layer)."""
-    full = tiny_hf_model(seed, layers=layers + int(mtp), dense=dense)
+    full = tiny_hf_model(seed, layers=layers + int(mtp), dense=dense, **kw)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     full.save_pretrained(path, **kwargs)
     if not mtp:

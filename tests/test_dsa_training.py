@@ -170,11 +170,13 @@ def convert(hf_dir, out_dir, **overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A tiny GLM-5 HF directory with its MTP layer; returns (path, the HF model of the main layers)."""
+    """A tiny GLM-5 HF directory with its MTP layer; returns (path, the HF model of the main layers).
+    32 index heads: no index-score ties at the top-k boundary, where transformers' torch.topk and our
+    documented rule (lowest key index) may pick different keys."""
     from tests.hf_fixtures import write_hf_checkpoint
 
     path = tmp_path_factory.mktemp("hf") / "glm5"
-    return path, write_hf_checkpoint(str(path), 5, layers=2, dense=1, mtp=True)
+    return path, write_hf_checkpoint(str(path), 5, layers=2, dense=1, mtp=True, index_n_heads=32)
 
 
 # ------------------------------------------------------------------------------------------------

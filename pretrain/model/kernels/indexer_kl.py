@@ -28,8 +28,8 @@ def _probs_kernel(q_ptr, kv_ptr, idx_ptr, lse_ptr, a_ptr, S, H, K, r0,
                   s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ab, s_at, qk_scale,
                   C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                   BN: tl.constexpr, PREC: tl.constexpr):
-    t = r0 + tl.program_id(0)
-    bid = tl.program_id(1)
+    t = r0 + tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
@@ -55,8 +55,8 @@ def _probs_kernel(q_ptr, kv_ptr, idx_ptr, lse_ptr, a_ptr, S, H, K, r0,
 def _scores_at_fwd(q_ptr, k_ptr, w_ptr, idx_ptr, out_ptr, H, D, K, r0,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_ib, s_it, s_ob, s_ot, scale,
                    BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    t = r0 + tl.program_id(0)
-    bid = tl.program_id(1)
+    t = r0 + tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
     d = tl.arange(0, BD)
     hm = h < H
@@ -79,8 +79,8 @@ def _scores_at_bwd(q_ptr, k_ptr, w_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, 
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_ib, s_it, s_gb, s_gt, s_pb, s_pt, s_pj, scale,
                    BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
                    DETERMINISTIC: tl.constexpr):
-    t = r0 + tl.program_id(0)
-    bid = tl.program_id(1)
+    t = r0 + tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
     d = tl.arange(0, BD)
     hm = h < H

@@ -34,8 +34,8 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, r0, n_rows, T,
                    H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     # Heavy (late, causal) row blocks first: they bound the kernel's tail.
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    bid = tl.program_id(1)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     rows = pid * BM + tl.arange(0, BM)                 # local rows of this chunk
     row_ok = rows < n_rows
     m = tl.arange(0, BM * BH)                          # (token, head) pairs as the MMA's M dim
@@ -76,8 +76,8 @@ def _order_key(x):
 @triton.jit
 def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    bid = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     lo = tl.load(lo_ptr + bid * s_lb + r0 + row)
     hi = tl.load(hi_ptr + bid * s_lb + r0 + row)
     n = hi - lo

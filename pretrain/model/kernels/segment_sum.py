@@ -19,8 +19,8 @@ import triton.language as tl
 @triton.jit
 def _segment_sum_kernel(part_ptr, src_ptr, key_ptr, start_ptr, out_ptr, D,
                         BE: tl.constexpr, BD: tl.constexpr):
-    u = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    u = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1).to(tl.int64) * BD + tl.arange(0, BD)
     start = tl.load(start_ptr + u)
     end = tl.load(start_ptr + u + 1)
     acc = tl.zeros((BD,), tl.float32)

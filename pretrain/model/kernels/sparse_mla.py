@@ -32,8 +32,8 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ob, s_ot, s_oh, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                 BN: tl.constexpr, PREC: tl.constexpr):
-    t = tl.program_id(0)
-    bid = tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
@@ -79,8 +79,8 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     # q and dO stay resident as the A operands of S = q K^T and dP = dO V^T; the key-side products
     # dS^T q and P^T dO re-read q / dO in CC-wide column slices (L1 / L2 hits), which keeps shared
     # memory to one copy of each.
-    t = r0 + tl.program_id(0)
-    bid = tl.program_id(1)
+    t = r0 + tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
@@ -192,7 +192,12 @@ class SparseMLAFunction(torch.autograd.Function):
         b, s, h, c, r = _shapes(q, kv, ctx.v_dim)
         t, k = kv.shape[1], indices.shape[-1]
         grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+        # Delta = rowsum(dO * O) in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)
+        delta = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+        rows = max(1, (1 << 28) // max(1, b * h * c))
+        for r0 in range(0, s, rows):
+            r1 = min(s, r0 + rows)
+            delta[:, r0:r1] = (grad_out[:, r0:r1].float() * out[:, r0:r1].float()).sum(-1)
         dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
         dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
         bn, warps, stages, cc = kernel_config(h, c, backward=True)
