@@ -1,16 +1,18 @@
-"""Tile-size sweep and a quick accuracy check of the DSA Triton kernels at GLM-5 shapes (one GPU).
+"""Tile sweeps, a backward breakdown and a quick accuracy check of the DSA Triton kernels at GLM-5
+shapes (one GPU).
 
     python benchmarks/dsa_kernel_sweep.py --seq 8192 --out sweep.json
 
-Times every (BLOCK_N, num_warps, num_stages) of the sparse attention forward / backward and the
-indexer-score tiles, and checks outputs against the fp32 reference on the same bf16 inputs.
-The chosen defaults live in `pretrain/model/kernels/*.kernel_config`.
+Checks top-k (exact on the kernel's own scores) and sparse attention against the fp32 reference on
+the same bf16 inputs; times (BLOCK_N, num_warps, num_stages[, CC]) of the sparse attention forward
+and backward, the radix-select block, the indexer-loss pieces, and the backward by key-gradient
+mode. The chosen defaults live in `pretrain/model/kernels/` (`kernel_config`, `SELECT_BLOCK`,
+`PROBS_STAGES`).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -73,35 +75,34 @@ def check_topk(s, topk, gen):
 
 
 def breakdown(res, gen, s=4096):
-    """Backward: fused token kernel vs dq + key-major dkv kernels, atomics vs deterministic."""
+    """Backward time by key-gradient mode (DKV of `_bwd_kernel`): fp32 atomics (the default), plain
+    stores of per-(token, slot) rows (the deterministic mode's kernel, without its reduction), the
+    key gradient computed but not written, and no key gradient at all; then the deterministic mode."""
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     q, kv = q.requires_grad_(), kv.requires_grad_()
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
+    part = torch.empty(1, s, TOPK, D, device="cuda")
     fl = 2 * s * TOPK * H * (2 * D + C + C + D)
-    configs = [(False, None), (True, (64, 8, 1, 32)), (True, (64, 8, 1, 16)), (True, (64, 4, 1, 16)),
-               (True, (64, 8, 2, 16)), (True, (128, 8, 1, 16))]
+    original = tsm.scatter_rows_deterministic
+    tsm.scatter_rows_deterministic = lambda launch, indices, dkv, n: launch(0, n, part)
     try:
-        for split, dkv_cfg in configs:
-            tsm.SPLIT_BACKWARD = split
-            tsm.kernel_config = (lambda h, c, backward=False, d=dkv_cfg:
-                                 d if backward == "dkv" else ORIGINAL_CONFIG(h, c, backward))
-            for det in (False, True):
-                row = {"S": s, "split": split, "dkv_cfg": dkv_cfg, "deterministic": det}
-                try:
-                    o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=det)
-                    row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
-                    row["tflops"] = fl / row["bwd_ms"] / 1e9
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = repr(e)[:200]
-                res["bwd"].append(row)
-                print("breakdown", row, flush=True)
-                if not split:
-                    break
+        for mode, name in enumerate(["atomic", "store", "none", "compute_only"]):
+            tsm.DKV_MODE = mode
+            o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=(mode == 1))
+            ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
+            row = {"S": s, "dkv_mode": name, "bwd_ms": ms, "tflops_all_flops": fl / ms / 1e9}
+            res["bwd"].append(row)
+            print("breakdown", row, flush=True)
     finally:
-        tsm.SPLIT_BACKWARD = True
-        tsm.kernel_config = ORIGINAL_CONFIG
+        tsm.DKV_MODE = None
+        tsm.scatter_rows_deterministic = original
+    del part
+    o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=True)
+    ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
+    res["bwd"].append({"S": s, "dkv_mode": "deterministic (full)", "bwd_ms": ms, "tflops_all_flops": fl / ms / 1e9})
+    print("breakdown", res["bwd"][-1], flush=True)
 
 
 ORIGINAL_CONFIG = tsm.kernel_config
@@ -122,6 +123,7 @@ def kl_breakdown(res, gen, s):
     for stages in (1, 2, 3):
         tkl.PROBS_STAGES = stages
         out[f"probs_ms_stages{stages}"] = timed(lambda: tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s), 3)
+    tkl.PROBS_STAGES = 2
     out["scores_at_fwd_ms"] = timed(lambda: tkl.index_scores_at(qi, ki, w, idx, 0, s), 3)
     sc = tkl.index_scores_at(qi, ki, w, idx, 0, s)
     gsc = torch.randn_like(sc)
@@ -143,7 +145,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "checks": [], "fwd": [], "bwd": [], "scores": []}
     for s, k in ((1000, 256), (4096, TOPK)):
-        for fn in (check,):
+        for fn in (check_topk, check):
             try:
                 res["checks"].append(fn(s, k, gen))
             except Exception as e:  # noqa: BLE001
@@ -155,9 +157,30 @@ def main():
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     fl = 2 * s * TOPK * H * (C + D)
-    res["fwd"].append({"fwd_ms": timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), 3)})
-    res["fwd"][-1]["fwd_tflops"] = fl / res["fwd"][-1]["fwd_ms"] / 1e9
-    print("fwd", res["fwd"][-1], flush=True)
+    g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
+    for cfg in [(64, 8, 2), (64, 8, 1), (64, 8, 3), (32, 8, 2), (128, 8, 1), (64, 4, 2)]:
+        tsm.kernel_config = lambda h, c, backward=False, cfg=cfg: ORIGINAL_CONFIG(h, c, True) if backward else cfg
+        row = {"BN": cfg[0], "warps": cfg[1], "stages": cfg[2]}
+        try:
+            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), 3)
+            row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+            row["error"] = repr(e)[:200]
+        res["fwd"].append(row)
+        print("fwd", row, flush=True)
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+    for cfg in [(64, 8, 1, 64), (32, 8, 1, 64), (64, 8, 1, 128), (32, 8, 1, 32), (64, 4, 1, 64)]:
+        tsm.kernel_config = lambda h, c, backward=False, cfg=cfg: cfg if backward else ORIGINAL_CONFIG(h, c)
+        row = {"BN": cfg[0], "warps": cfg[1], "stages": cfg[2], "CC": cfg[3]}
+        try:
+            row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), 3)
+            row["bwd_tflops"] = 2 * s * TOPK * H * (2 * D + C + C + D) / row["bwd_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:200]
+        res["bwd"].append(row)
+        print("bwd", row, flush=True)
+    tsm.kernel_config = ORIGINAL_CONFIG
     buf = torch.empty(1, s, s, device="cuda")
     lo32, hi32 = ttopk.visible_ranges(lo, hi)
     out = torch.empty(1, s, TOPK, device="cuda", dtype=torch.int32)
@@ -171,7 +194,7 @@ def main():
         res["scores"].append(row)
         print("scores", row, flush=True)
     res["select"] = []
-    for block, warps in [(1024, 4), (512, 4)]:
+    for block, warps in [(512, 4), (1024, 4), (2048, 4)]:
         ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = block, warps
         row = {"BLOCK": block, "warps": warps}
         try:
@@ -180,6 +203,7 @@ def main():
             row["error"] = repr(e)[:200]
         res["select"].append(row)
         print("select", row, flush=True)
+    ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = 512, 4
     kl_breakdown(res, gen, s)
     if args.out:
         with open(args.out, "w") as f:
