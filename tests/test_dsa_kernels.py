@@ -264,3 +264,16 @@ def test_backend_choice(kern, monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         use_triton("cuda", "cuda")
 
+
+
+def test_preflight_refuses_triton_without_a_gpu(monkeypatch):
+    from pretrain.config import ConfigError, load_config
+    from pretrain.training.preflight import preflight
+
+    cfg = load_config("configs/models/glm5-tiny.yaml", ["model.dsa_kernel_backend=triton", "data.mock=true"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="dsa_kernel_backend=triton needs"):
+        preflight(cfg, world_size=1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    preflight(cfg, world_size=1)

@@ -459,6 +459,7 @@ DSA_RULES = [
      ["model.dsa_indexer_hadamard=true", "model.dsa_indexer_head_dim=16"]),
     (["model.dsa_chunk_size=0"], "model.dsa_chunk_size", ["model.dsa_chunk_size=8"]),
     (["model.dsa_chunk_size=-4"], "model.dsa_chunk_size", ["model.dsa_chunk_size=null"]),
+    (["model.dsa_kernel_backend=cuda"], "model.dsa_kernel_backend", ["model.dsa_kernel_backend=triton"]),
 ]
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.kernels.sparse_mla import LOG2E, _pow2, _shapes
+from pretrain.model.kernels.sparse_mla import LOG2E, _block_scores, _gather_block, _load_query, _pow2, _shapes
 
 
 @triton.jit
@@ -34,19 +34,12 @@ def _probs_kernel(q_ptr, kv_ptr, idx_ptr, lse_ptr, a_ptr, S, H, K, r0,
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
     hm = h < H
-    qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
-    q_lat = tl.load(qb + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
-    q_rope = tl.load(qb + C + r[None, :], mask=hm[:, None] & (r[None, :] < R), other=0.0)
+    q_lat, q_rope = _load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
     lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
     for j0 in range(0, K, BN):
-        j = j0 + tl.arange(0, BN)
-        idx = tl.load(idx_ptr + bid * s_ib + t * s_it + j, mask=j < K, other=-1)
-        ok = idx >= 0
-        kb = kv_ptr + bid * s_kb + idx.to(tl.int64)[:, None] * s_kt
-        k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
-        k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, K, s_kt,
+                                                  c, r, C, R, BN)
+        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.where(ok[None, :] & hm[:, None], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         tl.store(a_ptr + bid * s_ab + (t - r0) * s_at + j, tl.sum(p, 0), mask=j < K)
 

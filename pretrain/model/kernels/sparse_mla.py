@@ -28,6 +28,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_query(qb, h, c, r, H, C: tl.constexpr, R: tl.constexpr):
+    """The token's queries [BH, BC] (latent part) and [BH, BR] (rope part); qb points at head 0."""
+    q_lat = tl.load(qb + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
+    q_rope = tl.load(qb + C + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
+    return q_lat, q_rope
+
+
+@triton.jit
+def _gather_block(idx_row, kv_base, j0, n, s_kt, c, r, C: tl.constexpr, R: tl.constexpr, BN: tl.constexpr):
+    """Slots j0 .. j0 + BN of a token's selection (slots >= n or -1 are empty) and their gathered
+    key rows: (slots, key indices, valid, latent [BN, BC], rope [BN, BR])."""
+    j = j0 + tl.arange(0, BN)
+    idx = tl.load(idx_row + j, mask=j < n, other=-1)
+    ok = idx >= 0
+    kb = kv_base + idx.to(tl.int64)[:, None] * s_kt
+    k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
+    k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+    return j, idx, ok, k_lat, k_rope
+
+
+@triton.jit
+def _block_scores(q_lat, q_rope, k_lat, k_rope, PREC: tl.constexpr):
+    """q . k over latent and rope parts: [BH, BN] fp32."""
+    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
+    return tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ob, s_ot, s_oh, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
@@ -37,22 +65,15 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
     h = tl.arange(0, BH)
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
-    qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
-    q_lat = tl.load(qb + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
-    q_rope = tl.load(qb + C + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
+    q_lat, q_rope = _load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
     m_i = tl.full((BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BC), tl.float32)
     nv = tl.load(nv_ptr + bid * S + t)
     for j0 in range(0, nv, BN):
-        j = j0 + tl.arange(0, BN)
-        idx = tl.load(idx_ptr + bid * s_ib + t * s_it + j, mask=j < nv, other=-1)
-        ok = idx >= 0
-        kb = kv_ptr + bid * s_kb + idx.to(tl.int64)[:, None] * s_kt
-        k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
-        k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
+                                                  c, r, C, R, BN)
+        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -88,8 +109,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     hm = h < H
     qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
     dob = do_ptr + bid * s_dob + t * s_dot + h[:, None] * s_doh
-    q_lat = tl.load(qb + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
-    q_rope = tl.load(qb + C + r[None, :], mask=hm[:, None] & (r[None, :] < R), other=0.0)
+    q_lat, q_rope = _load_query(qb, h, c, r, H, C, R)
     do = tl.load(dob + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
     lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + (bid * S + t) * H + h, mask=hm, other=0.0)
@@ -97,15 +117,10 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     dq_rope = tl.zeros((BH, BR), tl.float32)
     nv = tl.load(nv_ptr + bid * S + t)
     for j0 in range(0, nv, BN):
-        j = j0 + tl.arange(0, BN)
-        idx = tl.load(idx_ptr + bid * s_ib + t * s_it + j, mask=j < nv, other=-1)
-        ok = idx >= 0
+        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
+                                                  c, r, C, R, BN)
         row = idx.to(tl.int64)[:, None]
-        kb = kv_ptr + bid * s_kb + row * s_kt
-        k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
-        k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(k_lat), input_precision=PREC)
