@@ -2,6 +2,9 @@
 
 * grouped: our specs (SDPA/cuDNN core attention, `torch._grouped_mm` experts)
 * local:   the same model with megatron-core's local MoE path (SequentialMLP, a loop of experts)
+* dense / dsa-triton / dsa-reference (`--variants dense,dsa-triton,dsa-reference`): dense MLA
+  attention, or DSA sparse attention with the sparse indexer loss (coefficient 1e-3) on the Triton
+  kernels or on the PyTorch reference path (grouped experts in all three)
 
     python benchmarks/model_step.py --config configs/models/glm5-proxy.yaml --out results.json
 
@@ -20,10 +23,21 @@ import time
 import torch
 
 
-def run_variant(cfg, grouped: bool, micro_batch: int, steps: int, warmup: int) -> dict:
+DSA = dict(dsa_sparse_attention=True, dsa_indexer_loss_coeff=1e-3, dsa_indexer_use_sparse_loss=True)
+VARIANTS = {
+    "grouped": dict(moe_grouped_gemm=True),
+    "local": dict(moe_grouped_gemm=False),
+    "dense": dict(moe_grouped_gemm=True, dsa_sparse_attention=False, dsa_indexer_loss_coeff=0.0,
+                  dsa_indexer_use_sparse_loss=False),
+    "dsa-triton": dict(moe_grouped_gemm=True, dsa_kernel_backend="triton", **DSA),
+    "dsa-reference": dict(moe_grouped_gemm=True, dsa_kernel_backend="reference", **DSA),
+}
+
+
+def run_variant(cfg, name: str, micro_batch: int, steps: int, warmup: int) -> dict:
     from pretrain.model.builder import build_model
 
-    model_cfg = dataclasses.replace(cfg.model, moe_grouped_gemm=grouped, bf16=True, params_dtype="bfloat16")
+    model_cfg = dataclasses.replace(cfg.model, bf16=True, params_dtype="bfloat16", **VARIANTS[name])
     variant = dataclasses.replace(cfg, model=model_cfg)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -47,7 +61,7 @@ def run_variant(cfg, grouped: bool, micro_batch: int, steps: int, warmup: int) -
             p.grad = None
     median = statistics.median(times)
     result = {
-        "variant": "grouped" if grouped else "local",
+        "variant": name,
         "tokens_per_s": micro_batch * seq / median,
         "step_s_median": median,
         "step_s_min": min(times),
@@ -69,11 +83,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", default="grouped,local", help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
-    results = [run_variant(cfg, g, args.micro_batch, args.steps, args.warmup) for g in (True, False)]
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    results = [run_variant(cfg, n, args.micro_batch, args.steps, args.warmup) for n in names]
     record = {
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
@@ -83,7 +102,7 @@ def main() -> None:
         "seq_length": cfg.data.seq_length,
         "micro_batch": args.micro_batch,
         "results": results,
-        "grouped_over_local_speed": results[0]["tokens_per_s"] / results[1]["tokens_per_s"],
+        f"{names[0]}_over_{names[-1]}_speed": results[0]["tokens_per_s"] / results[-1]["tokens_per_s"],
     }
     if args.out:
         with open(args.out, "w") as f:
@@ -92,7 +111,8 @@ def main() -> None:
     print(f"{'variant':<10}{'tokens/s':>12}{'step ms':>10}{'peak GiB':>10}{'loss':>8}")
     for r in results:
         print(f"{r['variant']:<10}{r['tokens_per_s']:>12,.0f}{r['step_s_median'] * 1e3:>10.1f}{r['peak_mem_gib']:>10.2f}{r['loss']:>8.3f}")
-    print(f"grouped / local speed: {record['grouped_over_local_speed']:.2f}x")
+    for r in results[1:]:
+        print(f"{names[0]} / {r['variant']} speed: {results[0]['tokens_per_s'] / r['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
