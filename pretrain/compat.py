@@ -11,7 +11,9 @@ Moving to a newer megatron-core means revisiting this file only. Two groups:
   run on CPU with a gloo process group. CPU support is a product feature: the quickstart trains
   on CPU and checkpoint conversion runs on CPU-only nodes.
 
-Both are idempotent.
+Both are idempotent. `patch_triton_interpreter()` (applied when TRITON_INTERPRET=1) fixes the one
+third-party problem outside megatron-core that the CPU tests meet: Triton 3.6's interpreter with
+NumPy >= 2.4.
 """
 
 from __future__ import annotations
