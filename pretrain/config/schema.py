@@ -124,6 +124,12 @@ class OptimizerConfig:
     muon_num_ns_steps: int = 5
     muon_scale_rms: float = 0.2  # ours: update RMS target, x 0.2 * sqrt(max(m, n))
     muon_split: bool = True  # ours: per-head orthogonalization of MLA up-projections
+    muon_ns_dtype: str = "bfloat16"  # ours: Newton-Schulz precision, "bfloat16" or "float32"
+    # ours: where the MoE router gate ([experts, hidden]) and the DSA indexer's projections go,
+    # "adamw" or "muon"; embeddings, the output layer, norms and biases always take AdamW, and
+    # the routers' correction bias is a buffer moved only by the balancing rule
+    muon_router: str = "adamw"
+    muon_indexer: str = "muon"
     # LR schedule (Megatron-LM argument names)
     lr_decay_style: str = "cosine"  # "constant", "linear", "cosine"
     lr_warmup_iters: int = 0

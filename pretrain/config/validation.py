@@ -43,6 +43,9 @@ CHOICES = {
     "model.params_dtype": ("float32", "bfloat16"),
     "train.trainable_params": ("all", "dsa_indexer"),
     "optimizer.optimizer": ("adam", "muon"),
+    "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
+    "optimizer.muon_router": ("adamw", "muon"),
+    "optimizer.muon_indexer": ("adamw", "muon"),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
@@ -234,6 +237,8 @@ def check_parallel(p: ParallelConfig) -> None:
 
 def check_optimizer(o: OptimizerConfig) -> None:
     _choice(o, "optimizer", "optimizer")
+    for name in ("muon_ns_dtype", "muon_router", "muon_indexer"):
+        _choice(o, "optimizer", name)
     _choice(o, "optimizer", "lr_decay_style")
     _at_least(o, "optimizer", ["lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "lr_warmup_iters"], 0)
     require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")

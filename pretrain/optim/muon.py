@@ -13,9 +13,11 @@ blocks (one per attention head of MLA's W_UQ; W_UK and W_UV of every head separa
 expert of a grouped expert weight) and orthogonalize each block on its own, scaled by its own
 0.2 * sqrt(max(m_b, n_b)). Blocks of equal shape go through one batched Newton-Schulz.
 
-`Muon` is a `torch.optim.Optimizer` over plain tensors: parameter groups with `use_muon=False` (or
-parameters that are not 2-D) are updated with AdamW. A parameter's split comes from `splits`
-(parameter -> `MuonSplit`).
+`Muon` is a `torch.optim.Optimizer` over plain tensors: parameter groups with `use_muon=False`,
+parameters in `adamw_params`, and parameters that are not 2-D are updated with AdamW. A parameter's
+split comes from `splits` (parameter -> `MuonSplit`). A tensor-parallel shard of a matrix that is not
+split along whole heads is listed in `tp_shards` (parameter -> (partition dim, process group)): its
+update is orthogonalized on the matrix gathered over the group, and each rank keeps its slice.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 # Quintic Newton-Schulz coefficients (Jordan et al., Muon): fast convergence of singular values
 # into a band around 1 rather than exactly to 1.
@@ -98,6 +101,8 @@ class Muon(torch.optim.Optimizer):
         adam_betas: Tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         splits: Optional[Dict[torch.Tensor, MuonSplit]] = None,
+        adamw_params: Iterable[torch.Tensor] = (),
+        tp_shards: Optional[Dict[torch.Tensor, Tuple[int, object]]] = None,
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
@@ -108,9 +113,11 @@ class Muon(torch.optim.Optimizer):
                         use_muon=True)
         super().__init__(params, defaults)
         self._splits = {id(p): s for p, s in (splits or {}).items()}
+        self._adamw = {id(p) for p in adamw_params}
+        self._tp = {id(p): v for p, v in (tp_shards or {}).items()}
 
     def uses_muon(self, group: dict, p: torch.Tensor) -> bool:
-        return bool(group["use_muon"]) and p.ndim == 2
+        return bool(group["use_muon"]) and p.ndim == 2 and id(p) not in self._adamw
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -136,8 +143,17 @@ class Muon(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.mul_(group["momentum"]).add_(grad)
         u = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-        update = orthogonalized_update(u, self._splits.get(id(p)), group["ns_steps"], group["ns_dtype"],
-                                       group["scale_rms"])
+        dtype = group["ns_dtype"]
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        shard = self._tp.get(id(p))
+        if shard is None:
+            update = orthogonalized_update(u, self._splits.get(id(p)), group["ns_steps"], dtype, group["scale_rms"])
+        else:  # orthogonalize the whole matrix, keep this rank's slice
+            dim, pg = shard
+            parts = [torch.empty_like(u) for _ in range(dist.get_world_size(pg))]
+            dist.all_gather(parts, u.contiguous(), group=pg)
+            full = orthogonalized_update(torch.cat(parts, dim), None, group["ns_steps"], dtype, group["scale_rms"])
+            update = full.chunk(len(parts), dim)[dist.get_rank(pg)]
         p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
 

@@ -1,5 +1,6 @@
 """Optimizer and LR schedule from the config, through megatron-core.
 
+Muon (`optimizer.optimizer: muon`) reuses everything below with Muon as the inner optimizer.
 AdamW is megatron-core's `adam` (decoupled weight decay; biases and norm weights without decay),
 fp32 on CPU and bf16 mixed precision (fp32 main weights and grads) on GPU. The schedule is
 megatron's `OptimizerParamScheduler`, stepped once per iteration: linear warm-up from
@@ -19,11 +20,9 @@ from pretrain.config.schema import GLM5Config
 
 
 def build_optimizer(cfg: GLM5Config, model_chunks: List):
+    """megatron-core's AdamW, or with `optimizer.optimizer: muon` the same wrappers around Muon
+    (`pretrain.training.muon_setup`)."""
     o = cfg.optimizer
-    if o.optimizer != "adam":
-        raise NotImplementedError(
-            f"optimizer.optimizer={o.optimizer!r} is not available in the training loop yet; use optimizer.optimizer=adam"
-        )
     import torch
 
     mcfg = MegatronOptimizerConfig(
@@ -39,7 +38,12 @@ def build_optimizer(cfg: GLM5Config, model_chunks: List):
         params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
         use_distributed_optimizer=o.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(mcfg, model_chunks)
+    optimizer = get_megatron_optimizer(mcfg, model_chunks)
+    if o.optimizer == "muon":
+        from pretrain.training.muon_setup import build_muon_optimizer
+
+        optimizer = build_muon_optimizer(cfg, model_chunks, optimizer)
+    return optimizer
 
 
 def build_scheduler(cfg: GLM5Config, optimizer) -> OptimizerParamScheduler:
