@@ -54,13 +54,12 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
     for i in range(steps + warmup):
         _sync()
         t0 = time.perf_counter()
-        values = trainer.train_step()
+        trainer.train_step()
         _sync()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         trainer.iteration += 1
     opt, step = statistics.median(opt_ms[warmup:]), statistics.median(step_ms[warmup:])
     result = {"variant": name, "step_ms": step, "optimizer_step_ms": opt, "optimizer_share": opt / step,
-              "loss_last": values.get("loss"),
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
     if name != "adamw":
         result["newton_schulz"] = newton_schulz_bench(trainer)
@@ -113,7 +112,21 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    results = [run(args.config, v, args.overrides, args.steps, args.warmup) for v in args.variants.split(",")]
+    variants = args.variants.split(",")
+    if len(variants) == 1:
+        results = [run(args.config, variants[0], args.overrides, args.steps, args.warmup)]
+    else:  # one process per variant: nothing of one run's model or optimizer survives into the next
+        import subprocess
+        import tempfile
+
+        results = []
+        for v in variants:
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                subprocess.run([sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+                                "--warmup", str(args.warmup), "--variants", v, "--out", tmp.name, *args.overrides],
+                               check=True)
+                with open(tmp.name) as f:
+                    results.extend(json.load(f)["results"])
     record = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d"), "config": args.config,
               "overrides": args.overrides, "results": results}
     if args.out:
