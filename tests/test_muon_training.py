@@ -66,6 +66,17 @@ def test_parameter_roles(tmp_path):
             assert role == "adamw"
 
 
+def test_gqa_qkv_is_split_per_query_group(tmp_path):
+    """GQA (the attention ablation's arm): the fused QKV [groups x (q heads of the group + k + v) x d,
+    hidden] gets one block per group and section, Q / K / V apart."""
+    over = ["data.mock=true", f"logging.run_dir={tmp_path}", "model.multi_latent_attention=false",
+            "model.experimental_attention_variant=null", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.kv_channels=16", *MUON]
+    roles = run_ranks(_roles, 1, over)[0]
+    qkv = [v for n, v in roles.items() if n.endswith("linear_qkv.weight")]
+    assert qkv and all(v == ("muon", (2, (32, 16, 16), 0), 2) for v in qkv), qkv
+
+
 def _one_step(rank, world_size, overrides):
     """Parameters before and after one training step, and the gradients that step used."""
     from megatron.core.utils import unwrap_model
