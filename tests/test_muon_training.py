@@ -216,6 +216,12 @@ def test_resume_continues_exactly(stdlib_data, tmp_path):
     for x, y in zip(full[2:], resumed):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6)
+    # the same checkpoint loaded into TP=2 (momentum and moments resharded) continues alike
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "tp2", *base, "train.train_iters=4",
+                                        f"checkpoint.load={ckpt}", *LAYOUTS["tp2"]))
+    for x, y in zip(full[2:], read_metrics(tmp_path / "tp2")):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
     momentum = run_ranks(_loaded_momentum, 1, tiny_overrides(stdlib_data, tmp_path / "c", *base, "train.train_iters=4",
                                                               f"checkpoint.load={ckpt}"))
     assert momentum[0] > 0  # the buffers came back (a fresh optimizer starts at zero)
