@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pretrain", "pretrain.*", "parallel", "parallel.*", "data_pipeline", "data_pipeline.*"]),
     install_requires=[
-        "megatron-core==0.16.1",  # the last release for Python 3.11; every workaround is in pretrain/compat.py
+        "megatron-core==0.16.1",  # the last release for Python 3.11; every workaround is in pretrain/compat/
         "torch>=2.6",
         "numpy",
         "omegaconf>=2.3",

@@ -55,22 +55,21 @@ def check(s, topk, gen):
 
 
 def check_topk(s, topk, gen):
-    """Scores of each variant vs fp32 reference scores; selection vs select_topk on the kernel's own scores."""
+    """Kernel scores vs fp32 reference scores; selection vs select_topk on the kernel's own scores."""
     q, kv, qi, ki, w = inputs(s, gen)
     keys = VisibleKeys(s, s, "cuda")
     lo, hi = ttopk.visible_ranges(*keys.ranges())
     ref = index_scores(qi.float(), ki.float(), w, keys.rows(0, s))
     vis = keys.rows(0, s).expand_as(ref)
     out = {"S": s, "topk": topk}
-    for variant in ("sum",):
-        buf = torch.full((1, s, s), float("nan"), device="cuda")
-        ttopk.index_score_rows(qi, ki, w, lo, hi, 0, s, buf)
-        out[f"{variant}_scores_rel"] = rel(buf[vis], ref[vis])
-        idx = torch.full((1, s, min(topk, s)), -7, device="cuda", dtype=torch.int32)
-        ttopk.select_rows(buf, lo, hi, 0, s, topk, idx)
-        own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
-        out[f"{variant}_select_exact"] = bool(torch.equal(idx.long(), own))
-        out[f"{variant}_select_mismatch_rows"] = int((idx.long() != own).any(-1).sum())
+    buf = torch.full((1, s, s), float("nan"), device="cuda")
+    ttopk.index_score_rows(qi, ki, w, lo, hi, 0, s, buf)
+    out["scores_rel"] = rel(buf[vis], ref[vis])
+    idx = torch.full((1, s, min(topk, s)), -7, device="cuda", dtype=torch.int32)
+    ttopk.select_rows(buf, lo, hi, 0, s, topk, idx)
+    own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
+    out["select_exact"] = bool(torch.equal(idx.long(), own))
+    out["select_mismatch_rows"] = int((idx.long() != own).any(-1).sum())
     return out
 
 

@@ -12,7 +12,7 @@ Every check compares against something the code under test does not compute itse
 
 Regression: sparse attention under TP=2 without sequence parallelism once lost the other ranks'
 share of the KV latent's gradient (megatron-core 0.16.1's `_reduce` returns a non-contiguous input
-unreduced; pretrain/compat.py fixes it).
+unreduced; pretrain/compat/ fixes it).
 
 fp32 on CPU. Tolerances are relative max-abs errors (max|out - ref| / max|ref|).
 """

@@ -166,10 +166,13 @@ def _save_initial(rank, world_size, overrides):
     Trainer(load_config(TINY, overrides)).save()
 
 
-def _train(rank, world_size, overrides):
+def _train(rank, world_size, overrides, blockwise_tp: bool = False):
     from pretrain.config import load_config
+    from pretrain.training import muon_setup
     from pretrain.training.loop import Trainer
 
+    if blockwise_tp:  # the mistake the TP test must catch: orthogonalizing each TP shard on its own
+        muon_setup._tp_group_of = lambda name, p: None
     return Trainer(load_config(TINY, overrides)).train()
 
 
@@ -190,6 +193,7 @@ def muon_runs(stdlib_data, tmp_path_factory):
     run_ranks(_train, 1, tiny_overrides(stdlib_data, root / "single", *start))
     for name, extra in LAYOUTS.items():
         run_ranks(_train, 2, tiny_overrides(stdlib_data, root / name, *start, *extra))
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, root / "tp2_blockwise", *start, *LAYOUTS["tp2"]), True)
     return root
 
 
@@ -201,6 +205,12 @@ def test_parallel_layouts_match_single_rank(muon_runs, layout):
     for x, y in zip(ref, got):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), layout
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), layout
+
+
+def test_tp_shards_orthogonalized_separately_would_be_caught(muon_runs):
+    """Sensitivity of the TP comparison: Muon on each rank's shard alone drifts from single rank."""
+    ref, got = read_metrics(muon_runs / "single"), read_metrics(muon_runs / "tp2_blockwise")
+    assert abs(got[-1]["loss"] - ref[-1]["loss"]) > 1e-4 * abs(ref[-1]["loss"])
 
 
 def test_resume_continues_exactly(stdlib_data, tmp_path):

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.kernels.sparse_mla import LOG2E, _block_scores, _gather_block, _load_query, _pow2, _shapes
+from pretrain.model.kernels.sparse_mla import LOG2E, _block_scores, _gather_block, _load_query, _shapes
+from pretrain.model.kernels.tiles import dot_precision, pow2
 
 
 @triton.jit
@@ -109,7 +110,7 @@ PROBS_STAGES = 2
 
 
 def _probs_config(h: int, c: int):
-    return (64 if _pow2(h) * _pow2(c) <= 64 * 512 else 32), 8
+    return (64 if pow2(h) * pow2(c) <= 64 * 512 else 32), 8
 
 
 def head_summed_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -123,8 +124,8 @@ def head_summed_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     _probs_kernel[(r1 - r0, b)](
         q, kv, indices, lse, out, s, h, k, r0, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-        C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=PROBS_STAGES)
+        C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
+        PREC=dot_precision(q), num_warps=warps, num_stages=PROBS_STAGES)
     return out
 
 
@@ -138,11 +139,11 @@ class IndexScoresAt(torch.autograd.Function):
         b, s, h, d = q.shape
         kk = indices.shape[-1]
         out = torch.empty(b, r1 - r0, kk, dtype=torch.float32, device=q.device)
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        prec = dot_precision(q)
         _scores_at_fwd[(r1 - r0, b)](
             q, k, w, indices, out, h, d, kk, r0, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             w.stride(0), w.stride(1), indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), d**-0.5,
-            BH=_pow2(h), BD=_pow2(d), BN=64, PREC=prec, num_warps=4)
+            BH=pow2(h), BD=pow2(d), BN=64, PREC=prec, num_warps=4)
         ctx.save_for_backward(q, k, w, indices)
         ctx.rows, ctx.deterministic = (r0, r1), deterministic
         return out
@@ -157,7 +158,7 @@ class IndexScoresAt(torch.autograd.Function):
         dq = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
         dw = torch.zeros(b, s, h, dtype=torch.float32, device=q.device)
         dk = torch.zeros(b, t, d, dtype=torch.float32, device=q.device)
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        prec = dot_precision(q)
 
         def launch(c0, rows, part):
             g = grad[:, c0 - r0:]
@@ -166,7 +167,7 @@ class IndexScoresAt(torch.autograd.Function):
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
                 indices.stride(0), indices.stride(1), g.stride(0), g.stride(1),
                 *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)), d**-0.5,
-                BH=_pow2(h), BD=_pow2(d), BN=64, PREC=prec, DETERMINISTIC=ctx.deterministic, num_warps=4)
+                BH=pow2(h), BD=pow2(d), BN=64, PREC=prec, DETERMINISTIC=ctx.deterministic, num_warps=4)
 
         if ctx.deterministic:
             scatter_rows_deterministic(lambda c0, rows, part: launch(r0 + c0, rows, part),

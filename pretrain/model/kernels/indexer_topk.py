@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.kernels.tiles import dot_precision, pow2
+
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, r0, n_rows, T,
@@ -125,13 +127,10 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, r0, K, s_sb, s_sr, s_lb
             written += tl.sum(sel.to(tl.int32), 0)
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(int(n)))
-
 
 def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
     """(BH, BM, BN, num_warps): BM tokens x BH heads = 128 MMA rows (H200 sweep: 289 TFLOP/s at S = 8K)."""
-    bh = _pow2(h, 1)
+    bh = pow2(h, 1)
     bm = block_m or max(1, 128 // bh)
     return bh, max(bm, 16 // bh if bh < 16 else 1), block_n or 64, num_warps or 8
 
@@ -147,7 +146,7 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
         q, k, w, lo, hi, out, r0, n, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), d**-0.5,
-        H=h, D=d, BH=bh, BD=_pow2(d), BM=bm, BN=bn, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        H=h, D=d, BH=bh, BD=pow2(d), BM=bm, BN=bn, PREC=dot_precision(q),
         num_warps=warps)
     return out
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
+from pretrain.model.kernels.tiles import dot_precision, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -156,9 +157,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (r[None, :] < R))
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(int(n)))
-
 
 def _shapes(q, kv, v_dim):
     b, s, h, d = q.shape
@@ -175,7 +173,7 @@ DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward 
 
 def kernel_config(h: int, c: int, backward: bool = False):
     """(BN, num_warps, num_stages[, CC]) chosen by the H200 sweep in benchmarks/dsa_kernel_sweep.py."""
-    small = _pow2(h) * _pow2(c) <= 64 * 512
+    small = pow2(h) * pow2(c) <= 64 * 512
     if backward:
         return (64 if small else 32), 8, 1, 64
     return (64 if small else 32), 8, 2
@@ -190,12 +188,12 @@ class SparseMLAFunction(torch.autograd.Function):
         out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
         bn, warps, stages = kernel_config(h, c)[:3]
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        prec = dot_precision(q)
         _fwd_kernel[(s, b)](
             q, kv, indices, nvalid, out, lse, s, h,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
             out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-            C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn, PREC=prec, num_warps=warps, num_stages=stages)
+            C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn, PREC=prec, num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, kv, indices, nvalid, out, lse)
         ctx.scale, ctx.v_dim, ctx.deterministic = scale, v_dim, deterministic
         ctx.mark_non_differentiable(lse)
@@ -216,7 +214,7 @@ class SparseMLAFunction(torch.autograd.Function):
         dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
         dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
         bn, warps, stages, cc = kernel_config(h, c, backward=True)
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        prec = dot_precision(q)
 
         mode = DKV_MODE if DKV_MODE is not None else int(ctx.deterministic)
 
@@ -226,8 +224,8 @@ class SparseMLAFunction(torch.autograd.Function):
                 q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
                 q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
                 indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
-                ctx.scale, ctx.scale * LOG2E, C=c, R=r, BC=_pow2(c), BR=_pow2(r), BH=_pow2(h), BN=bn,
-                CC=min(cc, _pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
+                ctx.scale, ctx.scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
+                CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
 
         if mode == 1:
             scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)

@@ -1,6 +1,6 @@
 """Every workaround for megatron-core 0.16.1 lives here, one function per problem.
 
-Moving to a newer megatron-core means revisiting this file only. Two groups:
+Moving to a newer megatron-core means revisiting this package only. Two groups:
 
 * `apply_megatron_patches()` — always applied. Fixes for running megatron-core without
   Transformer Engine or apex (true on the CPU machines and on GPU machines without TE).
@@ -11,9 +11,9 @@ Moving to a newer megatron-core means revisiting this file only. Two groups:
   run on CPU with a gloo process group. CPU support is a product feature: the quickstart trains
   on CPU and checkpoint conversion runs on CPU-only nodes.
 
-Both are idempotent. `patch_triton_interpreter()` (applied when TRITON_INTERPRET=1) fixes the one
-third-party problem outside megatron-core that the CPU tests meet: Triton 3.6's interpreter with
-NumPy >= 2.4.
+Both are idempotent. The CPU layer lives in `pretrain/compat/cpu.py`; `patch_triton_interpreter()`
+(`triton_interpreter.py`, applied when TRITON_INTERPRET=1) fixes the one third-party problem outside
+megatron-core that the CPU tests meet: Triton 3.6's interpreter with NumPy >= 2.4.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from typing import Iterator
 
 import torch
 
+from pretrain.compat.cpu import install_cpu_support
+from pretrain.compat.triton_interpreter import patch_triton_interpreter
+
 _PATCHED = False
-_CPU_INSTALLED = False
 _MLA_KV_GATHER: contextvars.ContextVar = contextvars.ContextVar("mla_kv_gather")
 
 
@@ -123,161 +125,6 @@ def _patch_tp_reduce_noncontiguous() -> None:
         return out
 
     mappings._reduce = _reduce
-
-
-# ------------------------------------------------------------------------------------------
-# CPU support
-# ------------------------------------------------------------------------------------------
-
-
-def _cpu_current_device() -> str:
-    # Many megatron modules allocate with `device=torch.cuda.current_device()`.
-    return "cpu"
-
-
-def _patch_rng_tracker() -> None:
-    # The model-parallel RNG tracker saves and restores CUDA generator states; on CPU the CPU
-    # generator plays that role. Used by weight init (fork per TP rank) and dropout.
-    from megatron.core.tensor_parallel import random as mp_random
-
-    def get_state(*_args, **_kwargs) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_state(state: torch.Tensor, *_args, **_kwargs) -> None:
-        torch.set_rng_state(state)
-
-    class CPURNGStatesTracker(mp_random.CudaRNGStatesTracker):
-        def add(self, name, seed):
-            if seed in self.seeds_:
-                raise Exception(f"seed {seed} already exists")
-            self.seeds_.add(seed)
-            if name in self.states_:
-                raise Exception(f"rng state {name} already exists")
-            orig = torch.get_rng_state()
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(orig)
-
-        @contextlib.contextmanager
-        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
-            # Same contract as the CUDA tracker, minus its "CPU RNG changed" warning: on CPU the
-            # forked generator *is* the CPU generator.
-            if name not in self.states_:
-                raise Exception(f"rng state {name} is not added")
-            orig = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(orig)
-
-    mp_random._get_cuda_rng_state = get_state
-    mp_random._set_cuda_rng_state = set_state
-    mp_random.CudaRNGStatesTracker = CPURNGStatesTracker
-
-
-def _patch_cuda_streams() -> None:
-    # DDP bucketing, schedules and some dispatchers create CUDA streams/events and synchronize;
-    # on CPU all work is already ordered, so no-ops are exact.
-    class _NoOpEvent:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def record(self, *args, **kwargs):
-            pass
-
-        def wait(self, *args, **kwargs):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def query(self):
-            return True
-
-        def elapsed_time(self, other):
-            return 0.0
-
-    class _NoOpStream(_NoOpEvent):
-        def wait_stream(self, *args, **kwargs):
-            pass
-
-        def wait_event(self, *args, **kwargs):
-            pass
-
-        def record_event(self, *args, **kwargs):
-            return _NoOpEvent()
-
-    torch.cuda.Stream = _NoOpStream  # type: ignore[misc,assignment]
-    torch.cuda.Event = _NoOpEvent  # type: ignore[misc,assignment]
-    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-
-
-class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
-    """Maps literal `device="cuda"` requests (and `.cuda()`) to CPU.
-
-    megatron's DDP buffers, schedules and loss reductions allocate with `device="cuda"` or call
-    `.cuda()`; this mode rewrites those calls so the same code runs on a CPU-only host.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        dev = kwargs.get("device")
-        if dev is not None and _is_cuda(dev):
-            kwargs["device"] = "cpu"
-        if func in (torch.Tensor.cuda,):
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
-        return func(*args, **kwargs)
-
-
-def _is_cuda(dev) -> bool:
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    if isinstance(dev, str):
-        return dev.startswith("cuda")
-    return False
-
-
-_CPU_MODE: _CudaToCpuMode | None = None
-
-
-def _patch_grad_clipping() -> None:
-    # clip_grad_by_total_norm_fp32 asserts every grad is a `torch.cuda.FloatTensor` before
-    # scaling them. Same computation for CPU tensors: scale all grads by max_norm / total_norm.
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff < 1.0 and grads:
-            torch._foreach_mul_(grads, clip_coeff)
-
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-
-
-def install_cpu_support() -> None:
-    """Let megatron-core run on a CPU-only host (see module docstring)."""
-    global _CPU_INSTALLED, _CPU_MODE
-    if _CPU_INSTALLED or torch.cuda.is_available():
-        return
-    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
-    _patch_rng_tracker()
-    _patch_cuda_streams()
-    _patch_grad_clipping()
-    # Entered once and left active for the life of the process: every megatron call site
-    # that says "cuda" must see CPU, including ones running inside autograd backward.
-    _CPU_MODE = _CudaToCpuMode()
-    _CPU_MODE.__enter__()
-    _CPU_INSTALLED = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -488,24 +335,15 @@ def patch_dist_checkpoint_writer() -> None:
     _CKPT_WRITER_PATCHED = True
 
 
-_TRITON_INTERPRETER_PATCHED = False
-
-
-def patch_triton_interpreter() -> None:
-    """Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) keeps scalars as 1-element numpy arrays
-    and turns them into loop bounds with int(array), which NumPy >= 2.4 refuses for arrays with a
-    dimension ("only 0-dimensional arrays can be converted"): a kernel with a data-dependent loop
-    bound fails under the interpreter only. Convert through .item() instead. No-op on the GPU."""
-    global _TRITON_INTERPRETER_PATCHED
-    if _TRITON_INTERPRETER_PATCHED:
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    _TRITON_INTERPRETER_PATCHED = True
+__all__ = [
+    "SequenceParallelTorchNorm",
+    "apply_megatron_patches",
+    "gpt_model_mtp_block_class",
+    "grouped_gemm_check_skipped",
+    "grouped_mm_available",
+    "install_cpu_support",
+    "patch_dist_checkpoint_writer",
+    "patch_triton_interpreter",
+    "rank_zero_without_process_group",
+    "te_available",
+]
