@@ -1,12 +1,17 @@
-"""Optimizer cost of Muon vs AdamW inside the training loop, on one GPU (bf16, glm5-proxy by default).
+"""Optimizer cost of Muon vs AdamW inside the training loop (bf16, glm5-proxy by default), on one GPU
+or data-parallel over several (`--nproc N`: one torchrun launch per variant).
 
     python benchmarks/muon_step.py --config configs/models/glm5-proxy.yaml --out muon_step.json
+    python benchmarks/muon_step.py --nproc 4 --variants adamw_distopt,muon_split,muon_zero2 \
+        --out muon_step_dp4.json train.global_batch_size=128
 
-For each optimizer (AdamW; Muon with Muon Split; Muon without it) a Trainer runs `--steps` training
-steps on mock tokens after `--warmup` steps; reported per step (medians): the whole step, the
-optimizer's `step()` alone (CUDA events around it), and the optimizer's share of the step. Then
-Newton-Schulz alone on the model's Muon matrices as the optimizer batches them (blocks of equal
-shape in one batched call), with its TFLOP/s: per iteration on X [m, n] (m <= n) 4 m^2 n + 2 m^3.
+For each optimizer variant a Trainer runs `--steps` training steps on mock tokens after `--warmup`
+steps; reported per step (medians; with several ranks the slowest rank's time of each step): the
+whole step, the optimizer's `step()` alone, and the optimizer's share of the step; peak memory and
+the gradient storage a rank keeps (megatron DDP's buffers, or ZeRO-2's owned gradients plus the
+largest transient reduce buckets). Then Newton-Schulz alone on the model's Muon matrices as the
+optimizer batches them (blocks of equal shape in one batched call), with its TFLOP/s: per iteration
+on X [m, n] (m <= n) 4 m^2 n + 2 m^3 (single process only).
 Timings use wall clock around synchronized CUDA work (CPU runs, for a smoke test, also work).
 """
 
@@ -24,11 +29,28 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+ZERO2 = ["optimizer.use_distributed_optimizer=true"]
 VARIANTS = {
     "adamw": ["optimizer.optimizer=adam"],
+    "adamw_distopt": ["optimizer.optimizer=adam", *ZERO2],  # megatron-core's distributed optimizer
     "muon_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],
     "muon_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=false"],
+    "muon_zero2": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2],
+    "muon_zero2_step": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
+                        "optimizer.zero2_grad_reduce=step"],
 }
+
+
+def grad_storage_gib(trainer) -> float:
+    """Gradient memory a rank keeps: DDP's fp32 buffers, or ZeRO-2's owned plus peak transient."""
+    total = 0
+    for chunk in trainer.model:
+        if hasattr(chunk, "owned_grad_elements"):
+            total += 4 * (chunk.owned_grad_elements() + chunk.peak_transient_elements)
+        else:
+            for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+                total += buf.grad_data.numel() * buf.grad_data.element_size()
+    return total / 2**30
 
 
 def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
@@ -58,10 +80,21 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
         _sync()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         trainer.iteration += 1
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    grads = grad_storage_gib(trainer)
+    world = 1
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        world = torch.distributed.get_world_size()
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        t = torch.tensor([*opt_ms, *step_ms, peak, grads], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank
+        t = t.tolist()
+        opt_ms, step_ms, peak, grads = t[:len(opt_ms)], t[len(opt_ms):-2], t[-2], t[-1]
     opt, step = statistics.median(opt_ms[warmup:]), statistics.median(step_ms[warmup:])
-    result = {"variant": name, "step_ms": step, "optimizer_step_ms": opt, "optimizer_share": opt / step,
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
-    if name != "adamw":
+    result = {"variant": name, "world_size": world, "step_ms": step, "optimizer_step_ms": opt,
+              "optimizer_share": opt / step, "peak_mem_gib": peak, "grad_storage_gib": grads,
+              "tokens_per_s": trainer.tokens_per_step / step * 1e3}
+    if name.startswith("muon") and world == 1:
         result["newton_schulz"] = newton_schulz_bench(trainer)
     del trainer
     if torch.cuda.is_available():
@@ -110,11 +143,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="adamw,muon_split,muon_whole")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs per variant (one torchrun launch each)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    if len(variants) == 1:
+    if len(variants) == 1 and args.nproc == 1:
         results = [run(args.config, variants[0], args.overrides, args.steps, args.warmup)]
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
     else:  # one process per variant: nothing of one run's model or optimizer survives into the next
         import subprocess
         import tempfile
@@ -122,7 +158,9 @@ def main():
         results = []
         for v in variants:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                subprocess.run([sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+                launcher = [sys.executable] if args.nproc == 1 else [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+                subprocess.run([*launcher, __file__, "--config", args.config, "--steps", str(args.steps),
                                 "--warmup", str(args.warmup), "--variants", v, "--out", tmp.name, *args.overrides],
                                check=True)
                 with open(tmp.name) as f:
@@ -132,11 +170,13 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-    print(f"{'variant':<12}{'step ms':>10}{'opt ms':>10}{'share':>8}{'NS TFLOP/s':>12}{'peak GiB':>10}")
+    print(f"{'variant':<16}{'GPUs':>5}{'step ms':>10}{'opt ms':>9}{'share':>7}{'tok/s':>10}{'NS TFLOP/s':>11}"
+          f"{'peak GiB':>9}{'grad GiB':>9}")
     for r in results:
         ns = r.get("newton_schulz", {}).get("tflops", math.nan)
-        print(f"{r['variant']:<12}{r['step_ms']:>10.1f}{r['optimizer_step_ms']:>10.1f}{r['optimizer_share']:>8.1%}"
-              f"{ns:>12.1f}{r['peak_mem_gib'] or math.nan:>10.2f}")
+        print(f"{r['variant']:<16}{r['world_size']:>5}{r['step_ms']:>10.1f}{r['optimizer_step_ms']:>9.1f}"
+              f"{r['optimizer_share']:>7.1%}{r['tokens_per_s']:>10.0f}{ns:>11.1f}{r['peak_mem_gib']:>9.2f}"
+              f"{r['grad_storage_gib']:>9.2f}")
 
 
 if __name__ == "__main__":

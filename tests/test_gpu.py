@@ -249,3 +249,51 @@ def test_indexer_kl_kernels_on_gpu():
     logits = torch.einsum("bchd,bckd->bchk", q[:, r0:r1].float(), sel) * 256**-0.5
     want = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).sum(2)
     assert not probs.isnan().any() and _relmax(probs, want) < 1e-2
+
+
+BF16 = ["model.bf16=true", "model.params_dtype=bfloat16", "data.mock=true", "model.vocab_size=1024",
+        "data.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_interval=null",
+        "optimizer.lr_warmup_iters=1", "optimizer.optimizer=muon", "optimizer.lr=0.01", "optimizer.muon_ns_dtype=float32",
+        "optimizer.adam_eps=1e-4"]  # see tests/test_zero2.py: near-zero gradients through AdamW
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
+    """bf16 (fp32 main weights in megatron's Float16 wrapper) on 2 GPUs over NCCL: ZeRO-2 (per
+    micro-batch and per step) follows replicated Muon (megatron DDP), keeps fp32 main weights and
+    gradients only for owned parameters, and resumes from its own checkpoint."""
+    from tests.distributed import run_ranks
+    from tests.test_zero2 import _save_initial, _train
+
+    def run(name, world, *extra):
+        return run_ranks(_train, world, [*BF16, f"logging.run_dir={tmp_path / name}", *extra])
+
+    init, ckpt = tmp_path / "init", tmp_path / "ckpt"
+    run_ranks(_save_initial, 1, [*BF16, f"logging.run_dir={tmp_path / 'i'}", f"checkpoint.save={init}"])
+    start = [f"checkpoint.load={init}", "train.train_iters=6"]
+    zero = "optimizer.use_distributed_optimizer=true"
+    ddp = run("ddp", 2, *start)
+    runs = {"micro": run("micro", 2, *start, zero), "step": run("step", 2, *start, zero, "optimizer.zero2_grad_reduce=step")}
+    ref = [r["loss"] for r in _metrics(tmp_path / "ddp")]
+    for name, ranks in runs.items():
+        got = [r["loss"] for r in _metrics(tmp_path / name)]
+        assert got == pytest.approx(ref, rel=2e-3), name
+        for n, want in ddp[0]["params"].items():
+            for r in ranks:
+                err = (r["params"][n].float() - want.float()).norm().item()
+                assert err <= 1e-2 * max(want.float().norm().item(), 1e-3), (name, n, err)
+        total = ranks[0]["total"]
+        assert sum(r["owned_grad"] for r in ranks) == total
+        assert all(r["owned_grad"] < 0.75 * total for r in ranks)
+    # resume: 3 steps, save, 3 more from the checkpoint == 6 uninterrupted
+    run("a", 2, f"checkpoint.load={init}", "train.train_iters=3", f"checkpoint.save={ckpt}", zero)
+    run("b", 2, f"checkpoint.load={ckpt}", "train.train_iters=6", zero)
+    got = [r["loss"] for r in _metrics(tmp_path / "b")]
+    assert got == pytest.approx([r["loss"] for r in _metrics(tmp_path / "micro")][3:], rel=1e-3)
+
+
+def _metrics(run_dir):
+    import json
+
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]

@@ -122,8 +122,8 @@ def test_split_blocks_are_orthogonalized_independently():
     assert torch.allclose(p2.detach()[dk + dv:], p.detach()[dk + dv:], atol=1e-12)
 
 
-def test_column_split_for_grouped_experts():
-    """megatron GroupedMLP weight1 [hidden, E * 2 * ffn]: one block per expert's columns."""
+def test_column_split():
+    """axis=1: one block per group of columns."""
     torch.manual_seed(4)
     hidden, experts, width = 6, 3, 8
     u = torch.randn(hidden, experts * width, dtype=torch.float64)
@@ -135,6 +135,23 @@ def test_column_split_for_grouped_experts():
         cols = slice(e * width, (e + 1) * width)
         ref = newton_schulz(u[:, cols], 5, torch.float64) * 0.2 * math.sqrt(max(hidden, width))
         assert torch.allclose(out[:, cols], ref, atol=1e-12)
+
+
+def test_memory_chunk_split_for_grouped_experts():
+    """megatron GroupedMLP weight1 [hidden, E * 2 * ffn] is used as weight1.view(E, hidden, 2 * ffn):
+    expert e's matrix is the e-th chunk of memory (axis=2), which is not the e-th block of columns."""
+    torch.manual_seed(5)
+    hidden, experts, width = 6, 3, 8
+    u = torch.randn(hidden, experts * width, dtype=torch.float64)
+    from pretrain.optim import orthogonalized_update
+
+    out = orthogonalized_update(u, MuonSplit(experts, (hidden,), axis=2), 5, torch.float64, 0.2)
+    per_expert = u.view(experts, hidden, width)
+    for e in range(experts):
+        ref = newton_schulz(per_expert[e], 5, torch.float64) * 0.2 * math.sqrt(max(hidden, width))
+        assert torch.allclose(out.view(experts, hidden, width)[e], ref, atol=1e-12)
+    columns = orthogonalized_update(u, MuonSplit(experts, (width,), axis=1), 5, torch.float64, 0.2)
+    assert not torch.allclose(columns, out, atol=1e-3)  # the column reading is a different update
 
 
 def test_mla_splits_pick_the_up_projections_and_experts():
@@ -149,7 +166,7 @@ def test_mla_splits_pick_the_up_projections_and_experts():
     by_name = {n: splits.get(p) for n, p in params}
     assert by_name["decoder.layers.0.self_attention.linear_q_up_proj.weight"] == MuonSplit(4, (32,), 0)
     assert by_name["decoder.layers.0.self_attention.linear_kv_up_proj.weight"] == MuonSplit(4, (24, 32), 0)
-    assert by_name["decoder.layers.1.mlp.experts.weight1"] == MuonSplit(8, (64,), 1)
+    assert by_name["decoder.layers.1.mlp.experts.weight1"] == MuonSplit(8, (64,), 2)
     assert by_name["decoder.layers.1.mlp.experts.weight2"] == MuonSplit(8, (32,), 0)
     assert by_name["decoder.layers.0.self_attention.linear_proj.weight"] is None
     rope_own = mla_splits(params[:1], 4, 24, 8, 32, q_rope_own_block=True)

@@ -47,7 +47,7 @@ def test_parameter_roles(tmp_path):
         elif name.endswith("linear_kv_up_proj.weight"):
             assert (role, split) == ("muon", (cfg_heads, (qk, v), 0)), name
         elif name.endswith("experts.weight1"):
-            assert role == "muon" and split[0] == 8 and split[2] == 1, name
+            assert role == "muon" and split == (8, (64,), 2), name  # the layer's view(E, hidden, 2 ffn)
         elif name.endswith("experts.weight2"):
             assert role == "muon" and split[0] == 8 and split[2] == 0, name
         else:
@@ -140,8 +140,13 @@ def test_first_trainer_step_equals_a_naive_step(tmp_path):
                 update = _naive_polar_step(u, 5) * 0.2 * math.sqrt(max(u.shape))
             else:
                 update = torch.zeros_like(u)
-                per = sum(split.sections)
-                for k in range(split.groups):
+                if split.axis == 2:  # grouped experts' weight1: expert e = u.view(E, hidden, -1)[e]
+                    for k, blk in enumerate(u.view(split.groups, split.sections[0], -1)):
+                        out = _naive_polar_step(blk, 5) * 0.2 * math.sqrt(max(blk.shape))
+                        update.view(split.groups, split.sections[0], -1)[k] = out
+                    split = None
+                per = 0 if split is None else sum(split.sections)
+                for k in range(split.groups if split is not None else 0):
                     off = 0
                     for sec in split.sections:
                         idx = slice(k * per + off, k * per + off + sec)

@@ -117,7 +117,11 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # with muon: ZeRO-2 (parallel/zero2.py)
+    # ours, Muon's ZeRO-2: "microbatch" reduces each micro-batch's gradients to their owners (1/dp
+    # gradient memory, one reduce per micro-batch); "step" accumulates locally and reduces once per
+    # step (DDP's traffic; a full gradient buffer during backward; state and main weights sharded)
+    zero2_grad_reduce: str = "microbatch"
     # Muon (GLM-4.5 settings, kept by GLM-5)
     muon_momentum: float = 0.95
     muon_use_nesterov: bool = True

@@ -44,6 +44,7 @@ CHOICES = {
     "train.trainable_params": ("all", "dsa_indexer"),
     "optimizer.optimizer": ("adam", "muon"),
     "optimizer.muon_ns_dtype": ("bfloat16", "float32"),
+    "optimizer.zero2_grad_reduce": ("microbatch", "step"),
     "optimizer.muon_router": ("adamw", "muon"),
     "optimizer.muon_indexer": ("adamw", "muon"),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine"),
@@ -237,7 +238,7 @@ def check_parallel(p: ParallelConfig) -> None:
 
 def check_optimizer(o: OptimizerConfig) -> None:
     _choice(o, "optimizer", "optimizer")
-    for name in ("muon_ns_dtype", "muon_router", "muon_indexer"):
+    for name in ("muon_ns_dtype", "muon_router", "muon_indexer", "zero2_grad_reduce"):
         _choice(o, "optimizer", name)
     _choice(o, "optimizer", "lr_decay_style")
     _at_least(o, "optimizer", ["lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "lr_warmup_iters"], 0)

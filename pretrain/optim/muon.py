@@ -54,7 +54,10 @@ class MuonSplit:
 
     The weight is viewed along `axis` (0: rows, 1: columns) as `groups` equal slices (heads or
     experts); each slice is cut along the same axis into `sections` (e.g. [d_nope, d_v] for MLA's
-    kv up-projection: W_UK and W_UV). Every (group, section) pair is one block.
+    kv up-projection: W_UK and W_UV). Every (group, section) pair is one block. `axis=2` reads the
+    weight's memory as `groups` consecutive [sum(sections), rest] matrices, cut into row sections:
+    megatron's GroupedMLP keeps `weight1` as [H, E * 2F] but its forward uses `weight1.view(E, H, 2F)`,
+    so expert e's matrix is the e-th chunk of memory, not the e-th block of columns.
     """
 
     groups: int
@@ -64,9 +67,16 @@ class MuonSplit:
     def blocks(self, w: torch.Tensor) -> List[torch.Tensor]:
         """Views of `w` grouped by section: one [groups, rows, cols] tensor per section."""
         per_group = sum(self.sections)
-        if w.shape[self.axis] != self.groups * per_group:
+        if self.axis == 2:
+            fits = w.is_contiguous() and w.numel() % (self.groups * per_group) == 0
+        else:
+            fits = w.shape[self.axis] == self.groups * per_group
+        if not fits:
             raise ValueError(f"MuonSplit({self.groups} x {self.sections}, axis {self.axis}) does not fit a weight of "
                              f"shape {tuple(w.shape)}")
+        if self.axis == 2:
+            grouped = w.view(self.groups, per_group, -1)
+            return list(torch.split(grouped, list(self.sections), dim=1))
         if self.axis == 0:
             grouped = w.view(self.groups, per_group, w.shape[1])
             return list(torch.split(grouped, list(self.sections), dim=1))
@@ -115,19 +125,31 @@ class Muon(torch.optim.Optimizer):
         self._splits = {id(p): s for p, s in (splits or {}).items()}
         self._adamw = {id(p) for p in adamw_params}
         self._tp = {id(p): v for p, v in (tp_shards or {}).items()}
+        self._foreign: set = set()
+
+    def set_foreign(self, params: Iterable[torch.Tensor]) -> None:
+        """Parameters another data-parallel rank updates (ZeRO-2, `parallel.zero2`): skipped here,
+        and no state is kept for them."""
+        self._foreign = {id(p) for p in params}
+
+    def is_foreign(self, p: torch.Tensor) -> bool:
+        return id(p) in self._foreign
 
     def uses_muon(self, group: dict, p: torch.Tensor) -> bool:
         return bool(group["use_muon"]) and p.ndim == 2 and id(p) not in self._adamw
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, params: Optional[Iterable[torch.Tensor]] = None):
+        """Update every parameter with a gradient, or only those in `params` (ZeRO-2 steps bucket by
+        bucket)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        only = None if params is None else {id(p) for p in params}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or id(p) in self._foreign or (only is not None and id(p) not in only):
                     continue
                 if self.uses_muon(group, p):
                     self._muon_update(group, p)
@@ -179,7 +201,8 @@ def mla_splits(named_params: Sequence[Tuple[str, torch.Tensor]], heads: int, qk_
 
     q up-projection: one block per head (the rope slice inside it, or its own block with
     `q_rope_own_block`); kv up-projection: W_UK and W_UV per head; grouped experts: one block per
-    expert (weight1 [hidden, E * 2 * ffn] by columns, weight2 [E * ffn, hidden] by rows).
+    expert (weight1 [hidden, E * 2 * ffn] as the layer views it, [E, hidden, 2 * ffn]; weight2
+    [E * ffn, hidden] by rows).
     """
     out: Dict[torch.Tensor, MuonSplit] = {}
     q_sections = (qk_head_dim, qk_pos_emb_head_dim) if q_rope_own_block else (qk_head_dim + qk_pos_emb_head_dim,)
@@ -191,7 +214,7 @@ def mla_splits(named_params: Sequence[Tuple[str, torch.Tensor]], heads: int, qk_
         elif name.endswith("linear_kv_up_proj.weight"):
             out[p] = MuonSplit(heads, (qk_head_dim, v_head_dim), axis=0)
         elif num_experts and name.endswith("experts.weight1"):
-            out[p] = MuonSplit(num_experts, (p.shape[1] // num_experts,), axis=1)
+            out[p] = MuonSplit(num_experts, (p.shape[0],), axis=2)
         elif num_experts and name.endswith("experts.weight2"):
             out[p] = MuonSplit(num_experts, (p.shape[0] // num_experts,), axis=0)
     return out

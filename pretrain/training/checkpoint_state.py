@@ -101,7 +101,14 @@ def optimizer_step(optimizer) -> Dict[str, Any]:
                     steps.add(int(inner.state[param]["step"]))
     if len(steps) > 1:
         raise ValueError(f"optimizer steps differ between parameters: {sorted(steps)}")
-    return {"step": steps.pop() if steps else 0, "in_param_groups": in_groups}
+    step = steps.pop() if steps else 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # ZeRO-2: a rank may own no parameter that counts steps; the step is every rank's largest.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        t = torch.tensor([step, int(in_groups)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        step, in_groups = int(t[0]), bool(t[1])
+    return {"step": step, "in_param_groups": in_groups}
 
 
 def prime_optimizer_state(optimizer, saved: Dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from pretrain.config.schema import GLM5Config
 from pretrain.model.builder import build_model
 from pretrain.model.dsa import is_indexer_parameter
 from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
-from pretrain.training.optimizer import build_optimizer, build_scheduler
+from pretrain.training.optimizer import build_optimizer, build_scheduler, zero2_enabled
 from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step
 
@@ -67,6 +67,12 @@ def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
     freeze_for_stage(chunks, cfg.train.trainable_params)
     if cfg.model.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    if zero2_enabled(cfg):  # Muon's ZeRO-2: gradients reduced to their owners (parallel/zero2.py)
+        from parallel.zero2 import Zero2DataParallel
+        from pretrain.training.muon_setup import ownership_cost
+
+        return [Zero2DataParallel(chunk.config, chunk, ownership_cost(cfg), cfg.optimizer.zero2_grad_reduce)
+                for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and ps.get_data_parallel_world_size() > 1,

@@ -21,9 +21,11 @@ Which update each parameter takes:
   projection, MLP weights, column-parallel down projections) is gathered over the TP group,
   orthogonalized, and each rank keeps its slice (every TP rank computes the same product).
 
-Data parallelism: megatron's DDP all-reduces gradients and every data-parallel rank runs the same
-update (the sharded ZeRO-2 mode is not built yet; preflight refuses
-`use_distributed_optimizer=true` with Muon).
+Data parallelism: with `optimizer.use_distributed_optimizer: false` megatron's DDP all-reduces
+gradients and every data-parallel rank runs the same update; with `true`, ZeRO-2
+(`parallel.zero2`, `pretrain.training.zero2_optimizer`): each parameter's gradient is reduced to one
+owner rank, which alone keeps its state, orthogonalizes it and broadcasts the result
+(`ownership_cost` balances the Newton-Schulz work).
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ def param_split(name: str, p: torch.Tensor, cfg: GLM5Config) -> Optional[MuonSpl
     """The Muon Split blocks of this rank's shard of a matrix, or None (whole matrix)."""
     m = cfg.model
     tp = ps.get_tensor_model_parallel_world_size()
-    if name.endswith("experts.weight1"):  # [hidden, E_local * 2 * ffn], experts side by side in columns
+    if name.endswith("experts.weight1"):  # [hidden, E_local * 2 * ffn], used as .view(E_local, hidden, 2 * ffn)
         e = (m.num_moe_experts or 1) // ps.get_expert_model_parallel_world_size()
-        return MuonSplit(e, (p.shape[1] // e,), axis=1)
+        return MuonSplit(e, (p.shape[0],), axis=2)
     if name.endswith("experts.weight2"):  # [E_local * ffn, hidden]
         e = (m.num_moe_experts or 1) // ps.get_expert_model_parallel_world_size()
         return MuonSplit(e, (p.shape[0] // e,), axis=0)
@@ -93,6 +95,39 @@ def param_split(name: str, p: torch.Tensor, cfg: GLM5Config) -> Optional[MuonSpl
         d = p.shape[0] // (groups * (m.num_attention_heads // (m.num_query_groups or m.num_attention_heads) + 2))
         return MuonSplit(groups, (p.shape[0] // groups - 2 * d, d, d), axis=0)
     return None
+
+
+# Optimizer work of an elementwise update (momentum, AdamW moments) per element, in flop-equivalents
+# of bf16 tensor-core time: ~16 bytes of memory traffic at ~4.8 TB/s vs ~800 TFLOP/s (H200).
+ELEMENTWISE_FLOPS = 2500.0
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """Flops of `steps` quintic iterations on one [rows, cols] matrix: 4 m^2 n + 2 m^3 each (m <= n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m**3)
+
+
+def ownership_cost(cfg: GLM5Config):
+    """`cost_fn(name, param)` for ZeRO-2 ownership (`parallel.zero2`): the update's work on this rank
+    for a parameter it owns (a TP-sharded whole matrix is orthogonalized gathered, by every TP rank)."""
+    steps = cfg.optimizer.muon_num_ns_steps
+
+    def cost(name: str, p: torch.Tensor) -> float:
+        elementwise = ELEMENTWISE_FLOPS * p.numel()
+        if param_role(name, p, cfg) == "adamw":
+            return elementwise
+        split = param_split(name, p, cfg)
+        if split is not None:
+            return elementwise + sum(newton_schulz_flops(b.shape[-2], b.shape[-1], steps) * b.shape[0]
+                                     for b in split.blocks(p.detach()))
+        rows, cols = p.shape
+        if getattr(p, "tensor_model_parallel", False) and _tp_group_of(name, p) is not None:
+            tp = _tp_group_of(name, p).size()
+            rows, cols = (rows * tp, cols) if p.partition_dim == 0 else (rows, cols * tp)
+        return elementwise + newton_schulz_flops(rows, cols, steps)
+
+    return cost
 
 
 def _tp_group_of(name: str, p: torch.Tensor):
@@ -140,7 +175,7 @@ def init_muon_state(opt: Muon, config=None) -> None:
     """Zero states (what a checkpoint load fills): momentum for Muon matrices, AdamW moments otherwise."""
     for group in opt.param_groups:
         for p in group["params"]:
-            if len(opt.state[p]):
+            if opt.is_foreign(p) or len(opt.state[p]):  # ZeRO-2: state only where the parameter is owned
                 continue
             if opt.uses_muon(group, p):
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p)

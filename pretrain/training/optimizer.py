@@ -1,6 +1,7 @@
 """Optimizer and LR schedule from the config, through megatron-core.
 
-Muon (`optimizer.optimizer: muon`) reuses everything below with Muon as the inner optimizer.
+Muon (`optimizer.optimizer: muon`) reuses everything below with Muon as the inner optimizer; with
+`use_distributed_optimizer` it runs sharded as ZeRO-2 (`parallel.zero2`).
 AdamW is megatron-core's `adam` (decoupled weight decay; biases and norm weights without decay),
 fp32 on CPU and bf16 mixed precision (fp32 main weights and grads) on GPU. The schedule is
 megatron's `OptimizerParamScheduler`, stepped once per iteration: linear warm-up from
@@ -36,14 +37,24 @@ def build_optimizer(cfg: GLM5Config, model_chunks: List):
         clip_grad=o.clip_grad,
         bf16=cfg.model.bf16,
         params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
-        use_distributed_optimizer=o.use_distributed_optimizer,
+        # Muon's ZeRO-2 shards megatron's ordinary wrappers (pretrain.training.zero2_optimizer).
+        use_distributed_optimizer=o.use_distributed_optimizer and not zero2_enabled(cfg),
     )
     optimizer = get_megatron_optimizer(mcfg, model_chunks)
     if o.optimizer == "muon":
         from pretrain.training.muon_setup import build_muon_optimizer
 
         optimizer = build_muon_optimizer(cfg, model_chunks, optimizer)
+    if zero2_enabled(cfg):
+        from pretrain.training.zero2_optimizer import shard_optimizer
+
+        optimizer = shard_optimizer(optimizer, model_chunks)
     return optimizer
+
+
+def zero2_enabled(cfg: GLM5Config) -> bool:
+    """Muon with `use_distributed_optimizer`: ZeRO-2 (AdamW keeps megatron's distributed optimizer)."""
+    return cfg.optimizer.optimizer == "muon" and cfg.optimizer.use_distributed_optimizer
 
 
 def build_scheduler(cfg: GLM5Config, optimizer) -> OptimizerParamScheduler:

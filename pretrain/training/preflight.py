@@ -27,9 +27,6 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
     if cfg.model.params_dtype == "bfloat16" and not cfg.model.bf16:
         raise ConfigError("model.params_dtype=bfloat16 needs model.bf16=true (bf16 weights train with fp32 main "
                           "weights in the bf16 optimizer)")
-    if cfg.optimizer.optimizer == "muon" and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError("optimizer.optimizer=muon runs with megatron's data-parallel all-reduce; its sharded "
-                          "(ZeRO-2) mode is not available yet: set optimizer.use_distributed_optimizer=false")
     if cfg.model.experimental_attention_variant == "dsa" and cfg.model.dsa_kernel_backend == "triton":
         from pretrain.model.kernels import interpreting, triton_available
 

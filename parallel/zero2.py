@@ -1,0 +1,292 @@
+"""ZeRO-2 for Muon: gradients reduced to their owner, whole-matrix ownership, owner-only broadcast
+(GLM-5 report, section 7: ZeRO-2 gradient sharding and zero-redundant Muon).
+
+Muon orthogonalizes whole matrices (or whole head / expert blocks), so the unit of ownership is a
+parameter, not a flat slice of one as in megatron-core's distributed optimizer. With data-parallel
+size d, every trainable parameter p gets one owner rank o(p) in its data-parallel group (dense
+parameters: DP x CP; expert parameters: the expert-data-parallel group). Per micro-batch:
+
+    owner:      G_p <- G_p + (1/d) g_p^local + sum_{r != o(p)} (1/d) g_p^(r)   (reduce to o(p))
+    non-owner:  sends (1/d) g_p^local and frees it
+
+so each rank keeps fp32 gradient memory only for the parameters it owns (about 1/d of the model,
+up to one matrix) plus a bounded number of reduce buckets in flight; megatron-core's distributed
+optimizer keeps a full-size gradient buffer on every rank. The price is one reduce per micro-batch;
+`reduce_per="step"` (`optimizer.zero2_grad_reduce: step`) instead accumulates locally and reduces
+once per step (DDP's traffic, a full-size gradient buffer while the step's backward passes run,
+still sharded optimizer state and main weights). After the optimizer step, each owner
+broadcasts the updated parameters it owns: every parameter crosses the network once (the
+"all-gather of owned shards"), bucket by bucket, and the broadcasts overlap the Newton-Schulz work of
+the buckets that follow (`Zero2DataParallel.broadcast_order` interleaves owners).
+
+Ownership balances two loads at once: the optimizer's compute (Newton-Schulz cost of a matrix, given
+by `cost_fn`) and gradient memory (elements). Parameters are placed largest first on the rank whose
+larger normalized load grows least (a greedy two-resource longest-processing-time rule), ties to the
+lower rank, so every rank of a group computes the same placement without communication.
+Parameters are grouped into buckets of one owner and one dtype in backward order; a bucket's reduce
+starts when its last gradient arrives, strictly in bucket order (the same order on every rank).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000  # megatron-core's DDP default bucket size
+
+
+def assign_owners(costs: Sequence[float], sizes: Sequence[int], world: int) -> List[int]:
+    """Owner rank of each item: greedy two-resource balance of compute `costs` and memory `sizes`."""
+    if world == 1:
+        return [0] * len(costs)
+    total_cost = float(sum(costs)) or 1.0
+    total_size = float(sum(sizes)) or 1.0
+    load_c, load_s = [0.0] * world, [0.0] * world
+    owners = [0] * len(costs)
+    order = sorted(range(len(costs)), key=lambda i: (-max(costs[i] / total_cost, sizes[i] / total_size), i))
+    for i in order:
+        c, s = costs[i] / total_cost, sizes[i] / total_size
+        best = min(range(world), key=lambda r: (max(load_c[r] + c, load_s[r] + s), r))
+        owners[i] = best
+        load_c[best] += c
+        load_s[best] += s
+    return owners
+
+
+class _Bucket:
+    """Parameters of one owner and dtype whose gradients are reduced together."""
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], owner: int, group, scale: float):
+        self.index, self.params, self.owner, self.group, self.scale = index, params, owner, group, scale
+        self.owner_global = dist.get_global_rank(group, owner) if group.size() > 1 else dist.get_rank()
+        self.is_owner = group.rank() == owner
+        self.numel = sum(p.numel() for p in params)
+        self.offsets: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        start = 0
+        for p in params:
+            self.offsets[p] = (start, start + p.numel())
+            start += p.numel()
+        # The parameters live in one flat tensor so the owner's broadcast needs no copies.
+        self.param_data = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
+        for p in params:
+            s, e = self.offsets[p]
+            self.param_data[s:e].copy_(p.data.reshape(-1))
+            p.data = self.param_data[s:e].view_as(p)
+        # Owner: the persistent fp32 accumulation (the parameters' main_grad); others: per micro-batch.
+        self.grad: Optional[torch.Tensor] = None
+        if self.is_owner:
+            self.grad = torch.zeros(self.numel, dtype=torch.float32, device=params[0].device)
+            for p in params:
+                s, e = self.offsets[p]
+                p.main_grad = self.grad[s:e].view_as(p)
+        self.ready: set = set()
+        self.work = None
+
+    def settle(self) -> None:
+        """Wait for this bucket's reduce; a non-owner then drops its transient gradients."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if not self.is_owner:
+                self.grad = None
+
+
+def broadcast_bucket(b: _Bucket):
+    """Start sending an owner's updated parameters to its group (the work, or None alone)."""
+    if b.group.size() == 1:
+        return None
+    return dist.broadcast(b.param_data, src=b.owner_global, group=b.group, async_op=True)
+
+
+class Zero2DataParallel(DistributedDataParallel):
+    """megatron-core's DDP interface (no_sync, finish_grad_sync, zero_grad_buffer, ...) over ZeRO-2.
+
+    Subclasses megatron's DistributedDataParallel only so megatron's `unwrap_model` and checkpoint
+    code recognize the wrapper; none of its buffers are built (its __init__ is not called).
+    `cost_fn(name, param)` is the optimizer work of a parameter (Newton-Schulz flops or an
+    elementwise estimate) used to balance ownership.
+    """
+
+    def __init__(self, config, module: torch.nn.Module, cost_fn: Callable[[str, torch.nn.Parameter], float],
+                 reduce_per: str = "microbatch", bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2):
+        _BaseDataParallel.__init__(self, config=config, module=module)
+        if reduce_per not in ("microbatch", "step"):
+            raise ValueError(f"reduce_per must be 'microbatch' or 'step', got {reduce_per!r}")
+        # "step": megatron's schedules run every micro-batch but the last under no_sync(); gradients
+        # then accumulate locally (full-size, transient) and are reduced once, as with DDP.
+        self.reduce_per = reduce_per
+        self._sync = True
+        # finalize_model_grads reads these two flags.
+        self.ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        self.max_inflight = max_inflight
+        dense_group = ps.get_data_parallel_group(with_context_parallel=True)
+        expert_group = ps.get_expert_data_parallel_group()
+        # Gradients are averaged over the data-parallel replicas of the model (experts too: their
+        # tokens came from all DP x CP ranks), as megatron-core's DDP does.
+        scale = 1.0 / dense_group.size()
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named.reverse()  # about the order gradients arrive in backward
+        self.buckets: List[_Bucket] = []
+        self.param_owner: Dict[torch.nn.Parameter, Tuple[int, object]] = {}
+        for expert in (False, True):
+            part = [(n, p) for n, p in named if (not getattr(p, "allreduce", True)) == expert]
+            if not part:
+                continue
+            group = expert_group if expert else dense_group
+            owners = assign_owners([cost_fn(n, p) for n, p in part], [p.numel() for _, p in part], group.size())
+            for (n, p), o in zip(part, owners):
+                # A weight shared between pipeline stages (MTP's embedding) is all-reduced between the
+                # stages by finalize_model_grads: both copies need the same owner.
+                if getattr(p, "shared_embedding", False):
+                    o = 0
+                self.param_owner[p] = (o, group)
+            self._make_buckets(part, group, scale, bucket_elements)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next_launch = 0
+        self._inflight: deque = deque()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.peak_transient_elements = 0
+
+    def _make_buckets(self, part, group, scale: float, bucket_elements: int) -> None:
+        open_buckets: Dict[Tuple[int, torch.dtype], List] = {}
+        closing: List[Tuple[int, List, int]] = []  # (position of last param, params, owner)
+        for pos, (_, p) in enumerate(part):
+            owner = self.param_owner[p][0]
+            key = (owner, p.dtype)
+            members = open_buckets.setdefault(key, [])
+            members.append(p)
+            if sum(q.numel() for q in members) >= bucket_elements:
+                closing.append((pos, members, owner))
+                del open_buckets[key]
+        closing += [(len(part), members, key[0]) for key, members in open_buckets.items()]
+        closing.sort(key=lambda t: (t[0], t[2]))  # a bucket is ready when its last gradient arrives
+        for _, members, owner in closing:
+            self.buckets.append(_Bucket(len(self.buckets), members, owner, group, scale))
+
+    # ------------------------------------------------------------------ gradients
+    def owns(self, param: torch.nn.Parameter) -> bool:
+        owner, group = self.param_owner[param]
+        return group.rank() == owner
+
+    def owned_grad_elements(self) -> int:
+        """Elements of persistent gradient storage on this rank."""
+        return sum(b.numel for b in self.buckets if b.is_owner)
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        b = self.bucket_of[param]
+        if param in b.ready:  # a second gradient in one micro-batch (e.g. recomputation): just add
+            self._accumulate(b, param)
+            return
+        b.settle()  # the previous micro-batch's reduce of this bucket must be done first
+        if b.grad is None:
+            b.grad = torch.zeros(b.numel, dtype=torch.float32, device=param.device)
+            self._track_transient()
+        self._accumulate(b, param)
+        if not self._sync:  # per-step reduction: the gradient stays here until the last micro-batch
+            return
+        b.ready.add(param)
+        while self._next_launch < len(self.buckets) and len(self.buckets[self._next_launch].ready) == len(
+                self.buckets[self._next_launch].params):
+            self._launch(self.buckets[self._next_launch])
+
+    def _accumulate(self, b: _Bucket, param: torch.nn.Parameter) -> None:
+        s, e = b.offsets[param]
+        b.grad[s:e].view_as(param).add_(param.grad, alpha=b.scale)
+        param.grad = None
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.grad is None:  # no gradient arrived on this rank (the bucket is flushed): send zeros
+            b.grad = torch.zeros(b.numel, dtype=torch.float32, device=b.param_data.device)
+            self._track_transient()
+        if b.group.size() > 1:
+            b.work = dist.reduce(b.grad, dst=b.owner_global, group=b.group, async_op=True)
+        elif not b.is_owner:
+            b.grad = None
+        b.ready.clear()
+        self._next_launch = (self._next_launch + 1) % len(self.buckets)
+        if not b.is_owner:
+            self._inflight.append(b)
+            while len(self._inflight) > self.max_inflight:  # bound the transient gradient memory
+                self._inflight.popleft().settle()
+
+    def _track_transient(self) -> None:
+        live = sum(b.numel for b in self.buckets if not b.is_owner and b.grad is not None)
+        self.peak_transient_elements = max(self.peak_transient_elements, live)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Launch the buckets not launched yet (in order) and wait for every reduce."""
+        if self._next_launch or any(b.ready for b in self.buckets):
+            for b in self.buckets[self._next_launch:]:
+                self._launch(b)
+            self._next_launch = 0
+        for b in self.buckets:
+            b.settle()
+        self._inflight.clear()
+
+    def start_grad_sync(self, *unused) -> None:
+        pass  # reduces start from the gradient hooks
+
+    @contextmanager
+    def no_sync(self):
+        """Per-micro-batch mode ignores it (holding gradients would need the full-size buffer the
+        mode avoids); per-step mode accumulates locally inside it."""
+        if self.reduce_per == "microbatch":
+            yield
+            return
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def zero_grad_buffer(self) -> None:
+        for b in self.buckets:
+            b.settle()
+            b.ready.clear()
+            if b.is_owner:
+                b.grad.zero_()
+            else:
+                b.grad = None
+            for p in b.params:
+                p.grad = None
+        self._next_launch = 0
+        self._inflight.clear()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for b in self.buckets:
+            if b.is_owner:
+                b.grad.mul_(scaling_factor)
+
+    # ------------------------------------------------------------------ parameters
+    def broadcast_order(self) -> List[_Bucket]:
+        """Buckets in the order of the post-step broadcasts: owners interleaved round-robin, so each
+        rank's first buckets go out while it orthogonalizes its next ones."""
+        per_owner: Dict[Tuple[int, int], List[_Bucket]] = {}
+        for b in self.buckets:
+            per_owner.setdefault((id(b.group), b.owner), []).append(b)
+        order = []
+        for k in range(max((len(v) for v in per_owner.values()), default=0)):
+            for key in sorted(per_owner, key=lambda t: t[1]):
+                if k < len(per_owner[key]):
+                    order.append(per_owner[key][k])
+        return order
+
+    def broadcast_params(self) -> None:
+        """Make every rank's parameters its owners' (e.g. after loading weights on one rank)."""
+        works = [broadcast_bucket(b) for b in self.broadcast_order()]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def start_param_sync(self, *unused, **kwargs) -> None:
+        pass  # parameters are broadcast by the optimizer step (pretrain.training.zero2_optimizer)

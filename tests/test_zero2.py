@@ -1,0 +1,226 @@
+"""ZeRO-2 with Muon (parallel/zero2.py, pretrain/training/zero2_optimizer.py), fp32 on CPU through gloo.
+
+The reference is always a run that does not shard: one rank (megatron's DDP, Muon updating every
+parameter) from the same initial checkpoint and global batches.
+
+* DP=2 and DP=4 with ZeRO-2 end with the reference's parameters after 10 steps (1e-6), as do TP=2 x
+  DP=2, PP=2 x DP=2, EP=2 x DP=4 (experts sharded over the expert-data-parallel group) and the
+  once-per-step reduction;
+* every trainable parameter has exactly one owner; a rank keeps fp32 gradients only for what it owns
+  (about 1/dp of the model) and non-owned parameters hold no gradient and no optimizer state;
+* a ZeRO-2 checkpoint written at DP=2 resumes exactly under DP=2, DP=4 and DP=1 without ZeRO;
+* the ownership rule balances its two loads (unit test against brute force).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.test_training import ROOT, read_metrics, tiny_overrides
+
+TINY = str(ROOT / "configs/models/glm5-tiny.yaml")
+# adam_eps 1e-4: AdamW's first steps divide a gradient by its own magnitude, so an element whose
+# gradient is ~0 (rows of tokens not in the batch, cancelling terms) would turn fp32 summation-order
+# noise (DP sums in another order than one rank) into an O(lr) update in either run alike.
+MUON = ["optimizer.optimizer=muon", "optimizer.lr=0.01", "optimizer.muon_ns_dtype=float32", "optimizer.adam_eps=1e-4"]
+ZERO = ["optimizer.use_distributed_optimizer=true"]
+STEPS = 10
+
+
+def _save_initial(rank, world_size, overrides):
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    Trainer(load_config(TINY, overrides)).save()
+
+
+def _train(rank, world_size, overrides):
+    """Train; return the final parameters by name (this rank's shards) and the gradient bookkeeping."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+    from pretrain.training.muon_setup import _subs
+
+    trainer = Trainer(load_config(TINY, overrides))
+    trainer.train()
+    out = {"params": {n: p.detach().clone() for c in unwrap_model(trainer.model) for n, p in c.named_parameters()},
+           "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+           "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+           "trainable": sorted(n for c in unwrap_model(trainer.model) for n, p in c.named_parameters() if p.requires_grad)}
+    chunk = trainer.model[0]
+    if hasattr(chunk, "param_owner"):
+        owned = [p for p in chunk.param_owner if chunk.owns(p)]
+        states = [s for sub in _subs(trainer.optimizer) for s in sub.optimizer.state.values() if s]
+        out.update(
+            owned_grad=chunk.owned_grad_elements(),
+            owned_params=sum(p.numel() for p in owned),
+            total=sum(p.numel() for p in chunk.param_owner),
+            largest=max(p.numel() for p in chunk.param_owner),
+            peak_transient=chunk.peak_transient_elements,
+            bucket_elements=max(b.numel for b in chunk.buckets),
+            owned_names=sorted(n for n, p in chunk.module.named_parameters() if p in chunk.param_owner and chunk.owns(p)),
+            foreign_grads=sum(p.grad is not None or hasattr(p, "main_grad") for p in chunk.param_owner if not chunk.owns(p)),
+            state_count=len(states),
+            state_elements=sum(t.numel() for s in states for t in s.values() if torch.is_tensor(t) and t.ndim),
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_runs(stdlib_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero2")
+    base = [f"train.train_iters={STEPS}", "train.eval_interval=null", "optimizer.lr_warmup_iters=1",
+            "train.micro_batch_size=2", "train.global_batch_size=8", *MUON]
+    init = root / "init"
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, root / "r0", *base, f"checkpoint.save={init}"))
+    start = [*base, f"checkpoint.load={init}"]
+    runs = {"single": run_ranks(_train, 1, tiny_overrides(stdlib_data, root / "single", *start))}
+    layouts = {
+        "dp2": (2, []),
+        "dp4": (4, []),
+        "dp2_step": (2, ["optimizer.zero2_grad_reduce=step"]),
+        "tp2_dp2": (4, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+        "pp2_dp2": (4, ["parallel.pipeline_model_parallel_size=2"]),
+        "ep2_dp4": (4, ["parallel.expert_model_parallel_size=2"]),
+    }
+    for name, (world, extra) in layouts.items():
+        runs[name] = run_ranks(_train, world, tiny_overrides(stdlib_data, root / name, *start, *ZERO, *extra))
+    return root, runs
+
+
+def _full_params(ranks):
+    """Rank results -> {name: full tensor}, TP shards concatenated, expert shards stacked by EP."""
+    from collections import defaultdict
+
+    pieces = defaultdict(dict)
+    for r in ranks:
+        for n, t in r["params"].items():
+            pieces[n][(r["pp"], r["ep"], r["tp"])] = t
+    return pieces
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp4", "dp2_step", "tp2_dp2", "pp2_dp2", "ep2_dp4"])
+def test_zero2_matches_single_rank_after_10_steps(zero_runs, layout):
+    root, runs = zero_runs
+    ref, got = read_metrics(root / "single"), read_metrics(root / layout)
+    assert len(ref) == len(got) == STEPS
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.1  # the steps moved the model
+    for x, y in zip(ref, got):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6, abs=1e-6), layout
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), layout
+    single = runs["single"][0]["params"]
+    if layout in ("dp2", "dp4", "dp2_step"):  # every rank ends with the single-rank parameters
+        for r in runs[layout]:
+            for n, want in single.items():
+                assert (r["params"][n] - want).abs().max() <= 1e-6 * max(1.0, want.abs().max().item()), (layout, n)
+
+
+def test_every_parameter_has_one_owner_and_gradients_are_sharded(zero_runs):
+    _, runs = zero_runs
+    for layout in ("dp2", "dp4"):
+        ranks = runs[layout]
+        dp = len(ranks)
+        names = [set(r["owned_names"]) for r in ranks]
+        assert set().union(*names) == set(runs["single"][0]["trainable"])  # all trainable ones owned ...
+        assert sum(len(n) for n in names) == len(set().union(*names))  # ... exactly once
+        total = ranks[0]["total"]
+        assert sum(r["owned_grad"] for r in ranks) == total
+        for r in ranks:
+            # fp32 gradient storage: this rank's owned parameters only (whole matrices: up to one)
+            assert r["owned_grad"] == r["owned_params"]
+            assert r["owned_grad"] <= total / dp + r["largest"], layout
+            assert r["foreign_grads"] == 0
+            assert r["state_elements"] <= 2 * r["owned_params"]  # momentum or AdamW moments, owned only
+            assert r["peak_transient"] <= 3 * r["bucket_elements"]
+    # per-step reduction holds every non-owned gradient until the last micro-batch, then frees it
+    for r in runs["dp2_step"]:
+        assert r["peak_transient"] == r["total"] - r["owned_grad"]
+        assert r["foreign_grads"] == 0
+
+
+def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, tmp_path):
+    """With the embedding tables small next to the layers, the owned share is close to 1/dp."""
+    over = tiny_overrides(stdlib_data, tmp_path, "train.train_iters=1", "train.eval_interval=null", *MUON, *ZERO,
+                          "optimizer.lr_warmup_iters=0",
+                          "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]",
+                          "train.micro_batch_size=1", "train.global_batch_size=4")
+    for dp in (2, 4):
+        ranks = run_ranks(_train, dp, over)
+        total = ranks[0]["total"]
+        shares = [r["owned_grad"] / total for r in ranks]
+        assert sum(shares) == pytest.approx(1.0)
+        assert max(shares) <= 1.15 / dp, shares
+
+
+def test_ownership_balances_both_loads():
+    from parallel.zero2 import assign_owners
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        n, world = 7, 3
+        costs = (torch.rand(n, generator=gen) ** 3 * 100).tolist()
+        sizes = (torch.rand(n, generator=gen) * 50 + 1).tolist()
+        got = assign_owners(costs, sizes, world)
+
+        def worst(owners):
+            loads = [(sum(c for c, o in zip(costs, owners) if o == r) / sum(costs),
+                      sum(s for s, o in zip(sizes, owners) if o == r) / sum(sizes)) for r in range(world)]
+            return max(max(a, b) for a, b in loads)
+
+        best = min(worst(o) for o in itertools.product(range(world), repeat=n))
+        assert worst(got) <= 4 / 3 * best + 1e-9  # LPT's bound, against the exhaustive optimum
+    assert assign_owners([1.0, 2.0], [1, 1], 1) == [0, 0]
+
+
+def test_checkpoint_resumes_exactly_across_dp_sizes(stdlib_data, tmp_path):
+    """A ZeRO-2 checkpoint (each owner saves its momentum / moments / main weights) written at DP=2
+    continues like the uninterrupted single-rank run under DP=2, DP=4 and DP=1 without ZeRO-2."""
+    base = ["train.eval_interval=null", "optimizer.lr_warmup_iters=1", "optimizer.lr_decay_iters=4",
+            "train.micro_batch_size=2", *MUON]
+    init, ckpt = tmp_path / "init", tmp_path / "ckpt"
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "i", *base, "train.train_iters=4",
+                                               f"checkpoint.save={init}"))
+    start = [*base, f"checkpoint.load={init}"]
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "full", *start, "train.train_iters=4"))
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "a", *start, *ZERO, "train.train_iters=2",
+                                        f"checkpoint.save={ckpt}"))
+    full = read_metrics(tmp_path / "full")
+    resumed = [*base, "train.train_iters=4", f"checkpoint.load={ckpt}"]
+    for name, world, extra in [("dp2", 2, ZERO), ("dp4", 4, ZERO), ("dp1", 1, [])]:
+        run_ranks(_train, world, tiny_overrides(stdlib_data, tmp_path / name, *resumed, *extra))
+        rows = read_metrics(tmp_path / name)
+        assert [r["step"] for r in rows] == [3, 4], name
+        for x, y in zip(full[2:], rows):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), name
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), name
+    # loaded under DP=4: each rank holds the state of what it owns now, and only that
+    loaded = run_ranks(_loaded_state, 4, tiny_overrides(stdlib_data, tmp_path / "s", *resumed, *ZERO))
+    assert all(r["momentum"] > 0 for r in loaded)
+    assert all(r["state_params"] == r["owned_in_optimizer"] for r in loaded)
+
+
+def _loaded_state(rank, world_size, overrides):
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+    from pretrain.training.muon_setup import _subs
+
+    trainer = Trainer(load_config(TINY, overrides))
+    assert trainer.iteration == 2
+    chunk = trainer.model[0]
+    momentum, with_state, owned = 0.0, 0, 0
+    for sub in _subs(trainer.optimizer):
+        for group in sub.optimizer.param_groups:
+            for p in group["params"]:
+                state = sub.optimizer.state.get(p, {})
+                with_state += bool(state)
+                owned += not sub.optimizer.is_foreign(p)
+                if "momentum_buffer" in state:
+                    momentum += float(state["momentum_buffer"].abs().sum())
+    assert sum(chunk.owns(p) for p in chunk.param_owner) == owned
+    return {"momentum": momentum, "state_params": with_state, "owned_in_optimizer": owned}
