@@ -36,6 +36,8 @@ VARIANTS = {
     "muon_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],
     "muon_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=false"],
     "muon_zero2": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2],
+    "muon_zero2_bf16": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
+                        "parallel.grad_reduce_in_fp32=false"],
     "muon_zero2_step": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "optimizer.zero2_grad_reduce=step"],
 }
@@ -46,7 +48,7 @@ def grad_storage_gib(trainer) -> float:
     total = 0
     for chunk in trainer.model:
         if hasattr(chunk, "owned_grad_elements"):
-            total += 4 * (chunk.owned_grad_elements() + chunk.peak_transient_elements)
+            total += 4 * chunk.owned_grad_elements() + chunk.peak_transient_bytes
         else:
             for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]:
                 total += buf.grad_data.numel() * buf.grad_data.element_size()

@@ -11,7 +11,8 @@ parameters: DP x CP; expert parameters: the expert-data-parallel group). Per mic
 
 so each rank keeps fp32 gradient memory only for the parameters it owns (about 1/d of the model,
 up to one matrix) plus a bounded number of reduce buckets in flight; megatron-core's distributed
-optimizer keeps a full-size gradient buffer on every rank. The price is one reduce per micro-batch;
+optimizer keeps a full-size gradient buffer on every rank. The price is one reduce per micro-batch (in fp32, or in the parameters' dtype with
+`grad_reduce_in_fp32=False`, megatron's field: half the traffic, the owner still accumulates in fp32);
 `reduce_per="step"` (`optimizer.zero2_grad_reduce: step`) instead accumulates locally and reduces
 once per step (DDP's traffic, a full-size gradient buffer while the step's backward passes run,
 still sharded optimizer state and main weights). After the optimizer step, each owner
@@ -61,10 +62,18 @@ def assign_owners(costs: Sequence[float], sizes: Sequence[int], world: int) -> L
 
 
 class _Bucket:
-    """Parameters of one owner and dtype whose gradients are reduced together."""
+    """Parameters of one owner and dtype whose gradients are reduced together.
 
-    def __init__(self, index: int, params: List[torch.nn.Parameter], owner: int, group, scale: float):
+    `grad`: the owner's persistent fp32 accumulation (its parameters' main_grad); `local`: this
+    rank's gradients of the current micro-batch(es), fp32; `comm`: what is being reduced (`local`
+    itself, or its copy in `reduce_dtype`). An owner reducing in fp32 accumulates straight into
+    `grad` and reduces it in place, so it needs no transient memory.
+    """
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], owner: int, group, scale: float,
+                 reduce_dtype: torch.dtype):
         self.index, self.params, self.owner, self.group, self.scale = index, params, owner, group, scale
+        self.reduce_dtype = reduce_dtype
         self.owner_global = dist.get_global_rank(group, owner) if group.size() > 1 else dist.get_rank()
         self.is_owner = group.rank() == owner
         self.numel = sum(p.numel() for p in params)
@@ -79,23 +88,35 @@ class _Bucket:
             s, e = self.offsets[p]
             self.param_data[s:e].copy_(p.data.reshape(-1))
             p.data = self.param_data[s:e].view_as(p)
-        # Owner: the persistent fp32 accumulation (the parameters' main_grad); others: per micro-batch.
         self.grad: Optional[torch.Tensor] = None
         if self.is_owner:
             self.grad = torch.zeros(self.numel, dtype=torch.float32, device=params[0].device)
             for p in params:
                 s, e = self.offsets[p]
                 p.main_grad = self.grad[s:e].view_as(p)
+        self.local: Optional[torch.Tensor] = None
+        self.comm: Optional[torch.Tensor] = None
         self.ready: set = set()
         self.work = None
 
+    @property
+    def in_place(self) -> bool:
+        return self.is_owner and self.reduce_dtype == torch.float32
+
+    def transient_bytes(self) -> int:
+        live = {id(t): t for t in (self.local, self.comm) if t is not None and t is not self.grad}
+        return sum(t.numel() * t.element_size() for t in live.values())
+
     def settle(self) -> None:
-        """Wait for this bucket's reduce; a non-owner then drops its transient gradients."""
+        """Wait for this bucket's reduce; the owner adds a low-precision result into its fp32
+        accumulation, and the transient buffers are dropped."""
         if self.work is not None:
             self.work.wait()
             self.work = None
-            if not self.is_owner:
-                self.grad = None
+        if self.comm is not None:
+            if self.is_owner and self.comm is not self.grad:
+                self.grad.add_(self.comm)
+            self.comm = None
 
 
 def broadcast_bucket(b: _Bucket):
@@ -115,16 +136,19 @@ class Zero2DataParallel(DistributedDataParallel):
     """
 
     def __init__(self, config, module: torch.nn.Module, cost_fn: Callable[[str, torch.nn.Parameter], float],
-                 reduce_per: str = "microbatch", bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2):
+                 reduce_per: str = "microbatch", grad_reduce_in_fp32: bool = True,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2):
         _BaseDataParallel.__init__(self, config=config, module=module)
         if reduce_per not in ("microbatch", "step"):
             raise ValueError(f"reduce_per must be 'microbatch' or 'step', got {reduce_per!r}")
         # "step": megatron's schedules run every micro-batch but the last under no_sync(); gradients
         # then accumulate locally (full-size, transient) and are reduced once, as with DDP.
         self.reduce_per = reduce_per
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self._sync = True
         # finalize_model_grads reads these two flags.
-        self.ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        self.ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                                        use_distributed_optimizer=True)
         self.max_inflight = max_inflight
         dense_group = ps.get_data_parallel_group(with_context_parallel=True)
         expert_group = ps.get_expert_data_parallel_group()
@@ -152,7 +176,7 @@ class Zero2DataParallel(DistributedDataParallel):
         self._next_launch = 0
         self._inflight: deque = deque()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
-        self.peak_transient_elements = 0
+        self.peak_transient_bytes = 0
 
     def _make_buckets(self, part, group, scale: float, bucket_elements: int) -> None:
         open_buckets: Dict[Tuple[int, torch.dtype], List] = {}
@@ -168,7 +192,8 @@ class Zero2DataParallel(DistributedDataParallel):
         closing += [(len(part), members, key[0]) for key, members in open_buckets.items()]
         closing.sort(key=lambda t: (t[0], t[2]))  # a bucket is ready when its last gradient arrives
         for _, members, owner in closing:
-            self.buckets.append(_Bucket(len(self.buckets), members, owner, group, scale))
+            dtype = torch.float32 if self.grad_reduce_in_fp32 else members[0].dtype
+            self.buckets.append(_Bucket(len(self.buckets), members, owner, group, scale, dtype))
 
     # ------------------------------------------------------------------ gradients
     def owns(self, param: torch.nn.Parameter) -> bool:
@@ -187,10 +212,7 @@ class Zero2DataParallel(DistributedDataParallel):
         if param in b.ready:  # a second gradient in one micro-batch (e.g. recomputation): just add
             self._accumulate(b, param)
             return
-        b.settle()  # the previous micro-batch's reduce of this bucket must be done first
-        if b.grad is None:
-            b.grad = torch.zeros(b.numel, dtype=torch.float32, device=param.device)
-            self._track_transient()
+        self._open(b)
         self._accumulate(b, param)
         if not self._sync:  # per-step reduction: the gradient stays here until the last micro-batch
             return
@@ -199,29 +221,41 @@ class Zero2DataParallel(DistributedDataParallel):
                 self.buckets[self._next_launch].params):
             self._launch(self.buckets[self._next_launch])
 
+    def _open(self, b: _Bucket) -> None:
+        """Give the bucket somewhere to collect this rank's gradients."""
+        if b.local is not None:
+            return
+        if b.in_place:
+            b.settle()  # the previous reduce writes into the accumulation: it must be done first
+            b.local = b.grad
+        else:
+            b.local = torch.zeros(b.numel, dtype=torch.float32, device=b.param_data.device)
+            self._track_transient()
+
     def _accumulate(self, b: _Bucket, param: torch.nn.Parameter) -> None:
         s, e = b.offsets[param]
-        b.grad[s:e].view_as(param).add_(param.grad, alpha=b.scale)
+        b.local[s:e].view_as(param).add_(param.grad, alpha=b.scale)
         param.grad = None
 
     def _launch(self, b: _Bucket) -> None:
-        if b.grad is None:  # no gradient arrived on this rank (the bucket is flushed): send zeros
-            b.grad = torch.zeros(b.numel, dtype=torch.float32, device=b.param_data.device)
-            self._track_transient()
+        self._open(b)  # a bucket flushed without any gradient here sends zeros
+        b.comm = b.local if b.reduce_dtype == torch.float32 else b.local.to(b.reduce_dtype)
+        b.local = None
+        self._track_transient()
         if b.group.size() > 1:
-            b.work = dist.reduce(b.grad, dst=b.owner_global, group=b.group, async_op=True)
-        elif not b.is_owner:
-            b.grad = None
+            b.work = dist.reduce(b.comm, dst=b.owner_global, group=b.group, async_op=True)
+        else:
+            b.settle()
         b.ready.clear()
         self._next_launch = (self._next_launch + 1) % len(self.buckets)
-        if not b.is_owner:
+        if not b.in_place:
             self._inflight.append(b)
             while len(self._inflight) > self.max_inflight:  # bound the transient gradient memory
                 self._inflight.popleft().settle()
 
     def _track_transient(self) -> None:
-        live = sum(b.numel for b in self.buckets if not b.is_owner and b.grad is not None)
-        self.peak_transient_elements = max(self.peak_transient_elements, live)
+        live = sum(b.transient_bytes() for b in self.buckets)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, live)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         """Launch the buckets not launched yet (in order) and wait for every reduce."""
@@ -253,10 +287,9 @@ class Zero2DataParallel(DistributedDataParallel):
         for b in self.buckets:
             b.settle()
             b.ready.clear()
+            b.local = None
             if b.is_owner:
                 b.grad.zero_()
-            else:
-                b.grad = None
             for p in b.params:
                 p.grad = None
         self._next_launch = 0

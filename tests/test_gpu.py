@@ -260,8 +260,9 @@ BF16 = ["model.bf16=true", "model.params_dtype=bfloat16", "data.mock=true", "mod
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     """bf16 (fp32 main weights in megatron's Float16 wrapper) on 2 GPUs over NCCL: ZeRO-2 (per
-    micro-batch and per step) follows replicated Muon (megatron DDP), keeps fp32 main weights and
-    gradients only for owned parameters, and resumes from its own checkpoint."""
+    micro-batch, per step, per micro-batch reducing in bf16) follows replicated Muon (megatron DDP),
+    keeps fp32 main weights and gradients only for owned parameters, and resumes from its own
+    checkpoint."""
     from tests.distributed import run_ranks
     from tests.test_zero2 import _save_initial, _train
 
@@ -273,7 +274,8 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     start = [f"checkpoint.load={init}", "train.train_iters=6"]
     zero = "optimizer.use_distributed_optimizer=true"
     ddp = run("ddp", 2, *start)
-    runs = {"micro": run("micro", 2, *start, zero), "step": run("step", 2, *start, zero, "optimizer.zero2_grad_reduce=step")}
+    runs = {"micro": run("micro", 2, *start, zero), "step": run("step", 2, *start, zero, "optimizer.zero2_grad_reduce=step"),
+            "micro_bf16": run("micro_bf16", 2, *start, zero, "parallel.grad_reduce_in_fp32=false")}
     ref = [r["loss"] for r in _metrics(tmp_path / "ddp")]
     for name, ranks in runs.items():
         got = [r["loss"] for r in _metrics(tmp_path / name)]

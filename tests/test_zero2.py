@@ -63,7 +63,7 @@ def _train(rank, world_size, overrides):
             owned_params=sum(p.numel() for p in owned),
             total=sum(p.numel() for p in chunk.param_owner),
             largest=max(p.numel() for p in chunk.param_owner),
-            peak_transient=chunk.peak_transient_elements,
+            peak_transient=chunk.peak_transient_bytes // 4,  # fp32 elements
             bucket_elements=max(b.numel for b in chunk.buckets),
             owned_names=sorted(n for n, p in chunk.module.named_parameters() if p in chunk.param_owner and chunk.owns(p)),
             foreign_grads=sum(p.grad is not None or hasattr(p, "main_grad") for p in chunk.param_owner if not chunk.owns(p)),
@@ -228,3 +228,68 @@ def _state_summary(trainer):
                     momentum += float(state["momentum_buffer"].abs().sum())
     assert sum(chunk.owns(p) for p in chunk.param_owner) == owned
     return {"momentum": momentum, "state_params": with_state, "owned_in_optimizer": owned}
+
+
+def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
+    """Two micro-batches through a small bf16/fp32 module wrapped in Zero2DataParallel; returns the
+    owned main_grads by name (what the optimizer of this rank would see)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from parallel.initialize import initialize_parallel
+    from parallel.zero2 import Zero2DataParallel
+    from pretrain.config.schema import ParallelConfig
+
+    initialize_parallel(ParallelConfig(), seed=0)
+    module = _small_module(dtype)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    model = Zero2DataParallel(config, module, lambda n, p: float(p.numel()), reduce_per, grad_reduce_in_fp32,
+                              bucket_elements=40)
+    model.zero_grad_buffer()
+    for m in range(2):
+        ctx = model.no_sync() if m == 0 else _nullcontext()
+        with ctx:
+            _small_loss(model, rank, m, dtype).backward()
+    model.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in module.named_parameters() if model.owns(p)}
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _small_module(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4)).to(dtype)
+
+
+def _small_loss(model, rank, micro, dtype):
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * rank + micro)).to(dtype)
+    return model(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("reduce_per", ["microbatch", "step"])
+def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
+    """The owner's main_grad = (1/dp) * sum over ranks and micro-batches of the float64 gradients;
+    in fp32 to 1e-6, with parameters and the reduction in bf16 to bf16 accuracy."""
+    world = 2
+    ref_module = _small_module(torch.float64)
+    ref = {n: torch.zeros_like(p) for n, p in ref_module.named_parameters()}
+    for r in range(world):
+        for m in range(2):
+            grads = torch.autograd.grad(_small_loss(ref_module, r, m, torch.float64), list(ref_module.parameters()))
+            for (n, _), g in zip(ref_module.named_parameters(), grads):
+                ref[n] += g / world
+    for dtype, fp32, tol in [(torch.float32, True, 1e-6), (torch.bfloat16, True, 2e-2), (torch.bfloat16, False, 3e-2)]:
+        ranks = run_ranks(_wrapper_grads, world, dtype, fp32, reduce_per)
+        got = {}
+        for r in ranks:
+            assert not set(r) & set(got)  # one owner per parameter
+            got.update(r)
+        assert set(got) == set(ref)
+        for n, g in got.items():
+            assert g.dtype == torch.float32
+            err = (g.double() - ref[n]).norm() / ref[n].norm()
+            assert err < tol, (dtype, fp32, n, err.item())

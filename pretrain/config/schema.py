@@ -105,6 +105,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)
     overlap_grad_reduce: bool = True
+    # megatron DDP field: reduce gradients in fp32 (false: in the parameters' dtype, half the
+    # traffic; accumulation stays fp32). Muon's ZeRO-2 honours it too.
+    grad_reduce_in_fp32: bool = True
 
 
 @dataclass

@@ -71,10 +71,10 @@ def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
         from parallel.zero2 import Zero2DataParallel
         from pretrain.training.muon_setup import ownership_cost
 
-        return [Zero2DataParallel(chunk.config, chunk, ownership_cost(cfg), cfg.optimizer.zero2_grad_reduce)
-                for chunk in chunks]
+        return [Zero2DataParallel(chunk.config, chunk, ownership_cost(cfg), cfg.optimizer.zero2_grad_reduce,
+                                  cfg.parallel.grad_reduce_in_fp32) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and ps.get_data_parallel_world_size() > 1,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
     )
