@@ -239,6 +239,7 @@ class Zero2DataParallel(DistributedDataParallel):
 
     def _launch(self, b: _Bucket) -> None:
         self._open(b)  # a bucket flushed without any gradient here sends zeros
+        b.settle()  # this bucket's previous reduce (the last micro-batch's) is folded in first
         b.comm = b.local if b.reduce_dtype == torch.float32 else b.local.to(b.reduce_dtype)
         b.local = None
         self._track_transient()

@@ -231,7 +231,7 @@ def _state_summary(trainer):
 
 
 def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
-    """Two micro-batches through a small bf16/fp32 module wrapped in Zero2DataParallel; returns the
+    """Three micro-batches through a small bf16/fp32 module wrapped in Zero2DataParallel; returns the
     owned main_grads by name (what the optimizer of this rank would see)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -242,10 +242,12 @@ def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
     initialize_parallel(ParallelConfig(), seed=0)
     module = _small_module(dtype)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    # small buckets, and no bound on the reduces in flight: each bucket is launched again before
+    # anything else waits for its previous reduce
     model = Zero2DataParallel(config, module, lambda n, p: float(p.numel()), reduce_per, grad_reduce_in_fp32,
-                              bucket_elements=40)
+                              bucket_elements=40, max_inflight=1000)
     model.zero_grad_buffer()
-    for m in range(2):
+    for m in range(3):
         ctx = model.no_sync() if m == 0 else _nullcontext()
         with ctx:
             _small_loss(model, rank, m, dtype).backward()
@@ -278,7 +280,7 @@ def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
     ref_module = _small_module(torch.float64)
     ref = {n: torch.zeros_like(p) for n, p in ref_module.named_parameters()}
     for r in range(world):
-        for m in range(2):
+        for m in range(3):
             grads = torch.autograd.grad(_small_loss(ref_module, r, m, torch.float64), list(ref_module.parameters()))
             for (n, _), g in zip(ref_module.named_parameters(), grads):
                 ref[n] += g / world
