@@ -11,14 +11,16 @@ parameters: DP x CP; expert parameters: the expert-data-parallel group). Per mic
 
 so each rank keeps fp32 gradient memory only for the parameters it owns (about 1/d of the model,
 up to one matrix) plus a bounded number of reduce buckets in flight; megatron-core's distributed
-optimizer keeps a full-size gradient buffer on every rank. The price is one reduce per micro-batch (in fp32, or in the parameters' dtype with
-`grad_reduce_in_fp32=False`, megatron's field: half the traffic, the owner still accumulates in fp32);
-`reduce_per="step"` (`optimizer.zero2_grad_reduce: step`) instead accumulates locally and reduces
-once per step (DDP's traffic, a full-size gradient buffer while the step's backward passes run,
-still sharded optimizer state and main weights). After the optimizer step, each owner
-broadcasts the updated parameters it owns: every parameter crosses the network once (the
-"all-gather of owned shards"), bucket by bucket, and the broadcasts overlap the Newton-Schulz work of
-the buckets that follow (`Zero2DataParallel.broadcast_order` interleaves owners).
+optimizer keeps a full-size gradient buffer on every rank. The price is one reduce per micro-batch
+(in fp32, or in the parameters' dtype with `grad_reduce_in_fp32=False`, megatron's field: half the
+traffic, the owner still accumulates in fp32). `reduce_per="step"` (`optimizer.zero2_grad_reduce:
+step`) instead accumulates locally and reduces once per step (DDP's traffic, a full-size gradient
+buffer while the step's backward passes run, still sharded optimizer state and main weights).
+
+After the optimizer step each owner broadcasts the updated parameters it owns: every parameter
+crosses the network once (the "all-gather of owned shards"), bucket by bucket, and the broadcasts
+overlap the Newton-Schulz work of the buckets that follow (`Zero2DataParallel.broadcast_order`
+interleaves owners).
 
 Ownership balances two loads at once: the optimizer's compute (Newton-Schulz cost of a matrix, given
 by `cost_fn`) and gradient memory (elements). Parameters are placed largest first on the rank whose
