@@ -72,9 +72,8 @@ class _Bucket:
     `grad` and reduces it in place, so it needs no transient memory.
     """
 
-    def __init__(self, index: int, params: List[torch.nn.Parameter], owner: int, group, scale: float,
-                 reduce_dtype: torch.dtype):
-        self.index, self.params, self.owner, self.group, self.scale = index, params, owner, group, scale
+    def __init__(self, params: List[torch.nn.Parameter], owner: int, group, scale: float, reduce_dtype: torch.dtype):
+        self.params, self.owner, self.group, self.scale = params, owner, group, scale
         self.reduce_dtype = reduce_dtype
         self.owner_global = dist.get_global_rank(group, owner) if group.size() > 1 else dist.get_rank()
         self.is_owner = group.rank() == owner
@@ -181,21 +180,22 @@ class Zero2DataParallel(DistributedDataParallel):
         self.peak_transient_bytes = 0
 
     def _make_buckets(self, part, group, scale: float, bucket_elements: int) -> None:
-        open_buckets: Dict[Tuple[int, torch.dtype], List] = {}
+        open_buckets: Dict[Tuple[int, torch.dtype], Tuple[List, List[int]]] = {}  # key -> (params, [elements])
         closing: List[Tuple[int, List, int]] = []  # (position of last param, params, owner)
         for pos, (_, p) in enumerate(part):
             owner = self.param_owner[p][0]
             key = (owner, p.dtype)
-            members = open_buckets.setdefault(key, [])
+            members, size = open_buckets.setdefault(key, ([], [0]))
             members.append(p)
-            if sum(q.numel() for q in members) >= bucket_elements:
+            size[0] += p.numel()
+            if size[0] >= bucket_elements:
                 closing.append((pos, members, owner))
                 del open_buckets[key]
-        closing += [(len(part), members, key[0]) for key, members in open_buckets.items()]
+        closing += [(len(part), members, key[0]) for key, (members, _) in open_buckets.items()]
         closing.sort(key=lambda t: (t[0], t[2]))  # a bucket is ready when its last gradient arrives
         for _, members, owner in closing:
             dtype = torch.float32 if self.grad_reduce_in_fp32 else members[0].dtype
-            self.buckets.append(_Bucket(len(self.buckets), members, owner, group, scale, dtype))
+            self.buckets.append(_Bucket(members, owner, group, scale, dtype))
 
     # ------------------------------------------------------------------ gradients
     def owns(self, param: torch.nn.Parameter) -> bool:

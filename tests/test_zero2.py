@@ -14,6 +14,7 @@ parameter) from the same initial checkpoint and global batches.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -248,17 +249,11 @@ def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
                               bucket_elements=40, max_inflight=1000)
     model.zero_grad_buffer()
     for m in range(3):
-        ctx = model.no_sync() if m == 0 else _nullcontext()
+        ctx = model.no_sync() if m == 0 else contextlib.nullcontext()
         with ctx:
             _small_loss(model, rank, m, dtype).backward()
     model.finish_grad_sync()
     return {n: p.main_grad.clone() for n, p in module.named_parameters() if model.owns(p)}
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _small_module(dtype):

@@ -122,8 +122,9 @@ def ownership_cost(cfg: GLM5Config):
             return elementwise + sum(newton_schulz_flops(b.shape[-2], b.shape[-1], steps) * b.shape[0]
                                      for b in split.blocks(p.detach()))
         rows, cols = p.shape
-        if getattr(p, "tensor_model_parallel", False) and _tp_group_of(name, p) is not None:
-            tp = _tp_group_of(name, p).size()
+        tp_group = _tp_group_of(name, p) if getattr(p, "tensor_model_parallel", False) else None
+        if tp_group is not None:
+            tp = tp_group.size()
             rows, cols = (rows * tp, cols) if p.partition_dim == 0 else (rows, cols * tp)
         return elementwise + newton_schulz_flops(rows, cols, steps)
 

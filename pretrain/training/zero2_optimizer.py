@@ -18,7 +18,7 @@ the owner of its share:
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
 from parallel.zero2 import Zero2DataParallel, broadcast_bucket
+from pretrain.training.muon_setup import _model_to_inner, _subs
 
 
 def _main_replica(tree) -> None:
@@ -138,30 +139,26 @@ def shard_optimizer(optimizer, model_chunks: List[Zero2DataParallel]):
     owned = {p for chunk in model_chunks for p in chunk.param_owner if chunk.owns(p)}
     buckets = [b for chunk in model_chunks for b in chunk.broadcast_order()]
     world = dist.group.WORLD
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub in _subs(optimizer):
         if sub.optimizer is None:
             continue
         if isinstance(sub, Float16OptimizerWithFloat16Params):
-            model_params = [m for g in sub.float16_groups for m in g] + [p for g in sub.fp32_from_fp32_groups for p in g]
-            to_inner: Dict[int, torch.Tensor] = {id(m): w for g, h in zip(sub.float16_groups, sub.fp32_from_float16_groups)
-                                                 for m, w in zip(g, h)}
             sub.__class__ = ZeroFloat16Optimizer
         elif isinstance(sub, FP32Optimizer):
-            model_params = sub.get_parameters()
-            to_inner = {}
             sub.__class__ = ZeroFP32Optimizer
         else:
             raise TypeError(f"ZeRO-2 with Muon cannot shard a {type(sub).__name__}")
-        mine = {id(p) for p in model_params}
+        to_model = _model_to_inner(sub)  # inner (main) parameter id -> model parameter
+        inner = [p for group in sub.optimizer.param_groups for p in group["params"]]
+        mine = {id(to_model[id(p)]) for p in inner}
         sub._zero_buckets = [b for b in buckets if id(b.params[0]) in mine]
         if any(id(p) not in mine for b in sub._zero_buckets for p in b.params):
             raise RuntimeError("a ZeRO-2 bucket spans two optimizers (dense and expert parameters mixed)")
-        sub._zero_owned = {p for p in model_params if p in owned}
-        foreign = [to_inner.get(id(p), p) for p in model_params if p not in owned]
+        sub._zero_owned = {to_model[id(p)] for p in inner if to_model[id(p)] in owned}
+        foreign = [p for p in inner if to_model[id(p)] not in owned]
         sub.optimizer.set_foreign(foreign)
-        copies = {id(w) for w in to_inner.values()}
         for p in foreign:
-            if id(p) in copies:  # an fp32 main copy of a parameter owned elsewhere
+            if p is not to_model[id(p)]:  # an fp32 main copy of a parameter owned elsewhere
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         # Each rank holds the gradients it owns: the norm is summed over all ranks.
         sub.grad_stats_parallel_group = world
