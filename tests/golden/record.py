@@ -1,0 +1,51 @@
+"""Record the golden loss sequences (`python -m tests.golden.record`); see tests/test_golden.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).with_name("losses.json")
+STEPS = 20
+
+_COMMON = [f"train.train_iters={STEPS}", "data.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4",
+           "train.eval_interval=null", "optimizer.lr_warmup_iters=5", "logging.log_interval=100"]
+_MUON = ["optimizer.optimizer=muon", "optimizer.lr=2e-2", "optimizer.muon_ns_dtype=float32"]
+_DSA_SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_topk=16", "model.dsa_indexer_loss_coeff=1e-2",
+               "model.dsa_indexer_use_sparse_loss=true"]
+VARIANTS = {
+    "adamw_dense": [],
+    "muon_dense": _MUON,
+    "adamw_dsa_sparse": _DSA_SPARSE,
+    "muon_dsa_sparse": _MUON + _DSA_SPARSE,
+}
+
+
+def run_variant(name: str, run_dir: Path) -> dict:
+    """Train the tiny model for STEPS steps through `python -m pretrain.train`; the loss and grad norm per step."""
+    args = [sys.executable, "-m", "pretrain.train", "--config", str(ROOT / "configs/models/glm5-tiny.yaml"),
+            *_COMMON, f"logging.run_dir={run_dir}", *VARIANTS[name]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
+
+
+def main() -> None:
+    out = {}
+    for name in VARIANTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out[name] = run_variant(name, Path(tmp))
+        print(name, out[name]["loss"][0], "->", out[name]["loss"][-1], flush=True)
+    GOLDEN.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
