@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The DSA continued-pretraining recipe on the GLM-5 proxy model (one GPU), in two phases that fit the
-# device tool's 10-minute commands (files under runs/ and data/ stay on a warm machine):
+# The DSA continued-pretraining recipe on the GLM-5 proxy model (one GPU), in two phases that can run
+# as separate jobs (each reads what the previous one left under runs/ and data/):
 #
 #   bash benchmarks/dsa_recipe_proxy.sh dense   # stdlib data + a dense proxy checkpoint (DENSE_ITERS)
 #   bash benchmarks/dsa_recipe_proxy.sh recipe  # warm-up, sparse stage, dense baseline (STAGE_ITERS each)
 #
-# Results (metrics.jsonl of each stage, dsa_report.md / .png) are copied to $OUT when it is set.
+# With RESULTS_DIR set, each stage's metrics.jsonl and dsa_report.md / .png are copied there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,10 +31,10 @@ recipe)
     exit 2
     ;;
 esac
-if [[ -n "${OUT:-}" ]]; then
+if [[ -n "${RESULTS_DIR:-}" ]]; then
     for d in "$run"/*/; do
         name=$(basename "$d")
-        [[ -f "$d/metrics.jsonl" ]] && mkdir -p "$OUT/$name" && cp "$d/metrics.jsonl" "$OUT/$name/"
+        [[ -f "$d/metrics.jsonl" ]] && mkdir -p "$RESULTS_DIR/$name" && cp "$d/metrics.jsonl" "$RESULTS_DIR/$name/"
     done
-    cp "$run"/dsa_report.* "$OUT/" 2>/dev/null || true
+    cp "$run"/dsa_report.* "$RESULTS_DIR/" 2>/dev/null || true
 fi

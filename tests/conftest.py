@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run through the device tool)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on a GPU machine)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""GPU checks (marker `gpu`; run through the device tool, skipped elsewhere)."""
+"""GPU checks (marker `gpu`): `python -m pytest -q -m gpu tests/test_gpu.py` on a CUDA machine; skipped elsewhere."""
 
 import pytest
 import torch
