@@ -1,0 +1,101 @@
+"""Sequence-chunked output projection and cross-entropy (GLM-5 report, section on training infrastructure).
+
+The output layer of a large-vocabulary model materializes `[tokens, vocab]` logits (GLM-5: 154,880
+columns; 32K tokens x 155K x 4 bytes = 20 GB in fp32) and their gradient. GLM-5 computes logits and
+loss chunk by chunk along the sequence, each chunk's forward and backward before the next, so the full
+logits never exist. Per chunk c of n tokens with hidden states h [n, H], this rank's vocabulary slice
+W [V/tp, H] (rows v0..v1 of the vocabulary under tensor parallelism), labels y and per-token loss
+weights m (loss mask x any scaling):
+
+    z      = h W^T                                    [n, V/tp], fp32
+    lse_i  = log sum_v exp z_iv                        max and sum all-reduced over the TP group
+    loss_i = lse_i - z_{i, y_i}                        the target logit all-reduced (one rank holds it)
+    dz     = m_i (softmax(z)_iv - [v = y_i])           the gradient of sum_i m_i loss_i
+    dh    += dz W,  dW += dz^T h                       dh is this rank's partial sum (see below)
+
+which is megatron-core's vocab-parallel cross-entropy, done per chunk with its gradient. The function
+returns `sum_i m_i loss_i` (a scalar: its gradient is known at forward time up to the scalar the
+backward brings) and the per-token losses, detached, for logging. Memory: one chunk's logits plus fp32
+gradients of h and W, never [tokens, vocab].
+
+Under tensor parallelism `hidden` must be the output layer's input as each rank sees it (after
+megatron's copy-to-TP region or the sequence-parallel all-gather): the partial dh returned here is
+summed over TP by that region's backward, as for the unchunked ColumnParallelLinear.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i m_i CE(h_i W^T, y_i), chunk by chunk along the tokens, vocabulary-parallel over `tp_group`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, loss_weights, chunk_size: int, vocab_start: int, tp_group):
+        n_tokens = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        losses = torch.empty(n_tokens, dtype=acc, device=hidden.device)
+        vocab_local = weight.shape[0]
+        for start in range(0, n_tokens, chunk_size):
+            end = min(start + chunk_size, n_tokens)
+            h, y, m = hidden[start:end], labels[start:end], loss_weights[start:end].to(acc)
+            z = (h @ weight.t()).to(acc)
+            zmax = _all_reduce(z.max(dim=1).values, dist.ReduceOp.MAX, tp_group)
+            z.sub_(zmax[:, None])
+            exp = z.exp()
+            sumexp = _all_reduce(exp.sum(dim=1), dist.ReduceOp.SUM, tp_group)
+            local = y - vocab_start
+            own = (local >= 0) & (local < vocab_local)
+            idx = torch.where(own, local, torch.zeros_like(local))
+            target = torch.where(own, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(zmax))
+            target = _all_reduce(target, dist.ReduceOp.SUM, tp_group)
+            losses[start:end] = sumexp.log() - target
+            dz = exp.div_(sumexp[:, None])  # softmax, in place of exp
+            rows = torch.arange(end - start, device=dz.device)
+            dz[rows[own], idx[own]] -= 1.0
+            dz.mul_(m[:, None])
+            dz = dz.to(weight.dtype)
+            grad_hidden[start:end] = (dz @ weight).to(hidden.dtype)
+            grad_weight += (dz.t() @ h).to(acc)  # each chunk's product in the weight's dtype, summed in fp32
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        loss = (losses * loss_weights.to(acc)).sum()
+        ctx.mark_non_differentiable(losses)
+        return loss, losses
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_losses):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
+            None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    chunk_size: int,
+    vocab_start: int = 0,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sum_i m_i loss_i, per-token losses) for hidden [..., H], weight [V/tp, H], labels / weights [...]."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    shape = labels.shape
+    loss, losses = ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_weights.reshape(-1), chunk_size,
+        vocab_start, tp_group,
+    )
+    return loss, losses.view(shape)
