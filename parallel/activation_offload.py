@@ -1,0 +1,174 @@
+"""Activation offloading: what a layer saves for backward waits in host memory between its forward and backward.
+
+GLM-5 report (training infrastructure): pipeline activation offloading moves layer activations to host
+memory after the forward and brings them back before the backward, combined with fine-grained
+recompute, so long sequences fit. megatron-core 0.16.1's offloading needs Transformer Engine; this one
+is torch-native:
+
+* Each layer's forward runs inside `ActivationOffloader.layer()`, which installs torch's saved-tensor
+  hooks (`torch.autograd.graph.saved_tensors_hooks`). Every tensor autograd saves in that forward
+  (of at least `min_bytes`, not a parameter) is copied into a pinned host buffer on a side stream
+  (`d2h`) as soon as it is saved; the device memory returns to the caching allocator once the copy is
+  done (`record_stream`), without the default stream ever waiting.
+* In backward, the first use of a layer's tensors brings them back (on a second side stream, `h2d`)
+  and at the same time starts bringing back the layer before it in the same forward: the copy for
+  layer l-1 overlaps the backward of layer l. The default stream waits on an event, never on the host.
+* Groups are linked per forward pass, so micro-batches interleaved by a 1F1B pipeline schedule keep
+  their own chains; a layer re-run in backward (recompute) is not offloaded again.
+
+On a machine without CUDA the round trip goes through a separate plain host buffer (a copy), so the
+hook logic runs and is tested on CPU; it saves no memory there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, List, Optional, Set
+
+import torch
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. a recomputed forward inside it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Group:
+    """The tensors one layer's forward saved: where they wait, and the events that order the copies."""
+
+    def __init__(self, index: Optional[int], prev: Optional["_Group"]):
+        self.index = index
+        self.prev = prev
+        self.host: List[Optional[torch.Tensor]] = []  # pinned host copies until the backward takes them
+        self.device: List[Optional[torch.Tensor]] = []
+        self.saved_to_host: Optional[torch.cuda.Event] = None
+        self.back_on_device: Optional[torch.cuda.Event] = None
+        self.fetched = False  # the copy back to the device was issued
+        self.in_backward = False  # its backward has begun (the default stream waited for the copy)
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks that move each layer's saved activations to host memory and prefetch them back."""
+
+    def __init__(self, min_bytes: int = 1 << 20):
+        self.min_bytes = min_bytes
+        self.cuda = torch.cuda.is_available()
+        self.d2h = torch.cuda.Stream() if self.cuda else None
+        self.h2d = torch.cuda.Stream() if self.cuda else None
+        self._last: Optional[_Group] = None
+        self._param_storages: Set[int] = set()
+        self.offloaded_bytes = 0  # since construction, for tests and logs
+        self.prefetched_groups = 0
+
+    def exclude_parameters(self, modules) -> None:
+        """Never offload tensors sharing storage with these modules' parameters (saved weights)."""
+        for module in modules:
+            for p in module.parameters():
+                self._param_storages.add(p.untyped_storage().data_ptr())
+
+    @contextlib.contextmanager
+    def layer(self, index: Optional[int] = None) -> Iterator[None]:
+        """Offload what autograd saves inside this block (the forward of layer `index`).
+
+        The layer's backward prefetches the group of layer `index - 1` when that was the forward just
+        before it (so micro-batches interleaved by a pipeline schedule keep separate chains)."""
+        if in_backward() or not torch.is_grad_enabled():
+            yield
+            return
+        last = self._last
+        linked = last is not None and not last.fetched and (index is None or last.index == index - 1)
+        group = _Group(index, prev=last if linked else None)
+        self._last = group
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group),
+                                                      functools.partial(self._unpack, group)):
+            yield
+        if self.cuda and group.host:
+            group.saved_to_host = torch.cuda.Event()
+            group.saved_to_host.record(self.d2h)
+
+    def end_forward(self) -> None:
+        """The next layer starts a new chain (call between forward passes that are not one model)."""
+        self._last = None
+
+    # ------------------------------------------------------------------ hooks
+    def _keep(self, t: torch.Tensor) -> bool:
+        return (t.numel() * t.element_size() < self.min_bytes or t.untyped_storage().data_ptr() in self._param_storages
+                or (self.cuda and not t.is_cuda))
+
+    def _pack(self, group: _Group, t: torch.Tensor):
+        if self._keep(t):
+            return ("keep", t)
+        if self.cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.d2h)  # its memory is reused only after the copy
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            host.copy_(t)
+        group.host.append(host)
+        group.device.append(None)
+        self.offloaded_bytes += t.numel() * t.element_size()
+        return ("host", len(group.host) - 1, t.device)
+
+    def _unpack(self, group: _Group, handle):
+        if handle[0] == "keep":
+            return handle[1]
+        _, index, device = handle
+        if not group.in_backward:  # this layer's backward begins
+            group.in_backward = True
+            if not group.fetched:
+                self._fetch(group, device)
+            if group.prev is not None and not group.prev.fetched:
+                self._fetch(group.prev, device)  # overlaps this layer's backward
+                self.prefetched_groups += 1
+            group.prev = None  # no chain keeps finished groups (and their host buffers) alive
+            if self.cuda:
+                torch.cuda.current_stream().wait_event(group.back_on_device)
+        tensor = group.device[index]
+        if tensor is None:
+            raise RuntimeError("an offloaded activation was unpacked twice (backward with retain_graph=True "
+                               "is not supported with activation offloading)")
+        group.device[index] = group.host[index] = None  # autograd holds it now; freed after its use
+        return tensor
+
+    def _fetch(self, group: _Group, device: torch.device) -> None:
+        group.fetched = True
+        if not self.cuda:
+            group.device = [h.clone() for h in group.host]  # a second buffer: the round trip is real
+            return
+        if group.saved_to_host is None:  # the forward's copies were issued but the layer has not ended
+            group.saved_to_host = torch.cuda.Event()
+            group.saved_to_host.record(self.d2h)
+        self.h2d.wait_event(group.saved_to_host)
+        with torch.cuda.stream(self.h2d):
+            group.device = [h.to(device, non_blocking=True) for h in group.host]
+            group.back_on_device = torch.cuda.Event()
+            group.back_on_device.record(self.h2d)
+        main = torch.cuda.current_stream()
+        for t in group.device:
+            t.record_stream(main)  # allocated on h2d, used and freed on the default stream
+
+
+def offload_layers(layers, offloader: ActivationOffloader) -> list:
+    """Run each module's forward inside `offloader.layer(...)` (forward hooks; megatron's layers stay as they are).
+
+    A module's `layer_number` (megatron's TransformerLayer has one) orders the prefetch chain. Returns the
+    hook handles (`handle.remove()` undoes it)."""
+    handles = []
+    for module in layers:
+        stack: List[contextlib.ExitStack] = []
+
+        def enter(mod, _args, stack=stack):
+            scope = contextlib.ExitStack()
+            scope.enter_context(offloader.layer(getattr(mod, "layer_number", None)))
+            stack.append(scope)
+
+        def leave(_mod, _args, _out, stack=stack):
+            stack.pop().close()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles
