@@ -79,3 +79,38 @@ def test_vocab_parallel_tp2_equals_full_logits():
     # each rank's dh is its vocabulary slice's share; the copy-to-TP region's backward sums them
     torch.testing.assert_close(out[0]["dh"] + out[1]["dh"], ref_dh, rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.cat([out[0]["dw"], out[1]["dw"]]), ref_dw, rtol=0, atol=1e-12)
+
+
+def test_per_token_view_keeps_values_and_carries_the_sums_gradient():
+    from pretrain.model.output_loss import per_token_view
+
+    h, w, y, m = _problem(n=12)
+    m = (m > 0).double()
+    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, losses = chunked_linear_cross_entropy(hh, ww, y, m, 5)
+    out = per_token_view(loss, losses, m)
+    torch.testing.assert_close(out.double(), ref_losses, rtol=1e-6, atol=1e-6)
+    (out * m).sum().backward()  # what megatron's loss function does with the model's output
+    torch.testing.assert_close(hh.grad, ref_dh, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ww.grad, ref_dw, rtol=1e-6, atol=1e-6)
+
+
+def test_liger_fused_linear_cross_entropy_matches_full_logits():
+    """Liger's Triton kernels, here in Triton's interpreter (CPU), against float64 full logits."""
+    from pretrain.compat import patch_triton_interpreter
+    from pretrain.model.output_loss import liger_linear_cross_entropy
+
+    patch_triton_interpreter()
+    h, w, y, m = _problem(n=21)
+    m = (m > 0).double()
+    _, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_sum = (F.cross_entropy(h @ w.t(), y, reduction="none") * m).sum()
+    hh, ww = h.float().clone().requires_grad_(), w.float().clone().requires_grad_()
+    loss = liger_linear_cross_entropy(hh, ww, y, m)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), ref_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), ref_dh, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ww.grad.double(), ref_dw, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="0/1 loss mask"):
+        liger_linear_cross_entropy(hh, ww, y, m * 0.5)

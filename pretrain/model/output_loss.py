@@ -99,3 +99,35 @@ def chunked_linear_cross_entropy(
         vocab_start, tp_group,
     )
     return loss, losses.view(shape)
+
+
+OUTPUT_LOSS_BACKENDS = ("unfused", "chunked", "liger")
+
+
+def per_token_view(loss_sum: torch.Tensor, per_token: Optional[torch.Tensor], loss_weights: torch.Tensor):
+    """Per-token losses [...] whose masked sum has `loss_sum`'s value and gradient.
+
+    megatron's schedules expect the model to return per-token losses that the loss function multiplies by
+    the loss mask and sums. The fused paths hold d(sum_i m_i loss_i)/d(inputs) already; this returns
+    `per_token + (loss_sum - loss_sum.detach()) * c` with sum_i m_i c_i = 1, so the values are the
+    per-token losses and sum_i m_i out_i back-propagates `loss_sum`'s gradient. A backend that yields only
+    the sum (Liger) spreads it as `loss_sum * c`."""
+    m = loss_weights.float()
+    c = m / (m * m).sum().clamp_min(torch.finfo(torch.float32).tiny)
+    base = per_token.detach().float() if per_token is not None else loss_sum.detach().float() * c
+    return base + (loss_sum.float() - loss_sum.detach().float()) * c
+
+
+def liger_linear_cross_entropy(hidden, weight, labels, loss_weights) -> torch.Tensor:
+    """Liger's fused linear cross-entropy (TP = 1): sum_i m_i loss_i for a 0/1 mask m (Liger's ignored labels).
+
+    Liger computes the gradients in its forward, chunked by its own memory budget."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    flat_w, flat_y = loss_weights.reshape(-1), labels.reshape(-1)
+    if not bool(((flat_w == 0) | (flat_w == 1)).all()):
+        raise ValueError("output_loss_backend 'liger' takes a 0/1 loss mask")
+    masked = torch.where(flat_w > 0, flat_y, torch.full_like(flat_y, -100))
+    out = LigerFusedLinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, masked, None,
+                                                     None, -100, 0.0, 0.0, "sum")
+    return out[0] if isinstance(out, tuple) else out
