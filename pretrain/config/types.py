@@ -34,6 +34,9 @@ def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         arms = typing.get_args(tp)
         if value is None and type(None) in arms:
             return None
+        others = [a for a in arms if a is not type(None)]
+        if len(others) == 1 and typing.get_origin(others[0]) in (list, List) and isinstance(value, (list, tuple)):
+            return coerce(value, others[0], key, where)  # a bad element: name it, not the whole list
         for arm in arms:
             if arm is type(None):
                 continue
@@ -101,6 +104,8 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (list, List):
         (elem,) = typing.get_args(tp) or (Any,)
+        if typing.get_origin(elem) is Literal:
+            return "a list of " + " / ".join(str(v) for v in typing.get_args(elem))
         return f"a list of {_type_name(elem).split(' ', 1)[1]}s"
     if origin is Literal:
         return "one of " + ", ".join(str(v) for v in typing.get_args(tp))
