@@ -21,7 +21,6 @@ from pretrain.config.cross_checks import (
 )
 from pretrain.config.errors import require, show
 from pretrain.config.moe_pattern import moe_layer_pattern
-from pretrain.config.types import check_types
 from pretrain.config.schema import (
     SECTIONS,
     CheckpointConfig,
@@ -33,6 +32,7 @@ from pretrain.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
+from pretrain.config.types import check_types
 
 def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
     """Raise ConfigError if `cfg` is inconsistent; with `world_size`, also check the parallel layout."""
