@@ -24,9 +24,9 @@ What a step dir holds (layout and crash safety: `checkpoint_files`):
 * `complete.json`: sizes of all the above, written once every rank has finished.
 
 Writing goes through megatron's `TorchDistSaveShardedStrategy`, chosen explicitly, with its writer
-patched by `pretrain.compat.patch_dist_checkpoint_writer`, which `pretrain.compat.install()` applies (the
-unpatched writer hangs without psutil
-and forks processes; on CPU it now writes in threads of the trainer process). Replicated tensors
+patched by `pretrain.compat.patch_dist_checkpoint_writer`, which `pretrain.compat.install()` applies
+(the unpatched writer hangs without psutil and forks processes; on CPU it now writes in threads of
+the trainer process). Replicated tensors
 are spread over the data-parallel ranks (megatron's fully parallel save) when DP > 1.
 """
 
