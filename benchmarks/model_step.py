@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
+    from pretrain import compat
+
+    compat.install()
     initialize_parallel(cfg.parallel, seed=cfg.train.seed)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]

@@ -56,9 +56,11 @@ def grad_storage_gib(trainer) -> float:
 
 
 def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
+    from pretrain import compat
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
 
+    compat.install()
     over = ["data.mock=true", f"train.train_iters={steps + warmup}", "train.eval_interval=null", "optimizer.lr_warmup_iters=0",
             "logging.log_interval=1000", f"logging.run_dir=/tmp/muon_step_{name}", "checkpoint.save=null",
             *VARIANTS[name], *extra]

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain.compat import apply_megatron_patches
+from pretrain import compat
 from pretrain.config.schema import ParallelConfig
 
 
@@ -24,8 +24,14 @@ def default_backend() -> str:
 
 
 def init_distributed(backend: Optional[str] = None) -> None:
-    """Initialize torch.distributed from the launcher's environment (or as a single rank)."""
-    apply_megatron_patches()
+    """Initialize torch.distributed from the launcher's environment (or as a single rank).
+
+    On a host without CUDA, `pretrain.compat.install()` must have run (every entry point calls it):
+    megatron's RNG tracker and streams need its CPU layer.
+    """
+    if not torch.cuda.is_available() and not compat.installed():
+        raise RuntimeError("no CUDA here: call pretrain.compat.install() once before initializing process groups "
+                           "(megatron-core needs its CPU layer; every entry point of this project calls it)")
     if dist.is_initialized():
         return
     backend = backend or default_backend()

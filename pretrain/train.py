@@ -22,7 +22,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        from pretrain import compat
         from pretrain.training.loop import Trainer
+
+        compat.install()
 
         trainer = Trainer(cfg)
     except ConfigError as err:

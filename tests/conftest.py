@@ -1,4 +1,4 @@
-"""Shared pytest setup: the `gpu` marker and quiet megatron-core import warnings."""
+"""Shared pytest setup: the `gpu` marker, quiet megatron-core import warnings, `pretrain.compat.install()`."""
 
 import os
 import subprocess
@@ -18,6 +18,12 @@ if not torch.cuda.is_available():
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+
+# The test session is an entry point: megatron-core's workarounds (and on CPU its CPU layer) are
+# installed once, after TRITON_INTERPRET is set, as pretrain.train does before it builds anything.
+from pretrain.compat import install  # noqa: E402
+
+install()
 
 
 def pytest_configure(config):

@@ -13,7 +13,7 @@ Each rank is a fresh interpreter started with the "spawn" method, so no torch.di
 parallel state ever exists in the pytest process, and no state leaks from one call to the next. The
 environment of a torchrun launch is set before `fn` runs: MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE), so `parallel.initialize.initialize_parallel`
-works unchanged. Return values are moved to CPU (tensors detached) and come back through
+works unchanged, and `pretrain.compat.install()` has run (as in every entry point). Return values are moved to CPU (tensors detached) and come back through
 `torch.save` files in a temporary directory.
 
 Failures: an exception in any rank fails the caller with that rank's traceback (the other ranks,
@@ -104,6 +104,9 @@ def _worker(
     if threads:
         torch.set_num_threads(threads)
     try:
+        from pretrain.compat import install
+
+        install()  # a rank is an entry point: a spawned interpreter starts without the patches
         fn: Any = importlib.import_module(module)
         for part in qualname.split("."):
             fn = getattr(fn, part)

@@ -65,7 +65,24 @@ def test_backend_selection_without_transformer_engine():
         pytest.skip("Transformer Engine is installed here")
     except ImportError:
         pass
-    assert not resolve_backend("auto").is_te
     assert not resolve_backend("local").is_te
     with pytest.raises(RuntimeError, match="transformer_impl=local"):
         resolve_backend("transformer_engine")
+
+
+def test_transformer_engine_is_explicit_and_says_once_that_it_is_untested(monkeypatch):
+    """TE is never picked silently: `local` is the default, and choosing TE logs one warning."""
+    import warnings
+
+    from pretrain.config.schema import ModelConfig
+    from pretrain.model import specs
+
+    assert ModelConfig().transformer_impl == "local"
+    monkeypatch.setattr(specs, "te_available", lambda: True)  # TESpecProvider builds without TE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not specs.resolve_backend("local").is_te
+        assert specs.resolve_backend("transformer_engine").is_te
+        assert specs.resolve_backend("transformer_engine").is_te
+    untested = [w for w in caught if "not tested in this project" in str(w.message)]
+    assert len(untested) == 1, [str(w.message) for w in caught]

@@ -4,7 +4,8 @@ megatron-core is written for CUDA; this small layer lets its models, parallel li
 dispatchers and RNG tracker run on CPU with a gloo process group: `torch.cuda.current_device`
 answers "cpu", the model-parallel RNG tracker forks the CPU generator, CUDA streams / events become
 no-ops, gradient clipping accepts CPU tensors, and a torch-function mode maps every "cuda" device
-argument to CPU. Applied by `apply_megatron_patches()` when CUDA is unavailable; idempotent.
+argument to CPU. `install_cpu_support()` is applied by `pretrain.compat.install()` when CUDA is
+unavailable; idempotent. Its changes are process-wide and stay for the life of the process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from pretrain.compat.registry import Workaround
 
 _CPU_INSTALLED = False
 
@@ -166,3 +169,29 @@ def install_cpu_support() -> None:
     _CPU_INSTALLED = True
 
 
+def token_dispatcher_for_device(name: str) -> str:
+    """`model.moe_token_dispatcher_type` as megatron builds it: "auto" is alltoall on GPU, allgather on CPU."""
+    # megatron's alltoall dispatcher needs CUDA streams in its constructor.
+    if name == "auto":
+        return "alltoall" if torch.cuda.is_available() else "allgather"
+    return name
+
+
+WORKAROUNDS = [
+    Workaround(
+        name="install_cpu_support",
+        target="torch.cuda.{current_device, Stream, Event, ...}, megatron RNG tracker and grad clipping",
+        reason="megatron-core is written for CUDA: models, parallel linears, dispatchers and DDP fail on a CPU host",
+        upstream="open (megatron-core targets CUDA only)",
+        test="tests/test_parallel_equivalence.py::test_tp2_matches_single_rank",
+        install=install_cpu_support,
+        when="cpu",
+    ),
+    Workaround(
+        name="token_dispatcher_for_device",
+        target="megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher",
+        reason="the alltoall dispatcher needs CUDA streams: model.moe_token_dispatcher_type=auto picks allgather on CPU",
+        upstream="open (megatron-core targets CUDA only)",
+        test="tests/test_parallel_equivalence.py::test_ep2_matches_single_rank",
+    ),
+]

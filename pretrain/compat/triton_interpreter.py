@@ -1,6 +1,12 @@
-"""A Triton interpreter workaround (part of `pretrain.compat`)."""
+"""A Triton interpreter workaround (part of `pretrain.compat`; not megatron-core's).
+
+Applied by `pretrain.compat.install()` when TRITON_INTERPRET=1 (Triton's CPU interpreter, which the
+CPU tests of the DSA kernels use) and triton imports.
+"""
 
 from __future__ import annotations
+
+from pretrain.compat.registry import Workaround
 
 
 _TRITON_INTERPRETER_PATCHED = False
@@ -24,3 +30,16 @@ def patch_triton_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patched
     _TRITON_INTERPRETER_PATCHED = True
+
+
+WORKAROUNDS = [
+    Workaround(
+        name="patch_triton_interpreter",
+        target="triton.runtime.interpreter._patch_lang_tensor (Triton 3.6)",
+        reason="with NumPy >= 2.4 a kernel with a data-dependent loop bound fails under TRITON_INTERPRET=1",
+        upstream="open (Triton 3.6 interpreter)",
+        test="tests/test_dsa_kernels.py::test_indexer_scores_and_exact_selection",
+        install=patch_triton_interpreter,
+        when="triton_interpreter",
+    ),
+]

@@ -1,7 +1,9 @@
-"""GLM-5 configuration: typed sections (schema), YAML loading with `base:` chains and dotted overrides
-(loader), and validation with actionable errors (validation)."""
+"""GLM-5 configuration: typed sections whose fields carry their choices (`Literal`) and a one-line
+docstring (schema, read by field_docs), YAML loading with `base:` chains and dotted overrides (loader),
+the type check of every value (types), and the rules between values with actionable errors (validation)."""
 
 from pretrain.config.errors import ConfigError
+from pretrain.config.field_docs import field_docs
 from pretrain.config.loader import config_from_dict, config_to_dict, load_config, save_config
 from pretrain.config.moe_pattern import moe_layer_pattern, parse_moe_layer_freq
 from pretrain.config.schema import (
@@ -19,6 +21,7 @@ from pretrain.config.validation import validate_config
 
 __all__ = [
     "ConfigError",
+    "field_docs",
     "GLM5Config",
     "ModelConfig",
     "ParallelConfig",

@@ -7,7 +7,7 @@ Rules follow megatron-core's own asserts (TransformerConfig, ModelParallelConfig
 from __future__ import annotations
 
 from pretrain.config.errors import require
-from pretrain.config.schema import DataConfig, GLM5Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from pretrain.config.schema import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 
 
 def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
@@ -54,12 +54,6 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
             f"model.dsa_indexer_types: layers {firsts} start a pipeline stage but are 'shared' (top-k indices do "
             "not cross stages); make the first layer of every stage 'full'",
         )
-    if m.experimental_attention_variant == "dsa":  # megatron-core asserts this for DSAttention
-        require(
-            p.context_parallel_size == 1,
-            "model.experimental_attention_variant='dsa' does not support context parallelism; "
-            "set parallel.context_parallel_size=1",
-        )
 
 
 def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
@@ -73,12 +67,6 @@ def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
             d.seq_length % p.tensor_model_parallel_size == 0,
             f"data.seq_length ({d.seq_length}) must be divisible by parallel.tensor_model_parallel_size "
             f"({p.tensor_model_parallel_size}) with parallel.sequence_parallel=true",
-        )
-    cp = p.context_parallel_size
-    if cp > 1:  # causal load balancing splits each sequence into 2 x CP chunks
-        require(
-            d.seq_length % (2 * cp) == 0,
-            f"data.seq_length ({d.seq_length}) must be divisible by 2 x parallel.context_parallel_size ({2 * cp})",
         )
 
 
@@ -101,8 +89,7 @@ def check_schedule(o: OptimizerConfig, t: TrainConfig) -> None:
     )
 
 
-def check_world_size(cfg: GLM5Config, world_size: int) -> None:
-    p, t = cfg.parallel, cfg.train
+def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None:
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     require(world_size >= 1, f"world size is {world_size}; it must be >= 1")

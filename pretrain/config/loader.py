@@ -6,8 +6,9 @@ Pipeline of `load_config(path, overrides)`:
      section's keys over the base's;
   3. apply dotted command-line overrides `section.key=value` (values parsed as YAML);
   4. resolve OmegaConf interpolations such as `${model.hidden_size}`;
-  5. build the dataclasses of `schema.py` with our own type check (OmegaConf structured configs cannot
-     hold the schema's Union types, and we want errors that name the file a bad value came from);
+  5. build the dataclasses of `schema.py` with our own type check (`pretrain.config.types`: OmegaConf
+     structured configs cannot hold the schema's Union types, and we want errors that name the file a
+     bad value came from); a `Literal[...]` field's error lists the allowed values;
   6. `validate_config`.
 
 Every key is checked against the schema as soon as it is read, so a typo is reported together with
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 from pretrain.atomic_io import atomic_write_text
 from pretrain.config.errors import ConfigError
 from pretrain.config.schema import SECTIONS, GLM5Config
+from pretrain.config.types import coerce
 from pretrain.config.validation import validate_config
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -216,73 +218,10 @@ def _build(data: Dict[str, Dict[str, Any]], sources: Sources) -> GLM5Config:
         hints = typing.get_type_hints(cls)
         body = data.get(name) or {}
         kwargs = {
-            key: _coerce(value, hints[key], f"{name}.{key}", sources.get(f"{name}.{key}", "?"))
+            key: coerce(value, hints[key], f"{name}.{key}", sources.get(f"{name}.{key}", "?"))
             for key, value in body.items()
         }
         sections[name] = cls(**kwargs)
     cfg = GLM5Config(**sections)
     validate_config(cfg)
     return cfg
-
-
-def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    """`value` as schema type `tp`, or ConfigError. Only int -> float is converted; everything else
-    must already have the right type (a quoted "4" for an int is an error, not silently accepted)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Union:
-        arms = typing.get_args(tp)
-        if value is None and type(None) in arms:
-            return None
-        for arm in arms:
-            if arm is type(None):
-                continue
-            try:
-                return _coerce(value, arm, key, where)
-            except ConfigError:
-                pass
-        raise _type_error(value, tp, key, where)
-    if origin in (list, List):
-        if not isinstance(value, (list, tuple)):
-            raise _type_error(value, tp, key, where)
-        (elem,) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, elem, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise TypeError(f"schema type {tp!r} of {key} is not supported by the config loader")
-    raise _type_error(value, tp, key, where)
-
-
-def _type_error(value: Any, tp: Any, key: str, where: str) -> ConfigError:
-    got = "null" if value is None else f"{type(value).__name__} {value!r}"
-    hint = f"set it to {_type_name(tp)}"
-    if isinstance(value, str) and _type_name(tp) in ("an int", "a float", "an int or null", "a float or null"):
-        hint += " (write the number without quotes)"
-    return ConfigError(f"{key}: expected {_type_name(tp)}, got {got} (in {where}); {hint}")
-
-
-def _type_name(tp: Any) -> str:
-    names = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string", Any: "any value"}
-    if tp in names:
-        return names[tp]
-    origin = typing.get_origin(tp)
-    if origin in (list, List):
-        (elem,) = typing.get_args(tp) or (Any,)
-        return f"a list of {_type_name(elem).split(' ', 1)[1]}s"
-    if origin is Union:
-        arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        text = " or ".join(_type_name(a) for a in arms)
-        return text + " or null" if type(None) in typing.get_args(tp) else text
-    return repr(tp)

@@ -1,204 +1,316 @@
-"""Typed configuration sections.
+"""Typed configuration sections: every rule that a single field carries sits on the field.
 
 Every section is a dataclass. Field names equal megatron-core `TransformerConfig` /
 `MLATransformerConfig` / `ModelParallelConfig` / `OptimizerConfig` field names (or Megatron-LM
 argument names) wherever such a field exists, so users can read the megatron docs for them.
-Fields that megatron-core has no name for are marked "ours" in their comment.
+
+Conventions, read by `pretrain.config.field_docs` and the loader:
+* a field's allowed values are its type: `Literal[...]` lists the choices (the loader's error names
+  them), `Optional[...]` allows null;
+* the string literal right under a field is its one-line docstring (an attribute docstring, as
+  Sphinx reads them); "Ours:" marks fields megatron-core has no name for.
 
 Defaults describe the tiny CPU model; the shipped YAML files set every GLM-5 value explicitly.
-Validation lives in `pretrain.config.validation` (one check function per section, plus cross-section
-checks); `pretrain.config.load_config` builds these dataclasses with type checking.
+Rules that relate fields live in `pretrain.config.validation` (one function per section) and
+`cross_checks` (rules that span sections).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
 
 @dataclass
 class ModelConfig:
     # --- trunk -----------------------------------------------------------------------------
     num_layers: int = 2
+    """Decoder layers (GLM-5: 78)."""
     hidden_size: int = 64
-    ffn_hidden_size: int = 128  # dense SwiGLU intermediate size (GLM-5: 12288)
+    """Model width (GLM-5: 6144)."""
+    ffn_hidden_size: int = 128
+    """Dense SwiGLU intermediate size (GLM-5: 12288)."""
     num_attention_heads: int = 4
-    vocab_size: int = 512  # exact vocabulary (GLM-5: 154880); must divide by TP
+    """Attention heads (GLM-5: 64)."""
+    vocab_size: int = 512
+    """Exact vocabulary size (GLM-5: 154880); must divide by TP."""
     max_position_embeddings: int = 4096
-    share_embeddings_and_output_weights: bool = False  # GLM-5 unties them
-    normalization: str = "RMSNorm"
+    """Longest sequence the model is built for."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer (GLM-5 unties them)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm of every layer."""
     layernorm_epsilon: float = 1e-5
+    """Epsilon of the layer norms."""
     init_method_std: float = 0.02
+    """Std of the normal weight initialization."""
     add_bias_linear: bool = False
+    """Biases in the linear layers."""
     hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
     attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
     # --- attention -------------------------------------------------------------------------
-    multi_latent_attention: bool = True  # False selects GQA (num_query_groups, kv_channels)
-    q_lora_rank: Optional[int] = 32  # GLM-5: 2048
-    kv_lora_rank: int = 16  # GLM-5: 512
-    qk_head_dim: int = 24  # no-rope part of the q/k head (GLM-5: 192)
-    qk_pos_emb_head_dim: int = 8  # rope part of the q/k head (GLM-5: 64)
-    v_head_dim: int = 32  # GLM-5: 256 ("MLA-256")
-    latent_layernorm_epsilon: float = 1e-6  # ours: eps of the q/kv latent RMSNorms
-    num_query_groups: Optional[int] = None  # GQA only
-    kv_channels: Optional[int] = None  # GQA head dim
-    rope_type: str = "rope"  # "rope" or "yarn"; GLM-5 uses plain rope
+    multi_latent_attention: bool = True
+    """MLA; false selects GQA (num_query_groups, kv_channels)."""
+    q_lora_rank: Optional[int] = 32
+    """MLA query latent rank (GLM-5: 2048); null: no query compression."""
+    kv_lora_rank: int = 16
+    """MLA key/value latent rank (GLM-5: 512)."""
+    qk_head_dim: int = 24
+    """No-rope part of the q/k head (GLM-5: 192)."""
+    qk_pos_emb_head_dim: int = 8
+    """Rope part of the q/k head (GLM-5: 64)."""
+    v_head_dim: int = 32
+    """Value head dim (GLM-5: 256, "MLA-256")."""
+    latent_layernorm_epsilon: float = 1e-6
+    """Ours: epsilon of the q/kv latent RMSNorms."""
+    num_query_groups: Optional[int] = None
+    """GQA only: key/value heads."""
+    kv_channels: Optional[int] = None
+    """GQA only: head dim."""
+    rope_type: Literal["rope", "yarn"] = "rope"
+    """Rotary embedding kind; GLM-5 uses plain rope."""
     rotary_base: float = 1_000_000.0
-    rotary_scaling_factor: float = 1.0  # yarn only
-    original_max_position_embeddings: int = 4096  # yarn only
-    beta_fast: float = 32.0  # yarn only
-    beta_slow: float = 1.0  # yarn only
-    mscale: float = 1.0  # yarn only
-    mscale_all_dim: float = 0.0  # yarn only
+    """Rope theta."""
+    rotary_scaling_factor: float = 1.0
+    """Yarn only: context extension factor."""
+    original_max_position_embeddings: int = 4096
+    """Yarn only: the pre-extension context length."""
+    beta_fast: float = 32.0
+    """Yarn only."""
+    beta_slow: float = 1.0
+    """Yarn only."""
+    mscale: float = 1.0
+    """Yarn only."""
+    mscale_all_dim: float = 0.0
+    """Yarn only."""
     # --- MoE -------------------------------------------------------------------------------
-    num_moe_experts: Optional[int] = 8  # None: a dense model
-    # 1 = every layer MoE; a list of 0/1 per layer; or Megatron-LM's string form "[0]*3+[1]*75"
+    num_moe_experts: Optional[int] = 8
+    """Routed experts (GLM-5: 256); null: a dense model."""
     moe_layer_freq: Union[int, List[int], str] = "[0]*1+[1]*1"
+    """1 = every layer MoE; a list of 0/1 per layer; or Megatron-LM's string form "[0]*3+[1]*75"."""
     moe_ffn_hidden_size: Optional[int] = 32
-    moe_shared_expert_intermediate_size: Optional[int] = 32  # one shared expert
+    """Routed expert intermediate size (GLM-5: 2048)."""
+    moe_shared_expert_intermediate_size: Optional[int] = 32
+    """Intermediate size of the one shared expert; null: none."""
     moe_router_topk: int = 2
-    moe_router_score_function: str = "sigmoid"
-    moe_router_enable_expert_bias: bool = True  # loss-free balancing correction bias
+    """Experts per token (GLM-5: 8)."""
+    moe_router_score_function: Literal["sigmoid", "softmax"] = "sigmoid"
+    """Router score function."""
+    moe_router_enable_expert_bias: bool = True
+    """Loss-free balancing: a correction bias moved by the balancing rule."""
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_topk_scaling_factor: Optional[float] = 2.5  # routed_scaling_factor
+    """Step of the correction bias update."""
+    moe_router_topk_scaling_factor: Optional[float] = 2.5
+    """Scale of the top-k weights (HF: routed_scaling_factor)."""
     moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: expert groups (with moe_router_group_topk)."""
     moe_router_group_topk: Optional[int] = None
-    moe_router_load_balancing_type: str = "seq_aux_loss"
+    """Group-limited routing: groups a token may use."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] = (
+        "seq_aux_loss"
+    )
+    """Auxiliary balancing loss."""
     moe_aux_loss_coeff: float = 1e-4
-    moe_router_dtype: Optional[str] = "fp32"
-    # "auto": alltoall on GPU, allgather on CPU (the alltoall dispatcher needs CUDA streams)
-    moe_token_dispatcher_type: str = "auto"
-    moe_grouped_gemm: bool = True  # torch._grouped_mm experts; False: megatron SequentialMLP
+    """Weight of the auxiliary balancing loss."""
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
+    """Router computation dtype; null: the model's."""
+    moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall"] = "auto"
+    """"auto": alltoall on GPU, allgather on CPU (the alltoall dispatcher needs CUDA streams)."""
+    moe_grouped_gemm: bool = True
+    """torch._grouped_mm experts; false: megatron's SequentialMLP (a loop over experts)."""
     # --- MTP -------------------------------------------------------------------------------
-    mtp_num_layers: Optional[int] = 3  # prediction depths (None or 0: no MTP)
-    mtp_use_repeated_layer: bool = True  # ours: one layer's parameters shared by all depths
+    mtp_num_layers: Optional[int] = 3
+    """Multi-token prediction depths (null or 0: no MTP)."""
+    mtp_use_repeated_layer: bool = True
+    """Ours: one MTP layer's parameters shared by all depths."""
     mtp_loss_scaling_factor: float = 0.3
+    """Weight of the MTP losses (split over the depths)."""
     # --- DSA (the indexer weights exist whenever the variant is "dsa") ---------------------
-    experimental_attention_variant: Optional[str] = "dsa"  # "dsa" or None
-    dsa_indexer_n_heads: int = 4  # GLM-5: 32
-    dsa_indexer_head_dim: int = 16  # GLM-5: 128
+    experimental_attention_variant: Optional[Literal["dsa"]] = "dsa"
+    """"dsa": DeepSeek Sparse Attention's indexer on MLA; null: plain attention."""
+    dsa_indexer_n_heads: int = 4
+    """Indexer heads (GLM-5: 32)."""
+    dsa_indexer_head_dim: int = 16
+    """Indexer head dim (GLM-5: 128)."""
     dsa_indexer_topk: int = 2048
-    dsa_indexer_loss_coeff: float = 0.0  # > 0 trains the indexer (KL to the main attention)
-    dsa_indexer_use_sparse_loss: bool = False  # KL over the selected keys (needs dsa_sparse_attention)
-    dsa_sparse_attention: bool = False  # ours: attend only to the indexer's top-k keys
-    # ours: per decoder layer "full" (own indexer) or "shared" (previous full layer's top-k); null = all full
-    dsa_indexer_types: Optional[List[str]] = None
-    dsa_indexer_hadamard: bool = False  # ours: DeepSeek's FP8-oriented Hadamard rotation (GLM-5: off)
-    dsa_chunk_size: Optional[int] = None  # ours: query rows per chunk of the reference path; null = auto
-    # ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"
-    dsa_kernel_backend: str = "auto"
-    deterministic_mode: bool = False  # bitwise-reproducible kernels (DSA backward without atomics)
+    """Keys each query selects."""
+    dsa_indexer_loss_coeff: float = 0.0
+    """> 0 trains the indexer (KL to the main attention)."""
+    dsa_indexer_use_sparse_loss: bool = False
+    """KL over the selected keys only (needs dsa_sparse_attention)."""
+    dsa_sparse_attention: bool = False
+    """Ours: attend only to the indexer's top-k keys."""
+    dsa_indexer_types: Optional[List[Literal["full", "shared"]]] = None
+    """Ours: per decoder layer "full" (own indexer) or "shared" (previous full layer's top-k); null: all full."""
+    dsa_indexer_hadamard: bool = False
+    """Ours: DeepSeek's FP8-oriented Hadamard rotation (GLM-5: off)."""
+    dsa_chunk_size: Optional[int] = None
+    """Ours: query rows per chunk of the reference path; null: auto."""
+    dsa_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
+    """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
+    deterministic_mode: bool = False
+    """Bitwise-reproducible kernels (DSA backward without atomics)."""
     # --- implementation --------------------------------------------------------------------
-    transformer_impl: str = "auto"  # "local", "transformer_engine", or "auto" (TE if importable)
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Linears and norms: "local" (torch-native, tested) or "transformer_engine" (untested here)."""
     bf16: bool = False
-    params_dtype: str = "float32"  # master weights dtype: "float32" or "bfloat16"
+    """bf16 mixed precision (needs a GPU)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the model's weights (bfloat16 needs bf16: true; main weights stay fp32)."""
 
 
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
+    """TP: ranks that split every layer's weights."""
     pipeline_model_parallel_size: int = 1
+    """PP: pipeline stages."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved stages per PP rank; null: none."""
     context_parallel_size: int = 1
+    """CP: ranks that split each sequence; only 1 (context parallelism is not implemented yet)."""
     expert_model_parallel_size: int = 1
+    """EP: ranks that split the routed experts."""
     expert_tensor_parallel_size: int = 1
+    """ETP: TP size inside each expert."""
     sequence_parallel: bool = False
-    # megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)
+    """Split norms/dropout activations along the sequence over TP (needed by MoE with TP > 1)."""
     overlap_grad_reduce: bool = True
-    # megatron DDP field: reduce gradients in fp32 (false: in the parameters' dtype, half the
-    # traffic; accumulation stays fp32). Muon's ZeRO-2 honours it too.
+    """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
     grad_reduce_in_fp32: bool = True
+    """megatron DDP: reduce gradients in fp32; false: in the weights' dtype (accumulation stays fp32, ZeRO-2 too)."""
 
 
 @dataclass
 class OptimizerConfig:
-    optimizer: str = "adam"  # "adam" (AdamW, decoupled decay) or "muon"
+    optimizer: Literal["adam", "muon"] = "adam"
+    """"adam" (AdamW, decoupled decay) or "muon"."""
     lr: float = 3e-4
+    """Peak learning rate."""
     min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
+    """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.95
+    """AdamW beta2."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False  # with muon: ZeRO-2 (parallel/zero2.py)
-    # ours, Muon's ZeRO-2: "microbatch" reduces each micro-batch's gradients to their owners (1/dp
-    # gradient memory, one reduce per micro-batch); "step" accumulates locally and reduces once per
-    # step (DDP's traffic; a full gradient buffer during backward; state and main weights sharded)
-    zero2_grad_reduce: str = "microbatch"
-    # Muon (GLM-4.5 settings, kept by GLM-5)
+    """Global gradient-norm clip; 0: none."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (megatron's for AdamW; ZeRO-2, parallel/zero2.py, with muon)."""
+    zero2_grad_reduce: Literal["microbatch", "step"] = "microbatch"
+    """Ours, Muon ZeRO-2: reduce to owners per micro-batch (1/dp grad memory) or once per step (DDP's traffic)."""
     muon_momentum: float = 0.95
+    """Muon momentum (GLM-4.5 settings, kept by GLM-5)."""
     muon_use_nesterov: bool = True
+    """Nesterov momentum in Muon."""
     muon_num_ns_steps: int = 5
-    muon_scale_rms: float = 0.2  # ours: update RMS target, x 0.2 * sqrt(max(m, n))
-    muon_split: bool = True  # ours: per-head orthogonalization of MLA up-projections
-    muon_ns_dtype: str = "bfloat16"  # ours: Newton-Schulz precision, "bfloat16" or "float32"
-    # ours: where the MoE router gate ([experts, hidden]) and the DSA indexer's projections go,
-    # "adamw" or "muon"; embeddings, the output layer, norms and biases always take AdamW, and
-    # the routers' correction bias is a buffer moved only by the balancing rule
-    muon_router: str = "adamw"
-    muon_indexer: str = "muon"
-    # LR schedule (Megatron-LM argument names)
-    lr_decay_style: str = "cosine"  # "constant", "linear", "cosine"
+    """Newton-Schulz iterations."""
+    muon_scale_rms: float = 0.2
+    """Ours: update RMS target, x 0.2 * sqrt(max(m, n))."""
+    muon_split: bool = True
+    """Ours: per-head orthogonalization of MLA up-projections."""
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Ours: Newton-Schulz precision."""
+    muon_router: Literal["adamw", "muon"] = "adamw"
+    """Ours: optimizer of the MoE router gate (embeddings, output layer, norms, biases always take AdamW)."""
+    muon_indexer: Literal["adamw", "muon"] = "muon"
+    """Ours: optimizer of the DSA indexer's projections."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    """LR schedule after warm-up (Megatron-LM argument names from here on)."""
     lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # None: train.train_iters
+    """Linear warm-up steps."""
+    lr_decay_iters: Optional[int] = None
+    """Decay length; null: train.train_iters."""
     lr_warmup_init: float = 0.0
+    """Learning rate at step 0 of the warm-up."""
 
 
 @dataclass
 class DataConfig:
-    # Megatron-style blend: ["0.7", "prefix_a", "0.3", "prefix_b"] or just ["prefix"]
     data_path: List[str] = field(default_factory=list)
+    """Megatron-style blend: ["0.7", "prefix_a", "0.3", "prefix_b"] or just ["prefix"]."""
     split: str = "969,30,1"
+    """Train,valid,test weights."""
     seq_length: int = 128
-    tokenizer: Optional[str] = None  # path to a Hugging Face tokenizer.json
+    """Tokens per sample."""
+    tokenizer: Optional[str] = None
+    """Path to a Hugging Face tokenizer.json."""
     num_workers: int = 0
+    """DataLoader worker processes."""
     reset_position_ids: bool = False
+    """Restart position ids at every document."""
     reset_attention_mask: bool = False
+    """Documents do not attend to each other."""
     eod_mask_loss: bool = False
-    # with reset_attention_mask: also the dense bool [b, 1, s, s] document mask (s^2 bytes a sample);
-    # false leaves only the batch's cu_seqlens, for attention kernels that take segment offsets
+    """No loss on end-of-document tokens."""
     create_attention_mask: bool = True
-    # ours: per blend entry of data_path, skip documents shorter than this many tokens (0 = keep all);
-    # [] = no filter. Long-context stages list a corpus twice, filtered and not, to up-sample long documents
+    """With reset_attention_mask: the dense [b, 1, s, s] document mask; false leaves only cu_seqlens."""
     min_document_length: List[int] = field(default_factory=list)
-    data_cache_path: Optional[str] = None  # megatron's dataset index cache; null: <logging.run_dir>/data_cache
-    mock: bool = False  # synthetic tokens, no files needed
+    """Ours: per blend entry, skip documents shorter than this (0: keep all); []: no filter."""
+    data_cache_path: Optional[str] = None
+    """megatron's dataset index cache; null: <logging.run_dir>/data_cache."""
+    mock: bool = False
+    """Synthetic tokens, no files needed."""
 
 
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 2
+    """Samples per rank per forward/backward."""
     global_batch_size: int = 2
+    """Samples per optimizer step over all DP ranks."""
     train_iters: int = 100
+    """Optimizer steps."""
     seed: int = 1234
+    """Seed of weights, data order and dropout."""
     eval_interval: Optional[int] = None
+    """Steps between evaluations; null: none."""
     eval_iters: int = 2
-    max_consecutive_nan_steps: int = 3  # ours: stop after this many skipped steps in a row
-    # ours: "all", or "dsa_indexer" (DSA warm-up: every other parameter frozen)
-    trainable_params: str = "all"
+    """Batches per evaluation."""
+    max_consecutive_nan_steps: int = 3
+    """Ours: stop after this many skipped (non-finite) steps in a row."""
+    trainable_params: Literal["all", "dsa_indexer"] = "all"
+    """Ours: "all", or "dsa_indexer" (DSA warm-up: every other parameter frozen)."""
 
 
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = None
+    """Directory to save checkpoints in; null: none."""
     load: Optional[str] = None
+    """Directory to resume from."""
     save_interval: Optional[int] = None
-    keep_last: int = 2  # ours
-    auto_resume: bool = True  # ours
-    # ours: weights a fresh run starts from (a checkpoint dir of ours, or `glm5-convert hf-to-checkpoint`
-    # output); iteration, optimizer and data start over. DSA indexer weights it lacks are initialized fresh
+    """Steps between saves."""
+    keep_last: int = 2
+    """Ours: step directories kept."""
+    auto_resume: bool = True
+    """Ours: resume from save when it holds a checkpoint."""
     pretrained: Optional[str] = None
+    """Ours: weights a fresh run starts from (ours or `glm5-convert hf-to-checkpoint` output)."""
 
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/default"  # ours
+    run_dir: str = "runs/default"
+    """Ours: where logs, metrics and the resolved config go."""
     log_interval: int = 1
+    """Steps between progress lines."""
     tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory; null: none."""
     wandb_project: Optional[str] = None
-    wandb_mode: str = "offline"  # "offline", "online" or "disabled"
+    """W&B project; null: no W&B."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode."""
     profile_step_start: Optional[int] = None
+    """First profiled step (with profile_step_end)."""
     profile_step_end: Optional[int] = None
+    """Step after the last profiled one."""
 
 
 @dataclass

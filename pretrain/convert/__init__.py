@@ -72,8 +72,10 @@ def load_hf_model(hf_dir: str, **overrides: Any) -> Tuple[GLM5Config, torch.nn.M
     [batch, seq, vocab].
     """
     from parallel.initialize import ensure_single_rank
+    from pretrain import compat
     from pretrain.model.builder import build_model
 
+    compat.install()  # an entry point of the library: a plain process before its 1-rank group
     hf = _read_json(os.path.join(hf_dir, "config.json"))
     overrides.setdefault("params_dtype", "bfloat16" if hf.get("dtype", hf.get("torch_dtype")) == "bfloat16" else "float32")
     cfg = GLM5Config(model=model_config_from_hf(hf, **overrides))

@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     for p in (imp, exp):
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
+    from pretrain import compat
+
+    compat.install()
     shard = int(getattr(args, "max_shard_gb", 5.0) * 2**30)
     try:
         if args.command == "hf-to-checkpoint":

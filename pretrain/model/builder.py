@@ -1,4 +1,9 @@
-"""From our typed config to a megatron-core `TransformerConfig` and a built `GLM5Model`."""
+"""From our typed config to a megatron-core `TransformerConfig` and a built `GLM5Model`.
+
+`transformer_config` (and so `build_model`) calls `pretrain.compat.install()`: building a model is
+where a library user who skips our entry points meets megatron-core, and the patches must be in
+before its modules are built. `install()` is idempotent, so after an entry point's call this is free.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from pretrain.compat import apply_megatron_patches
+from pretrain import compat
 from pretrain.config import moe_layer_pattern
 from pretrain.config.schema import GLM5Config, ModelConfig, ParallelConfig
 from pretrain.model import specs
-from pretrain.model.gpt import GLM5Model
+from pretrain.model.glm5_model import GLM5Model
 
 
 @dataclass
@@ -42,16 +47,9 @@ _BUILDER_KEYS = {
 }
 
 
-def resolve_dispatcher(name: str) -> str:
-    # The alltoall dispatcher creates CUDA streams in its constructor: CPU uses allgather.
-    if name == "auto":
-        return "alltoall" if torch.cuda.is_available() else "allgather"
-    return name
-
-
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5TransformerConfig:
     """Map our sections onto megatron's config (field names are shared where they exist)."""
-    apply_megatron_patches()
+    compat.install()
     fields = {f.name for f in dataclasses.fields(GLM5TransformerConfig)}
     kwargs = {k: v for k, v in dataclasses.asdict(model).items() if k not in _BUILDER_KEYS}
     unknown = set(kwargs) - fields
@@ -65,7 +63,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5Tran
             kwargs.pop(key)
     else:
         kwargs["moe_layer_freq"] = pattern
-        kwargs["moe_token_dispatcher_type"] = resolve_dispatcher(model.moe_token_dispatcher_type)
+        kwargs["moe_token_dispatcher_type"] = compat.token_dispatcher_for_device(model.moe_token_dispatcher_type)
     if not model.mtp_num_layers:
         kwargs["mtp_num_layers"] = None
     if model.experimental_attention_variant is None:

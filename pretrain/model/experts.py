@@ -6,7 +6,8 @@ For the tokens routed to local expert e (contiguous after megatron's permutation
 
 computed for all local experts at once by `torch._grouped_mm` over the permuted token matrix
 (one kernel per projection instead of a loop over experts). Where `_grouped_mm` is unavailable
-for the device the same math runs as a per-expert loop.
+for the device (or the weights' dtype differs from the activations') the same math runs as a
+per-expert Python loop, which syncs with the host for the token counts; that is logged once.
 
 Weights keep megatron's `GroupedMLP` layout (`weight1` [H, E*2F], `weight2` [E*F, H]) and its
 sharded checkpoint format, so expert- and expert-tensor-parallel resharding work unchanged; only
@@ -14,6 +15,9 @@ the GEMM backend differs (megatron's needs the `grouped_gemm` CUDA extension).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -26,9 +30,18 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Te
     if grouped_mm_available(x.device.type) and x.dtype == w.dtype:
         offs = torch.cumsum(tokens_per_expert.to(device=x.device, dtype=torch.int32), dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
+    _warn_expert_loop(x.device.type, str(x.dtype), str(w.dtype))
     counts = tokens_per_expert.tolist()
     chunks = torch.split(x, counts, dim=0)
     return torch.cat([c @ w[e] for e, c in enumerate(chunks)], dim=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_expert_loop(device_type: str, x_dtype: str, w_dtype: str) -> None:
+    why = (f"torch._grouped_mm does not run on {device_type} in torch {torch.__version__}"
+           if not grouped_mm_available(device_type) else f"activations are {x_dtype} but expert weights {w_dtype}")
+    warnings.warn(f"routed experts run as a per-expert Python loop with a host sync per layer ({why}); "
+                  "expect slower MoE layers", RuntimeWarning, stacklevel=3)
 
 
 class GroupedGemmExperts(GroupedMLP):

@@ -5,14 +5,17 @@ One decoder layer is
     h = x + Attn(RMSNorm(x));   y = h + FFN(RMSNorm(h))
 
 with Attn = MLA (or GQA for the ablation) and FFN = dense SwiGLU for the first layers and
-MoE (routed grouped-GEMM experts + one shared expert) after them. Two backends fill the slots:
-"local" (torch-native parallel linears and norms, always available) and "transformer_engine"
-(TE linears and norms, used when TE imports). Core attention is ours in both (SDPA, which also
-holds the DSA indexer), so neither backend needs TE's attention.
+MoE (routed grouped-GEMM experts + one shared expert) after them. `model.transformer_impl` picks
+the backend that fills the slots: "local" (the default: torch-native parallel linears and norms,
+always available, the one this project tests) or "transformer_engine" (TE linears and norms; an
+explicit choice, untested here, which says so once in the log). Core attention is ours in both
+(SDPA, which also holds the DSA indexer), so neither backend needs TE's attention.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import List, Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -73,15 +76,26 @@ def _te_backend():
 
 
 def resolve_backend(transformer_impl: str):
-    """"local" | "transformer_engine" | "auto" (TE when it imports) -> a spec provider."""
-    if transformer_impl == "transformer_engine" or (transformer_impl == "auto" and te_available()):
-        if not te_available():
-            raise RuntimeError(
-                "model.transformer_impl=transformer_engine, but transformer_engine.pytorch does "
-                "not import here; install Transformer Engine or set model.transformer_impl=local"
-            )
-        return _te_backend()
-    return _TorchBackend()
+    """`model.transformer_impl` ("local" or "transformer_engine", checked by the config) -> a spec provider."""
+    if transformer_impl != "transformer_engine":
+        return _TorchBackend()
+    if not te_available():
+        raise RuntimeError(
+            "model.transformer_impl=transformer_engine, but transformer_engine.pytorch does "
+            "not import here; install Transformer Engine or set model.transformer_impl=local"
+        )
+    _warn_te_untested()
+    return _te_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_te_untested() -> None:
+    warnings.warn(
+        "model.transformer_impl=transformer_engine: the Transformer Engine backend is not tested in this project "
+        "(its tests and golden runs use local); compare a short run against transformer_impl=local",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def latent_norm(norm_cls: type) -> type:

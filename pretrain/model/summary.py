@@ -92,6 +92,9 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=4")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    from pretrain import compat
+
+    compat.install()
     print(format_summary(cfg, count_parameters(cfg)))
 
 

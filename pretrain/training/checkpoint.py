@@ -24,8 +24,9 @@ What a step dir holds (layout and crash safety: `checkpoint_files`):
 * `complete.json`: sizes of all the above, written once every rank has finished.
 
 Writing goes through megatron's `TorchDistSaveShardedStrategy`, chosen explicitly, with its writer
-patched by `pretrain.compat.patch_dist_checkpoint_writer` (the unpatched writer hangs without psutil
-and forks processes; on CPU it now writes in threads of the trainer process). Replicated tensors
+patched by `pretrain.compat.patch_dist_checkpoint_writer`, which `pretrain.compat.install()` applies
+(the unpatched writer hangs without psutil and forks processes; on CPU it now writes in threads of
+the trainer process). Replicated tensors
 are spread over the data-parallel ranks (megatron's fully parallel save) when DP > 1.
 """
 
@@ -44,7 +45,6 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
 
-from pretrain.compat import patch_dist_checkpoint_writer
 from pretrain.config import save_config
 from pretrain.training import checkpoint_files as files
 from pretrain.training.checkpoint_state import (
@@ -88,7 +88,6 @@ def save_checkpoint(
     once every rank has written, and `cfg.checkpoint.keep_last` older step dirs are kept.
     """
     check_plain(extra_state, "extra_state")
-    patch_dist_checkpoint_writer()
     rank = dist.get_rank()
     save_path = Path(save_dir)
     staging = save_path / (files.step_dir_name(iteration) + files.PARTIAL_SUFFIX)

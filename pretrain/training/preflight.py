@@ -28,11 +28,12 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
         raise ConfigError("model.params_dtype=bfloat16 needs model.bf16=true (bf16 weights train with fp32 main "
                           "weights in the bf16 optimizer)")
     if cfg.model.experimental_attention_variant == "dsa" and cfg.model.dsa_kernel_backend == "triton":
-        from pretrain.model.kernels import interpreting, triton_available
+        from pretrain.model.kernels import use_triton  # the one place that knows what Triton needs
 
-        if not triton_available() or not (torch.cuda.is_available() or interpreting()):
-            raise ConfigError("model.dsa_kernel_backend=triton needs the triton package and a GPU (or "
-                              "TRITON_INTERPRET=1 on CPU); set model.dsa_kernel_backend=auto or reference")
+        try:
+            use_triton("triton", "cuda" if torch.cuda.is_available() else "cpu")
+        except RuntimeError as err:
+            raise ConfigError(str(err)) from None
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local > torch.cuda.device_count():

@@ -81,7 +81,6 @@ def hf_to_checkpoint(hf_dir: str, out_dir: str, **overrides) -> str:
     at any parallel layout (one process; the directory appears only when complete)."""
     import json
 
-    from pretrain.compat import patch_dist_checkpoint_writer
     from pretrain.config.loader import save_config
     from pretrain.convert import load_hf_model
 
@@ -89,7 +88,6 @@ def hf_to_checkpoint(hf_dir: str, out_dir: str, **overrides) -> str:
     if out.exists():
         raise FileExistsError(f"{out_dir} exists; choose a new directory")
     cfg, model = load_hf_model(hf_dir, **overrides)
-    patch_dist_checkpoint_writer()  # megatron's forked writer hangs without psutil
     staging = out.with_name(out.name + files.PARTIAL_SUFFIX)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

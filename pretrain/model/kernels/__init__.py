@@ -8,15 +8,19 @@
 `use_triton(choice, device_type)` picks the implementation from `model.dsa_kernel_backend`:
 "triton", "reference" (`pretrain.model.dsa`, `sparse_mla`, `indexer_loss`: PyTorch), or "auto"
 (Triton on CUDA tensors when triton imports, the reference otherwise). With TRITON_INTERPRET=1 set
-before triton is imported, "triton" also runs on CPU tensors (the CPU tests do).
+before triton is imported, "triton" also runs on CPU tensors (the CPU tests do; `pretrain.compat.install()`
+then fixes Triton 3.6's interpreter).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import typing
 
-BACKENDS = ("auto", "triton", "reference")
+from pretrain.config.schema import ModelConfig
+
+BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backend"])  # the config's choices
 
 
 def interpreting() -> bool:
@@ -42,8 +46,3 @@ def use_triton(choice: str, device_type: str) -> bool:
             "on CPU); use dsa_kernel_backend=auto or reference")
     return True
 
-
-if interpreting() and triton_available():
-    from pretrain.compat import patch_triton_interpreter
-
-    patch_triton_interpreter()

@@ -1,4 +1,8 @@
-"""The GLM-5 model: megatron-core's `GPTModel` built from our specs, with depth-shared MTP."""
+"""The GLM-5 model: megatron-core's `GPTModel` built from our specs, with depth-shared MTP.
+
+The two places where megatron-core 0.16.1's `GPTModel` does not fit (its MTP block class, a forward
+without labels under MTP) are `pretrain.compat` workarounds.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,12 @@ from typing import List, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from pretrain.compat import gpt_model_mtp_block_class
+from pretrain.compat import MTPLogitsWithoutLabels, gpt_model_mtp_block_class
 from pretrain.model.dsa_attention import link_shared_indexers
 from pretrain.model.mtp import SharedDepthMTPBlock
 
 
-class GLM5Model(GPTModel):
+class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
     """`GPTModel` whose MTP block may share one layer across depths.
 
     forward(input_ids, position_ids, attention_mask, labels=None) returns logits
@@ -26,13 +30,6 @@ class GLM5Model(GPTModel):
             super().__init__(*args, **kwargs)
         if getattr(self, "decoder", None) is not None:
             link_shared_indexers(self.decoder)
-
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-        if labels is None and self.config.mtp_num_layers and self.post_process:
-            # MTP only contributes losses; without labels return the main head's logits
-            # (megatron-core 0.16.1 would try to roll the missing labels for the MTP loss).
-            return self.output_logits(hidden_states, kwargs.get("runtime_gather_output"))
-        return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
 
     def output_logits(self, hidden_states: torch.Tensor, runtime_gather_output=None) -> torch.Tensor:
         """Final hidden states [s, b, h] (after the final norm) -> logits [b, s, v]."""

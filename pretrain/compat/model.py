@@ -1,0 +1,105 @@
+"""megatron-core 0.16.1's GPTModel and GroupedMLP, as GLM-5 builds them (part of `pretrain.compat`).
+
+All three are used where the model is built (`pretrain.model.glm5_model`, `pretrain.model.experts`);
+none changes megatron-core process-wide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+
+from pretrain.compat.registry import Workaround
+
+
+@contextlib.contextmanager
+def gpt_model_mtp_block_class(block_cls: type) -> Iterator[None]:
+    """Make `GPTModel.__init__` build `block_cls` as its MTP block.
+
+    GPTModel 0.16.1 instantiates `MultiTokenPredictionBlock` by name, with no spec hook for the
+    block class; GLM-5's depth-shared MTP needs its own block (pretrain.model.mtp).
+    """
+    from megatron.core.models.gpt import gpt_model
+
+    original = gpt_model.MultiTokenPredictionBlock
+    gpt_model.MultiTokenPredictionBlock = block_cls
+    try:
+        yield
+    finally:
+        gpt_model.MultiTokenPredictionBlock = original
+
+
+class MTPLogitsWithoutLabels:
+    """GPTModel mixin: a forward without labels returns the main head's logits, also with MTP.
+
+    MTP only contributes losses; megatron-core 0.16.1's `GPTModel._postprocess` would try to roll
+    the missing labels for the MTP loss and fail. The model class provides
+    `output_logits(hidden_states, runtime_gather_output)`.
+    """
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        if labels is None and self.config.mtp_num_layers and self.post_process:
+            return self.output_logits(hidden_states, kwargs.get("runtime_gather_output"))
+        return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def grouped_gemm_check_skipped() -> Iterator[None]:
+    """Build megatron's `GroupedMLP` without the `grouped_gemm` package.
+
+    `GroupedMLP.__init__` asserts that the `grouped_gemm` CUDA extension is installed, although
+    only its forward uses it. Our experts subclass replaces that forward with
+    `torch._grouped_mm`, so the check is skipped while the parent constructor runs.
+    """
+    from megatron.core.transformer.moe import experts
+
+    original = experts.gg.assert_grouped_gemm_is_available
+    experts.gg.assert_grouped_gemm_is_available = lambda: None
+    try:
+        yield
+    finally:
+        experts.gg.assert_grouped_gemm_is_available = original
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_available(device_type: str) -> bool:
+    """Whether `torch._grouped_mm` runs on this device type in this torch build."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+        a = torch.ones(16, 16, device=device_type, dtype=dtype)
+        b = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+        offs = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(a, b, offs=offs)
+        return True
+    except Exception:
+        return False
+
+
+WORKAROUNDS = [
+    Workaround(
+        name="gpt_model_mtp_block_class",
+        target="megatron.core.models.gpt.gpt_model.MultiTokenPredictionBlock",
+        reason="GPTModel has no spec hook for its MTP block class; GLM-5's depth-shared MTP needs its own",
+        upstream="open",
+        test="tests/test_mtp.py::test_shared_mtp_gradient_is_sum_of_depths",
+    ),
+    Workaround(
+        name="MTPLogitsWithoutLabels",
+        target="megatron.core.models.gpt.gpt_model.GPTModel._postprocess",
+        reason="a forward without labels on a model with MTP tries to roll the missing labels and fails",
+        upstream="open",
+        test="tests/test_hf_parity.py::test_logits_match_with_mtp_layer_in_checkpoint",
+    ),
+    Workaround(
+        name="grouped_gemm_check_skipped",
+        target="megatron.core.transformer.moe.experts.GroupedMLP.__init__ (grouped_gemm check)",
+        reason="asserts the grouped_gemm CUDA extension, which our torch._grouped_mm experts do not use",
+        upstream="open",
+        test="tests/test_param_count.py::test_glm5_744b_parameter_count",
+    ),
+]
