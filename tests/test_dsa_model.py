@@ -1,5 +1,5 @@
 """DSA (DeepSeek Sparse Attention) in the whole model: sparse attention, the indexer loss, index
-sharing, packing, tensor parallelism and MTP (pretrain/model/dsa_attention.py).
+sharing, packing, tensor parallelism and MTP (pretrain/model/dsa/layer.py).
 
 Every check compares against something the code under test does not compute itself:
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.convert import load_hf_model
-from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
+from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
 from tests.distributed import run_ranks
 from tests.hf_fixtures import tiny_hf_model, write_hf_checkpoint
 
@@ -612,7 +612,7 @@ def test_mtp_layer_trains_its_indexer(tmp_path):
 def test_shared_layer_reuses_the_full_layers_selection(tmp_path, monkeypatch):
     """dsa_indexer_types ["full", "shared"]: the shared layer owns no indexer, points at layer 1's
     core attention, and attends over exactly layer 1's top-k, which is transformers' selection."""
-    import pretrain.model.dsa_attention as dsa_attention
+    from pretrain.model.dsa.backend import ReferenceBackend
 
     topk, seq = 5, 18
     hf = hf_checkpoint(tmp_path, 71, layers=2, dense=1, index_topk=topk, indexer_types=["full", "shared"])
@@ -624,13 +624,13 @@ def test_shared_layer_reuses_the_full_layers_selection(tmp_path, monkeypatch):
     assert second.indexer is None and second.index_source is first
 
     seen = []
-    original = dsa_attention.sparse_mla_attention
+    original = ReferenceBackend.sparse_attention
 
-    def recording(q, kv, indices, *args, **kwargs):
+    def recording(self, q, kv, indices, *args, **kwargs):
         seen.append(indices.clone())
-        return original(q, kv, indices, *args, **kwargs)
+        return original(self, q, kv, indices, *args, **kwargs)
 
-    monkeypatch.setattr(dsa_attention, "sparse_mla_attention", recording)
+    monkeypatch.setattr(ReferenceBackend, "sparse_attention", recording)
     hf_indices = []
     hf.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: hf_indices.append(out[2]))
     ids = tokens(71, 2, seq)

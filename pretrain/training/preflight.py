@@ -28,7 +28,7 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
         raise ConfigError("model.params_dtype=bfloat16 needs model.bf16=true (bf16 weights train with fp32 main "
                           "weights in the bf16 optimizer)")
     if cfg.model.experimental_attention_variant == "dsa" and cfg.model.dsa_kernel_backend == "triton":
-        from pretrain.model.kernels import interpreting, triton_available
+        from pretrain.model.dsa.kernels import interpreting, triton_available
 
         if not triton_available() or not (torch.cuda.is_available() or interpreting()):
             raise ConfigError("model.dsa_kernel_backend=triton needs the triton package and a GPU (or "
