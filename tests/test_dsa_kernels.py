@@ -255,6 +255,29 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
         assert indexer_seen >= 8  # the indexer really trained through the kernels
 
 
+def test_triton_backend_dense_attention_sparse_kl(interpret, tmp_path):
+    """Dense attention with the selected-keys KL (dsa_indexer_use_sparse_loss=true): the Triton top-k
+    and index-score kernels give the reference backend's indexer loss and gradients (the reference
+    is checked against a float64 KL in tests/test_dsa_model.py)."""
+    from pretrain.convert import load_hf_model
+    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
+
+    hf_checkpoint(tmp_path, 43, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
+    ids_all = tokens(43, 2, 18)
+    common = dict(mtp_num_layers=None, dsa_sparse_attention=False, dsa_indexer_loss_coeff=0.5,
+                  dsa_indexer_use_sparse_loss=True)
+    runs = [lm_step(load_hf_model(str(tmp_path), **common, dsa_kernel_backend=backend)[1], ids_all[:, :-1],
+                    ids_all[:, 1:], scale=1.0) for backend in ("reference", "triton")]
+    (_, ref_grads, ref_kl), (_, grads, kl) = runs
+    assert set(kl) == set(ref_kl) and len(kl) == 2
+    for layer in kl:
+        assert abs(float(kl[layer]) - float(ref_kl[layer])) <= 1e-5 * abs(float(ref_kl[layer])), layer
+    indexer = [n for n, g in ref_grads.items() if ".indexer." in n and g is not None]
+    assert len(indexer) >= 8
+    for n in indexer:
+        assert relative_error(grads[n], ref_grads[n]) <= 1e-4, (n, relative_error(grads[n], ref_grads[n]))
+
+
 def test_backend_choice(kern, monkeypatch):
     from pretrain.model.dsa import backend
 
