@@ -6,7 +6,7 @@ shapes (one GPU).
 Checks top-k (exact on the kernel's own scores) and sparse attention against the fp32 reference on
 the same bf16 inputs; times (BLOCK_N, num_warps, num_stages[, CC]) of the sparse attention forward
 and backward, the radix-select block, the indexer-loss pieces, and the backward by key-gradient
-mode. The chosen defaults live in `pretrain/model/kernels/` (`kernel_config`, `SELECT_BLOCK`,
+mode. The chosen defaults live in `pretrain/model/dsa/kernels/` (`kernel_config`, `SELECT_BLOCK`,
 `PROBS_STAGES`).
 """
 
@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.dsa_kernels import C, D, H, SCALE, TOPK, inputs, timed  # noqa: E402
-from pretrain.model.dsa import VisibleKeys, index_scores, select_topk  # noqa: E402
-from pretrain.model.kernels import indexer_topk as ttopk  # noqa: E402
-from pretrain.model.kernels import sparse_mla as tsm  # noqa: E402
-from pretrain.model.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
+from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk  # noqa: E402
+from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
 
 def rel(a, b):
@@ -110,8 +110,8 @@ ORIGINAL_CONFIG = tsm.kernel_config
 def kl_breakdown(res, gen, s):
     """Where the sparse indexer loss spends its time."""
     from benchmarks.dsa_kernels import sparse_kl_triton
-    from pretrain.model.indexer_loss import _kl_sum
-    from pretrain.model.kernels import indexer_kl as tkl
+    from pretrain.model.dsa.indexer_loss import kl_sum
+    from pretrain.model.dsa.kernels import indexer_kl as tkl
 
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -129,7 +129,7 @@ def kl_breakdown(res, gen, s):
     out["scores_at_bwd_ms"] = timed(lambda: torch.autograd.grad(sc, (qi, ki, w), gsc, retain_graph=True), 3)
     p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s)
     logits = sc.detach().requires_grad_()
-    out["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(_kl_sum(p / p.sum(-1, keepdim=True), logits, idx >= 0),
+    out["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(kl_sum(p / p.sum(-1, keepdim=True), logits, idx >= 0),
                                                                   logits), 3)
     out["total_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q, kv, lse).backward(), 3)
     res["kl"] = out

@@ -8,7 +8,7 @@ Per sequence length S (batch 1, causal), GLM-5 attention shapes: 64 heads, absor
 (a) ours (Triton): indexer scores + exact top-k, sparse MLA attention, sparse indexer KL loss;
 (b) dense causal attention, SDPA with the cuDNN backend (flash if cuDNN refuses), the equivalent
     multi-head shapes (q/k 256, v 256, 64 heads);
-(c) the reference path (`pretrain.model.dsa` / `sparse_mla` / `indexer_loss`, PyTorch).
+(c) the reference path (`pretrain.model.dsa`: `indexer` / `sparse_mla` / `indexer_loss`, PyTorch).
 
 Times are medians of CUDA-event-timed repeats after warm-up; fresh random inputs per length.
 TFLOP/s of sparse attention use the convention 2 * S * k * heads * (576 + 512) forward and
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pretrain.model.dsa import VisibleKeys  # noqa: E402
-from pretrain.model.kernels import indexer_kl as tkl  # noqa: E402
-from pretrain.model.kernels import indexer_topk as ttopk  # noqa: E402
-from pretrain.model.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
+from pretrain.model.dsa.kernels import indexer_kl as tkl  # noqa: E402
+from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
@@ -78,7 +78,7 @@ def inputs(s: int, gen: torch.Generator):
 
 def sparse_kl_triton(qi, ki, w, idx, q, kv, lse, chunk: int = 1 << 14):
     """The sparse indexer loss through the Triton pieces (what the DSA layer runs)."""
-    from pretrain.model.indexer_loss import _kl_sum
+    from pretrain.model.dsa.indexer_loss import kl_sum
 
     s = q.shape[1]
     total = 0.0
@@ -87,7 +87,7 @@ def sparse_kl_triton(qi, ki, w, idx, q, kv, lse, chunk: int = 1 << 14):
         p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, r0, r1)
         p = p / p.sum(-1, keepdim=True)
         logits = tkl.index_scores_at(qi, ki, w, idx, r0, r1)
-        total = total + _kl_sum(p, logits, idx[:, r0:r1] >= 0)
+        total = total + kl_sum(p, logits, idx[:, r0:r1] >= 0)
     return total / s
 
 
@@ -168,9 +168,9 @@ def dense(s, reps):
 
 
 def reference(s, q, kv, qi, ki, w, reps):
-    from pretrain.model import indexer_loss as ref_loss
-    from pretrain.model.dsa import default_chunk, indexer_topk
-    from pretrain.model.sparse_mla import sparse_mla_attention
+    from pretrain.model.dsa.indexer import indexer_loss as ref_loss
+    from pretrain.model.dsa.indexer import default_chunk, indexer_topk
+    from pretrain.model.dsa.sparse_mla import sparse_mla_attention
 
     keys = VisibleKeys(s, s, "cuda")
     q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()

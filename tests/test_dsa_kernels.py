@@ -1,13 +1,13 @@
-"""The DSA Triton kernels (pretrain/model/kernels) on CPU through Triton's interpreter.
+"""The DSA Triton kernels (pretrain/model/dsa/kernels) on CPU through Triton's interpreter.
 
 Every kernel is compared with something it does not compute itself:
 
 * index scores: the float64 formula (tests/test_dsa_ops.py's naive loops' einsum form);
 * top-k selection: a naive Python sort implementing the documented rule (ties to the lower key
   index), applied to the kernel's own scores, so the check is exact; and the whole `indexer_topk`
-  against the reference `pretrain.model.dsa.indexer_topk` where no ties straddle the boundary;
+  against the reference `pretrain.model.dsa.indexer.indexer_topk` where no ties straddle the boundary;
 * sparse MLA forward / backward and the indexer-KL pieces: the float64 reference path
-  (`pretrain.model.sparse_mla`, `pretrain.model.dsa.index_scores_at`) on the same inputs;
+  (`pretrain.model.dsa.sparse_mla`, `pretrain.model.dsa.indexer.index_scores_at`) on the same inputs;
 * the DSA layer with `dsa_kernel_backend=triton`: transformers' GlmMoeDsaForCausalLM logits and the
   reference backend's losses and gradients.
 
@@ -18,14 +18,17 @@ The same kernels run compiled on the GPU in tests/test_gpu.py.
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from pretrain.model.dsa import VisibleKeys, gather_keys, index_scores_at, indexer_topk, segment_ids_from_cu_seqlens  # noqa: E402
-from pretrain.model.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
+from pretrain.model.dsa.indexer import (  # noqa: E402
+    VisibleKeys, gather_keys, index_scores_at, indexer_topk, segment_ids_from_cu_seqlens,
+)
+from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
 from tests.test_dsa_ops import NEG_INF, ref_topk  # noqa: E402
 
 F64 = torch.float64
@@ -35,12 +38,12 @@ F64 = torch.float64
 def kern():
     """The kernel modules; on CPU they are interpreted (tests/conftest.py sets TRITON_INTERPRET=1 before
     triton is imported)."""
-    from pretrain.model.kernels import interpreting
+    from pretrain.model.dsa.kernels import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-    return {name: importlib.import_module(f"pretrain.model.kernels.{name}")
-            for name in ["segment_sum", "sparse_mla", "indexer_kl", "indexer_topk", "ops"]}
+    return {name: importlib.import_module(f"pretrain.model.dsa.kernels.{name}")
+            for name in ["segment_sum", "sparse_mla", "indexer_kl", "indexer_topk"]}
 
 
 def rel(a, b) -> float:
@@ -252,18 +255,54 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
         assert indexer_seen >= 8  # the indexer really trained through the kernels
 
 
+def test_triton_backend_dense_attention_sparse_kl(interpret, tmp_path):
+    """Dense attention with the selected-keys KL (dsa_indexer_use_sparse_loss=true): the Triton top-k
+    and index-score kernels give the reference backend's indexer loss and gradients (the reference
+    is checked against a float64 KL in tests/test_dsa_model.py)."""
+    from pretrain.convert import load_hf_model
+    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
+
+    hf_checkpoint(tmp_path, 43, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
+    ids_all = tokens(43, 2, 18)
+    common = dict(mtp_num_layers=None, dsa_sparse_attention=False, dsa_indexer_loss_coeff=0.5,
+                  dsa_indexer_use_sparse_loss=True)
+    runs = [lm_step(load_hf_model(str(tmp_path), **common, dsa_kernel_backend=backend)[1], ids_all[:, :-1],
+                    ids_all[:, 1:], scale=1.0) for backend in ("reference", "triton")]
+    (_, ref_grads, ref_kl), (_, grads, kl) = runs
+    assert set(kl) == set(ref_kl) and len(kl) == 2
+    for layer in kl:
+        assert abs(float(kl[layer]) - float(ref_kl[layer])) <= 1e-5 * abs(float(ref_kl[layer])), layer
+    indexer = [n for n, g in ref_grads.items() if ".indexer." in n and g is not None]
+    assert len(indexer) >= 8
+    for n in indexer:
+        assert relative_error(grads[n], ref_grads[n]) <= 1e-4, (n, relative_error(grads[n], ref_grads[n]))
+
+
 def test_backend_choice(kern, monkeypatch):
-    from pretrain.model.kernels import use_triton
+    from pretrain.model.dsa import backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert use_triton("auto", "cuda") and not use_triton("auto", "cpu") and not use_triton("reference", "cuda")
+    monkeypatch.setattr(backend, "_WARNED_NO_TRITON", False)
+    pick = backend.select_backend
+    assert isinstance(pick("auto", "cuda"), backend.TritonBackend)
+    assert isinstance(pick("auto", "cpu"), backend.ReferenceBackend)
+    assert isinstance(pick("reference", "cuda"), backend.ReferenceBackend)
+    assert pick("triton", "cuda", deterministic=True).deterministic
     with pytest.raises(RuntimeError, match="dsa_kernel_backend=triton needs"):
-        use_triton("triton", "cpu")
+        pick("triton", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert use_triton("triton", "cpu") and not use_triton("auto", "cpu")
+    assert isinstance(pick("triton", "cpu"), backend.TritonBackend)
+    assert isinstance(pick("auto", "cpu"), backend.ReferenceBackend)
     with pytest.raises(ValueError, match="must be one of"):
-        use_triton("cuda", "cuda")
-
+        pick("cuda", "cuda")
+    # auto on CUDA without triton: the reference, and one warning per process saying it is slower
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="14x slower"):
+        assert isinstance(pick("auto", "cuda"), backend.ReferenceBackend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert isinstance(pick("auto", "cuda"), backend.ReferenceBackend)
+        assert isinstance(pick("auto", "cpu"), backend.ReferenceBackend)
 
 
 def test_preflight_refuses_triton_without_a_gpu(monkeypatch):

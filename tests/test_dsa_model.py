@@ -1,5 +1,5 @@
 """DSA (DeepSeek Sparse Attention) in the whole model: sparse attention, the indexer loss, index
-sharing, packing, tensor parallelism and MTP (pretrain/model/dsa_attention.py).
+sharing, packing, tensor parallelism and MTP (pretrain/model/dsa/layer.py).
 
 Every check compares against something the code under test does not compute itself:
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.convert import load_hf_model
-from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
+from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
 from tests.distributed import run_ranks
 from tests.hf_fixtures import tiny_hf_model, write_hf_checkpoint
 
@@ -234,13 +234,16 @@ def _rope_pairs(t: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tenso
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
-def naive_indexer_kl(attn, x: torch.Tensor, theta: float, sparse: bool, topk: int, leaves: Dict[str, torch.Tensor]):
+def naive_indexer_kl(attn, x: torch.Tensor, theta: float, sparse_attention: bool, sparse_loss: bool, topk: int,
+                     leaves: Dict[str, torch.Tensor]):
     """float64 KL(target || softmax(index scores)) averaged over query tokens, written from the
     definitions with transformers' layer `attn` (GlmMoeDsaAttention) weights.
 
     x [b, s, hidden]: the attention input (after the input norm). `leaves`: the indexer's weights
-    (HF names) as float64 leaves. dense: over every causal key; sparse: over the top-k keys of the
-    index scores. Target: the attention probabilities summed over heads, L1-normalized."""
+    (HF names) as float64 leaves. The attention runs over every causal key or (sparse_attention)
+    over the top-k keys of the index scores; the KL runs over every causal key or (sparse_loss) over
+    the top-k keys. Target: the attention probabilities summed over heads, L1-normalized over the
+    KL's keys."""
     d = lambda t: t.detach().double()  # noqa: E731
     b, s, _ = x.shape
     pos = torch.arange(s)
@@ -266,13 +269,13 @@ def naive_indexer_kl(attn, x: torch.Tensor, theta: float, sparse: bool, topk: in
     index = torch.einsum("bsj,bsjt->bst", w, torch.relu(torch.einsum("bsjd,btd->bsjt", qi, ki) * head_dim**-0.5))
     index = index.masked_fill(~visible, float("-inf"))
 
-    if sparse:
-        k = min(topk, s)
-        values, sel = index.detach().topk(k, dim=-1)
-        keep = torch.zeros(b, s, s, dtype=torch.bool).scatter(-1, sel, values > float("-inf"))
-    else:
-        keep = visible.expand(b, -1, -1)
-    probs = scores.masked_fill(~keep[:, None], float("-inf")).softmax(-1).sum(1)  # [b, s, t]
+    values, sel = index.detach().topk(min(topk, s), dim=-1)
+    selected = torch.zeros(b, s, s, dtype=torch.bool).scatter(-1, sel, values > float("-inf"))
+    visible = visible.expand(b, -1, -1)
+    attended = selected if sparse_attention else visible
+    keep = selected if sparse_loss else visible
+    probs = scores.masked_fill(~attended[:, None], float("-inf")).softmax(-1).sum(1)  # [b, s, t]
+    probs = probs.masked_fill(~keep, 0.0)
     p = probs / probs.sum(-1, keepdim=True)
     logq = index.masked_fill(~keep, float("-inf")).log_softmax(-1)
     kl = torch.where(keep, torch.xlogy(p, p) - p * torch.where(keep, logq, 0.0), 0.0).sum(-1)
@@ -283,14 +286,17 @@ HF_INDEXER = {"wq_b": "linear_wq_b.weight", "wk": "linear_wk.weight", "k_norm.we
               "k_norm.bias": "k_norm.bias", "weights_proj": "linear_weights_proj.weight"}
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense_kl", "sparse_kl"])
-def test_indexer_gradient_matches_naive_kl(tmp_path, sparse):
+@pytest.mark.parametrize("sparse, sparse_loss", [(False, False), (True, True), (False, True)],
+                         ids=["dense_kl", "sparse_kl", "dense_attention_sparse_kl"])
+def test_indexer_gradient_matches_naive_kl(tmp_path, sparse, sparse_loss):
     """For every layer: the recorded indexer loss and coeff x its gradient on the indexer weights
-    (through the LM backward, scale 1) equal a float64 KL computed from the layer's own inputs."""
+    (through the LM backward, scale 1) equal a float64 KL computed from the layer's own inputs.
+    dsa_indexer_use_sparse_loss selects the KL: with dense attention, the selected-keys KL is
+    checked and differs from the all-keys KL of the same inputs (the flag is not ignored)."""
     coeff, topk = 0.7, 5
     hf = hf_checkpoint(tmp_path, 31, layers=2, dense=1, index_topk=topk, index_n_heads=NO_TIE_INDEX_HEADS)
     _, model = load_hf_model(str(tmp_path), mtp_num_layers=None, dsa_sparse_attention=sparse,
-                             dsa_indexer_loss_coeff=coeff, dsa_indexer_use_sparse_loss=sparse)
+                             dsa_indexer_loss_coeff=coeff, dsa_indexer_use_sparse_loss=sparse_loss)
     captured = {}
 
     def capture(layer):
@@ -310,8 +316,11 @@ def test_indexer_gradient_matches_naive_kl(tmp_path, sparse):
                   "k_norm.bias": ix.k_norm.bias, "weights_proj": ix.weights_proj.weight}
         leaves = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
         x = captured[i].transpose(0, 1).double()
-        kl = naive_indexer_kl(attn, x, theta, sparse, topk, leaves)
+        kl = naive_indexer_kl(attn, x, theta, sparse, sparse_loss, topk, leaves)
         assert abs(float(recorded[i + 1]) - kl.item()) <= TOL64 * kl.item(), (i, float(recorded[i + 1]), kl.item())
+        if sparse_loss and not sparse:
+            other = naive_indexer_kl(attn, x, theta, False, False, topk, leaves).item()
+            assert abs(float(recorded[i + 1]) - other) > 100 * TOL64 * other, (i, float(recorded[i + 1]), other)
         ref_grads = torch.autograd.grad(coeff * kl, list(leaves.values()))
         for hf_name, ref in zip(leaves, ref_grads):
             ours = grads[f"decoder.layers.{i}.self_attention.core_attention.indexer.{HF_INDEXER[hf_name]}"]
@@ -612,7 +621,7 @@ def test_mtp_layer_trains_its_indexer(tmp_path):
 def test_shared_layer_reuses_the_full_layers_selection(tmp_path, monkeypatch):
     """dsa_indexer_types ["full", "shared"]: the shared layer owns no indexer, points at layer 1's
     core attention, and attends over exactly layer 1's top-k, which is transformers' selection."""
-    import pretrain.model.dsa_attention as dsa_attention
+    from pretrain.model.dsa.backend import ReferenceBackend
 
     topk, seq = 5, 18
     hf = hf_checkpoint(tmp_path, 71, layers=2, dense=1, index_topk=topk, indexer_types=["full", "shared"])
@@ -624,13 +633,13 @@ def test_shared_layer_reuses_the_full_layers_selection(tmp_path, monkeypatch):
     assert second.indexer is None and second.index_source is first
 
     seen = []
-    original = dsa_attention.sparse_mla_attention
+    original = ReferenceBackend.sparse_attention
 
-    def recording(q, kv, indices, *args, **kwargs):
+    def recording(self, q, kv, indices, *args, **kwargs):
         seen.append(indices.clone())
-        return original(q, kv, indices, *args, **kwargs)
+        return original(self, q, kv, indices, *args, **kwargs)
 
-    monkeypatch.setattr(dsa_attention, "sparse_mla_attention", recording)
+    monkeypatch.setattr(ReferenceBackend, "sparse_attention", recording)
     hf_indices = []
     hf.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: hf_indices.append(out[2]))
     ids = tokens(71, 2, seq)

@@ -1,7 +1,7 @@
 """CPU checks of the DSA building blocks against independent float64 references.
 
-Covers `pretrain.model.dsa` (lightning indexer, visibility, top-k), `pretrain.model.sparse_mla`
-(sparse absorbed attention) and `pretrain.model.indexer_loss` (dense / sparse KL losses). Every
+Covers `pretrain.model.dsa.indexer` (lightning indexer, visibility, top-k), `pretrain.model.dsa.sparse_mla`
+(sparse absorbed attention) and `pretrain.model.dsa.indexer_loss` (dense / sparse KL losses). Every
 reference below is written from the math (naive Python loops or dense masked formulas); none of
 them calls the code under test. The last tests measure peak live tensor memory with a
 TorchDispatchMode to check that the reference path is linear in the sequence length.
@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pretrain.model.dsa import (
+from pretrain.model.dsa.indexer import (
     LightningIndexer,
     VisibleKeys,
     gather_keys,
@@ -30,8 +30,8 @@ from pretrain.model.dsa import (
     segment_ids_from_cu_seqlens,
     select_topk,
 )
-from pretrain.model.indexer_loss import dense_target, indexer_kl_dense, indexer_kl_sparse, sparse_target
-from pretrain.model.sparse_mla import absorb_query, expand_values, sparse_mla_attention
+from pretrain.model.dsa.indexer_loss import dense_target, indexer_kl_dense, indexer_kl_sparse, sparse_target
+from pretrain.model.dsa.sparse_mla import absorb_query, expand_values, sparse_mla_attention
 
 F64 = torch.float64
 NEG_INF = float("-inf")

@@ -440,9 +440,11 @@ def test_hf_to_checkpoint_cli_finishes_without_psutil(hf_dir, tmp_path):
 
 DSA_RULES = [
     # (overrides that break a rule, the key the message names, overrides that satisfy it)
-    (["model.dsa_indexer_use_sparse_loss=true", "model.dsa_sparse_attention=false"],
+    (["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.5", "model.dsa_indexer_use_sparse_loss=false"],
      "model.dsa_indexer_use_sparse_loss",
-     ["model.dsa_indexer_use_sparse_loss=true", "model.dsa_sparse_attention=true"]),
+     ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.5", "model.dsa_indexer_use_sparse_loss=true"]),
+    (["model.dsa_sparse_attention=true", "model.attention_dropout=0.1"], "model.attention_dropout",
+     ["model.dsa_sparse_attention=false", "model.attention_dropout=0.1"]),
     (["model.dsa_indexer_types=[full]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,full]"]),
     (["model.dsa_indexer_types=[full,full,full]"], "model.dsa_indexer_types",
      ["model.dsa_indexer_types=[full,shared]"]),

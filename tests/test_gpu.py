@@ -78,8 +78,8 @@ def test_dsa_reference_path_on_gpu_matches_fp64():
     """Top-k and sparse absorbed attention (GLM-5 dims: 576 / 512, top-k 256 of 1024) on CUDA in bf16
     against float64 on the CPU: same selection as torch.topk on the CPU scores, attention and its
     gradients within bf16 tolerance."""
-    from pretrain.model.dsa import VisibleKeys, index_scores, indexer_topk, select_topk
-    from pretrain.model.sparse_mla import sparse_mla_attention
+    from pretrain.model.dsa.indexer import VisibleKeys, index_scores, indexer_topk, select_topk
+    from pretrain.model.dsa.sparse_mla import sparse_mla_attention
 
     torch.manual_seed(0)
     b, s, h, topk = 1, 1024, 16, 256
@@ -128,7 +128,7 @@ def test_tiny_dsa_model_sparse_step_on_gpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# DSA Triton kernels (pretrain/model/kernels) vs the fp32 reference on the same bf16 inputs
+# DSA Triton kernels (pretrain/model/dsa/kernels) vs the fp32 reference on the same bf16 inputs
 # ------------------------------------------------------------------------------------------------
 
 
@@ -147,8 +147,8 @@ def _relmax(a, b):
 
 @pytest.mark.parametrize("s,topk,mode", [(1000, 256, "causal"), (4096, 2048, "causal"), (3001, 512, "segments")])
 def test_dsa_topk_kernel_on_gpu(s, topk, mode):
-    from pretrain.model.dsa import VisibleKeys, index_scores, segment_ids_from_cu_seqlens, select_topk
-    from pretrain.model.kernels import indexer_topk as kt
+    from pretrain.model.dsa.indexer import VisibleKeys, index_scores, segment_ids_from_cu_seqlens, select_topk
+    from pretrain.model.dsa.kernels import indexer_topk as kt
 
     gen = torch.Generator(device="cuda").manual_seed(s)
     qi = torch.randn(1, s, 32, 128, device="cuda", generator=gen).bfloat16()
@@ -177,7 +177,7 @@ def test_dsa_topk_kernel_on_gpu(s, topk, mode):
 
 
 def _sparse_inputs(s, h, topk, seed):
-    from pretrain.model.dsa import VisibleKeys, index_scores, select_topk
+    from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = (torch.randn(1, s, h, 576, device="cuda", generator=gen) * 0.5).bfloat16()
@@ -190,8 +190,8 @@ def _sparse_inputs(s, h, topk, seed):
 
 @pytest.mark.parametrize("s,h,topk", [(1000, 64, 256), (4096, 64, 2048), (777, 16, 300)])
 def test_sparse_mla_kernels_on_gpu(s, h, topk):
-    from pretrain.model.kernels import sparse_mla as km
-    from pretrain.model.sparse_mla import sparse_mla_attention as ref_attn
+    from pretrain.model.dsa.kernels import sparse_mla as km
+    from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
 
     q, kv, idx = _sparse_inputs(s, h, topk, s + h)
     scale = 256**-0.5
@@ -217,9 +217,9 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
 
 
 def test_indexer_kl_kernels_on_gpu():
-    from pretrain.model.dsa import gather_keys, index_scores_at
-    from pretrain.model.kernels import indexer_kl as kk
-    from pretrain.model.kernels import sparse_mla as km
+    from pretrain.model.dsa.indexer import gather_keys, index_scores_at
+    from pretrain.model.dsa.kernels import indexer_kl as kk
+    from pretrain.model.dsa.kernels import sparse_mla as km
 
     s, topk = 1500, 512
     q, kv, idx = _sparse_inputs(s, 64, topk, 7)

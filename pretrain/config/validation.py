@@ -142,9 +142,14 @@ def _check_dsa(m: ModelConfig) -> None:
     _at_least(m, "model", ["dsa_indexer_loss_coeff"], 0)
     _positive(m, "model", "dsa_chunk_size", optional=True)
     require(
-        not m.dsa_indexer_use_sparse_loss or m.dsa_sparse_attention,
-        "model.dsa_indexer_use_sparse_loss=true needs model.dsa_sparse_attention=true (the sparse KL's target is "
-        "the sparse attention itself); set dsa_indexer_use_sparse_loss=false for the dense warm-up",
+        not (m.dsa_sparse_attention and (m.dsa_indexer_loss_coeff or 0) > 0) or m.dsa_indexer_use_sparse_loss,
+        "model.dsa_sparse_attention=true trains the indexer only with model.dsa_indexer_use_sparse_loss=true (the "
+        "dense KL needs attention probabilities over every key, which sparse attention never forms)",
+    )
+    require(
+        not m.dsa_sparse_attention or m.attention_dropout == 0,
+        f"model.attention_dropout={m.attention_dropout} is not supported with model.dsa_sparse_attention=true "
+        "(the sparse attention has no dropout); set attention_dropout=0",
     )
     require(
         not m.dsa_indexer_hadamard or m.dsa_indexer_head_dim & (m.dsa_indexer_head_dim - 1) == 0,

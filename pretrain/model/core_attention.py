@@ -5,7 +5,7 @@ V's (MLA: qk = qk_head_dim + qk_pos_emb_head_dim, v = v_head_dim) and K/V allowe
 heads than Q (GQA). On GPU, SDPA dispatches to cuDNN / flash kernels; on CPU to its math kernel.
 It needs no Transformer Engine, unlike megatron-core 0.16.1's MLA path.
 
-DSA layers use `pretrain.model.dsa_attention.DSACoreAttention`, which builds on this class for
+DSA layers use `pretrain.model.dsa.DSACoreAttention`, which builds on this class for
 their dense attention.
 """
 

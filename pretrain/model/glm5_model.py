@@ -12,7 +12,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from pretrain.compat import MTPLogitsWithoutLabels, gpt_model_mtp_block_class
-from pretrain.model.dsa_attention import link_shared_indexers
+from pretrain.model.dsa import link_shared_indexers
 from pretrain.model.mtp import SharedDepthMTPBlock
 
 

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from pretrain.compat import SequenceParallelTorchNorm, te_available
 from pretrain.model.core_attention import SDPACoreAttention
-from pretrain.model.dsa_attention import DSACoreAttention, DSAMLASelfAttention
+from pretrain.model.dsa import DSACoreAttention, DSAMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
 
 

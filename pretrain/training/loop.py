@@ -31,7 +31,7 @@ from parallel.initialize import initialize_parallel
 from pretrain.config.schema import GLM5Config
 from pretrain.model.builder import build_model
 from pretrain.model.dsa import is_indexer_parameter
-from pretrain.model.indexer_loss import DSAMetrics, IndexerLossAutoScaler
+from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
 from pretrain.training.optimizer import build_optimizer, build_scheduler, zero2_enabled
 from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step

@@ -28,10 +28,10 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
         raise ConfigError("model.params_dtype=bfloat16 needs model.bf16=true (bf16 weights train with fp32 main "
                           "weights in the bf16 optimizer)")
     if cfg.model.experimental_attention_variant == "dsa" and cfg.model.dsa_kernel_backend == "triton":
-        from pretrain.model.kernels import use_triton  # the one place that knows what Triton needs
+        from pretrain.model.dsa.backend import select_backend  # the one place that knows what Triton needs
 
         try:
-            use_triton("triton", "cuda" if torch.cuda.is_available() else "cpu")
+            select_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")
         except RuntimeError as err:
             raise ConfigError(str(err)) from None
     if torch.cuda.is_available():

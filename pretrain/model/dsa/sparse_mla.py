@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.model.dsa import gather_keys, upcast
+from pretrain.model.dsa.indexer import gather_keys, upcast
 
 
 def _chunk_probs(q_c, kv, idx, scale, lse_c=None):

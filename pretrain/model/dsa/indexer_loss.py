@@ -5,13 +5,19 @@ L1-normalized, p[t, :] = sum_h P_h[t, :] / sum_{h, s} P_h[t, s]. Loss, averaged 
 
     L_I = mean_t KL( p[t, S] || softmax(I[t, S]) )
 
-- dense mode (warm-up): S = every visible key of t; attention is dense.
-- sparse mode (joint stage): S = S_t, the selected keys; P_h is the sparse attention's own softmax.
+- dense KL (`dsa_indexer_use_sparse_loss=false`, the warm-up): S = every visible key of t; the
+  attention is dense (`indexer_kl_dense` with `dense_target`).
+- sparse KL (`dsa_indexer_use_sparse_loss=true`): S = S_t, the indexer's selected keys, and p is
+  renormalized over S_t (`indexer_kl_sparse`). Its target is the sparse attention's own softmax
+  (`sparse_target`, the joint stage) or, with dense attention, the dense probabilities at S_t
+  (`dense_target_selected`). Dense KL under sparse attention is refused by the config check: the
+  sparse path never forms the probabilities outside S_t.
 
 The target is computed without gradient and the indexer reads detached inputs, so L_I trains only
 the indexer and the LM loss never reaches it. The gradient of `coeff * L_I` is attached to the
 attention output by `IndexerLossAutoScaler` and scaled by 1 / (number of micro-batches), as
-megatron scales its other auxiliary losses (megatron-core 0.16.1's DSA omits that division).
+megatron scales its other auxiliary losses (megatron-core 0.16.1's DSA omits that division: the
+workaround is `pretrain.compat.dsa`).
 
 Memory is linear in the sequence length: `indexer_kl` forms index scores and targets for `chunk`
 query rows at a time and differentiates each chunk right away (the per-chunk gradients of q_I,
@@ -25,18 +31,17 @@ from typing import Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
-from pretrain.model.dsa import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
+from pretrain.model.dsa.indexer import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
 
 
-def _kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """sum over rows of KL(p || softmax(logits)); p is 0 and logits -inf where not valid."""
     logq = torch.where(valid, torch.log_softmax(logits, dim=-1), 0.0)
     return torch.where(valid, torch.xlogy(p, p) - p * logq, 0.0).sum()
 
 
-def _normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
+def normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
     """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized."""
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(probs_sum, group=tp_group)
@@ -49,7 +54,7 @@ def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=
     def rows(r0: int, r1: int, visible: torch.Tensor) -> torch.Tensor:
         scores = torch.einsum("bchd,bthd->bhct", upcast(query[:, r0:r1]), upcast(key)) * scale
         probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-        return _normalize_heads(probs.sum(1), tp_group)
+        return normalize_heads(probs.sum(1), tp_group)
 
     return rows
 
@@ -61,7 +66,22 @@ def sparse_target(q_absorbed: torch.Tensor, kv: torch.Tensor, scale: float, tp_g
         sel = upcast(gather_keys(kv, indices))
         scores = torch.einsum("bchd,bckd->bchk", upcast(q_absorbed[:, r0:r1]), sel) * scale
         probs = scores.masked_fill((indices < 0)[:, :, None], float("-inf")).softmax(-1)
-        return _normalize_heads(probs.sum(2), tp_group)
+        return normalize_heads(probs.sum(2), tp_group)
+
+    return rows
+
+
+def dense_target_selected(query: torch.Tensor, key: torch.Tensor, scale: float, keys: VisibleKeys,
+                          tp_group=None) -> Callable:
+    """Sparse-KL target rows of dense attention: the head-summed dense probabilities at the selected
+    keys, renormalized over them. query [b, s, h, d], key [b, T, h, d] (detached)."""
+
+    def rows(r0: int, r1: int, indices: torch.Tensor) -> torch.Tensor:
+        visible = keys.rows(r0, r1)
+        scores = torch.einsum("bchd,bthd->bhct", upcast(query[:, r0:r1]), upcast(key)) * scale
+        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).sum(1)
+        at = probs.expand(indices.shape[0], -1, -1).gather(-1, indices.clamp(min=0).long())
+        return normalize_heads(at.masked_fill(indices < 0, 0.0), tp_group)
 
     return rows
 
@@ -113,7 +133,7 @@ def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, ch
         p = target(r0, r1, visible)
         idx = select_topk(logits.detach(), topk)
         recall = (p.gather(-1, idx.clamp(min=0)) * (idx >= 0)).sum()
-        return _kl_sum(p, logits, visible), recall
+        return kl_sum(p, logits, visible), recall
 
     return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
 
@@ -126,22 +146,16 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
                       scores_at: Callable = _scores_at_reference):
     """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1).
     `scores_at(q_rows, k, w_rows, idx_rows)` gives the index scores at the selected keys (-inf on
-    empty slots): the reference gathers keys, the Triton backend (`kernels.ops.scores_at`) does not."""
+    empty slots): the reference gathers keys, the Triton backend (`backend.TritonBackend`) does not."""
 
     def rows(r0, r1, qc, kc, wc):
         idx = indices[:, r0:r1]
         valid = idx >= 0
         logits = scores_at(qc, kc, wc, idx)
         p = target(r0, r1, idx)
-        return _kl_sum(p, logits, valid), p.sum()
+        return kl_sum(p, logits, valid), p.sum()
 
     return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
-
-
-# megatron-core's scaler: identity on the activation, and its backward feeds d(indexer loss) =
-# main_loss_backward_scale into the loss. The trainer sets that scale every step to
-# 1 / (number of micro-batches) (times the fp16 loss scale); megatron-core 0.16.1 never sets it.
-IndexerLossAutoScaler = DSAIndexerLossAutoScaler
 
 
 class DSAMetrics:

@@ -10,9 +10,9 @@ H_I index heads of d_I dims:
     I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * d_I^-1/2)   for visible s (causal, same document)
     S_t = topk(min(K, #visible), I[t, :])     (ties: the lowest key indices; `select_topk`)
 
-Visible keys are s <= t within t's document. Every attention head of token t attends only to S_t
-(`pretrain.model.sparse_mla`). DeepSeek's Hadamard rotation of q_I / k_I only serves FP8 and is off
-(GLM-5 trains without it); `dsa_indexer_hadamard` turns it on.
+Visible keys are s <= t within t's document. Every attention head of token t attends only to
+S_t (`pretrain.model.dsa.sparse_mla`). DeepSeek's Hadamard rotation of q_I / k_I only serves FP8
+and is off (GLM-5 trains without it); `dsa_indexer_hadamard` turns it on.
 
 Memory is linear in the sequence length: scores are formed for `chunk` query rows at a time
 ([b, chunk, H_I, T] at most), and top-k runs on each chunk's rows, which selects exactly what

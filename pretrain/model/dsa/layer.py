@@ -8,9 +8,10 @@ the key/value up-projection to `DSACoreAttention`, the attention spec's core-att
 - owns the layer's `LightningIndexer` ("full" layers) or reuses the top-k of the previous full layer
   (`dsa_indexer_types` "shared", HF's `indexer_types`),
 - attends densely (SDPA on the up-projected keys/values: dense pretraining and the DSA warm-up), or
-  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`), and
-- adds the indexer KL loss (dense or sparse, `pretrain.model.indexer_loss`) when
-  `dsa_indexer_loss_coeff > 0`.
+  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`), through the backend it
+  picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
+- adds the indexer KL loss (`pretrain.model.dsa.indexer_loss`) when `dsa_indexer_loss_coeff > 0`:
+  over the selected keys with `dsa_indexer_use_sparse_loss`, else over every visible key.
 
 Tensor parallelism splits the attention heads; the indexer is replicated (every TP rank computes the
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
@@ -33,18 +34,12 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
-from pretrain.model.dsa import LightningIndexer, VisibleKeys, default_chunk, indexer_topk, segment_ids_from_cu_seqlens
-from pretrain.model.indexer_loss import (
-    DSAMetrics,
-    IndexerLossAutoScaler,
-    dense_target,
-    indexer_kl_dense,
-    indexer_kl_sparse,
-    sparse_target,
-)
-from pretrain.model.kernels import use_triton
-from pretrain.model.sparse_mla import absorb_query, expand_values, sparse_mla_attention
+from pretrain.model.dsa.backend import select_backend
+from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, segment_ids_from_cu_seqlens
+from pretrain.model.dsa.indexer_loss import DSAMetrics, dense_target, dense_target_selected, indexer_kl_dense
+from pretrain.model.dsa.sparse_mla import absorb_query, expand_values
 
 
 def _tp_size(group) -> int:
@@ -141,6 +136,7 @@ class DSACoreAttention(SDPACoreAttention):
         self.indexer = LightningIndexer(config) if self.index_type == "full" else None
         self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
         self.last_indices: Optional[torch.Tensor] = None
+        self.backend = None  # ReferenceBackend or TritonBackend, set by the first sparse call
         pg_collection = kwargs.get("pg_collection")
         self.tp_group = pg_collection.tp if pg_collection is not None else None
 
@@ -162,38 +158,27 @@ class DSACoreAttention(SDPACoreAttention):
         k_sel = min(cfg.dsa_indexer_topk, s)
         chunk = cfg.dsa_chunk_size or default_chunk(max(h, cfg.dsa_indexer_n_heads) * s)
         sparse_chunk = cfg.dsa_chunk_size or default_chunk(k_sel * (c + q_pe.shape[-1] + h))
-        sparse = cfg.dsa_sparse_attention
+        sparse, sparse_loss = cfg.dsa_sparse_attention, bool(getattr(cfg, "dsa_indexer_use_sparse_loss", False))
+        if train_indexer and sparse and not sparse_loss:  # the config check refuses it first
+            raise ValueError("model.dsa_indexer_use_sparse_loss=false (dense KL) cannot train with "
+                             "model.dsa_sparse_attention=true: sparse attention has no dense probabilities")
         indexed = self._index_inputs(x, qr, rope) if (self.indexer is not None and (sparse or train_indexer)) else None
 
         if sparse:
-            kernels = use_triton(getattr(cfg, "dsa_kernel_backend", "auto"), q_nope.device.type)
-            if kernels:
-                from pretrain.model.kernels import ops as triton_ops
+            backend = self._backend(q_nope.device)
             if self.indexer is not None:
-                if kernels:
-                    indices = triton_ops.indexer_topk(*indexed, cfg.dsa_indexer_topk, *keys.ranges())
-                else:
-                    indices = indexer_topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
                 self.last_indices = indices
             else:
                 indices = self._shared_indices(b, s)
             q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
             kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)
-            if kernels:
-                o_latent, lse = triton_ops.sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c,
-                                                                cfg.deterministic_mode)
-            else:
-                o_latent, lse = sparse_mla_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
+            o_latent, lse = backend.sparse_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
             out = expand_values(o_latent, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
             if train_indexer:
-                if kernels:
-                    target = triton_ops.sparse_target(q_abs.detach(), kv.detach(), indices, lse, self.softmax_scale, c,
-                                                      self.tp_group)
-                    loss, _ = indexer_kl_sparse(*indexed, indices, target, default_chunk(8 * k_sel),
-                                                scores_at=triton_ops.scores_at(cfg.deterministic_mode))
-                else:
-                    target = sparse_target(q_abs.detach(), kv.detach(), self.softmax_scale, self.tp_group)
-                    loss, _ = indexer_kl_sparse(*indexed, indices, target, sparse_chunk)
+                target = backend.sparse_target(q_abs.detach(), kv.detach(), indices, lse, self.softmax_scale, c,
+                                               self.tp_group)
+                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk)
                 out = self._attach(out, loss, coeff)
             return out
 
@@ -205,12 +190,26 @@ class DSACoreAttention(SDPACoreAttention):
             mask = ~keys.rows(0, s).unsqueeze(1)
         out = super().forward(query, key, value, mask)
         if train_indexer:
-            target = dense_target(query.detach().transpose(0, 1), key.detach().transpose(0, 1),
-                                  self.softmax_scale, self.tp_group)
-            loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk)
-            DSAMetrics.record("topk_recall", self.layer_number, recall)
+            query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
+            if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
+                backend = self._backend(q_nope.device)
+                indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                target = dense_target_selected(query, key, self.softmax_scale, keys, self.tp_group)
+                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, max_rows=chunk)
+            else:
+                target = dense_target(query, key, self.softmax_scale, self.tp_group)
+                loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk)
+                DSAMetrics.record("topk_recall", self.layer_number, recall)
             out = self._attach(out, loss, coeff)
         return out
+
+    def _backend(self, device: torch.device):
+        """This layer's sparse-operation backend, chosen on first use (when the device is known)."""
+        if self.backend is None:
+            cfg = self.config
+            self.backend = select_backend(getattr(cfg, "dsa_kernel_backend", "auto"), device.type,
+                                          deterministic=cfg.deterministic_mode)
+        return self.backend
 
     def _index_inputs(self, x, qr, rope):
         """The indexer's q_I, k_I, w from detached inputs over the full sequence."""

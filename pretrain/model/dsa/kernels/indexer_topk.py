@@ -15,9 +15,9 @@ Two kernels per block of query rows, never an [S, S] matrix:
    selection on the scores' order-preserving 32-bit keys (4 histogram passes of 8 bits over the
    row), then writes the selected key indices in ascending order.
 
-Tie rule (the reference `pretrain.model.dsa.select_topk` follows it too): every key scoring above
-the K-th largest value is selected, and among keys equal to it the lowest key indices are taken;
--0.0 counts as +0.0. Output slots are ascending key indices, rows with fewer than K visible keys
+Tie rule (the reference `pretrain.model.dsa.indexer.select_topk` follows it too): every key
+scoring above the K-th largest value is selected, and among keys equal to it the lowest key
+indices are taken; -0.0 counts as +0.0. Output slots are ascending key indices, rows with fewer than K visible keys
 list all of them and pad with -1. The result is deterministic.
 """
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.kernels.tiles import dot_precision, pow2
+from pretrain.model.dsa.kernels.common import dot_precision, pow2
 
 
 @triton.jit

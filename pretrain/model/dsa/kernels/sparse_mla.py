@@ -1,5 +1,5 @@
 """Triton sparse MLA attention in absorbed form, forward and backward (GLM-5 report, DSA section;
-DeepSeek-V3.2 section 2). The math and the reference are `pretrain.model.sparse_mla`:
+DeepSeek-V3.2 section 2). The math and the reference are `pretrain.model.dsa.sparse_mla`:
 
     s_h(t, j) = scale * q_h(t) . kv[S_t[j]]          q: [latent C ; rope R] = 512 + 64 dims at GLM-5
     o_h(t)    = sum_j softmax_j(s_h(t, .)) kv[S_t[j], :C],   lse_h(t) saved (fp32)
@@ -22,39 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.kernels.tiles import dot_precision, pow2
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_query(qb, h, c, r, H, C: tl.constexpr, R: tl.constexpr):
-    """The token's queries [BH, BC] (latent part) and [BH, BR] (rope part); qb points at head 0."""
-    q_lat = tl.load(qb + c[None, :], mask=(h[:, None] < H) & (c[None, :] < C), other=0.0)
-    q_rope = tl.load(qb + C + r[None, :], mask=(h[:, None] < H) & (r[None, :] < R), other=0.0)
-    return q_lat, q_rope
-
-
-@triton.jit
-def _gather_block(idx_row, kv_base, j0, n, s_kt, c, r, C: tl.constexpr, R: tl.constexpr, BN: tl.constexpr):
-    """Slots j0 .. j0 + BN of a token's selection (slots >= n or -1 are empty) and their gathered
-    key rows: (slots, key indices, valid, latent [BN, BC], rope [BN, BR])."""
-    j = j0 + tl.arange(0, BN)
-    idx = tl.load(idx_row + j, mask=j < n, other=-1)
-    ok = idx >= 0
-    kb = kv_base + idx.to(tl.int64)[:, None] * s_kt
-    k_lat = tl.load(kb + c[None, :], mask=ok[:, None] & (c[None, :] < C), other=0.0)
-    k_rope = tl.load(kb + C + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
-    return j, idx, ok, k_lat, k_rope
-
-
-@triton.jit
-def _block_scores(q_lat, q_rope, k_lat, k_rope, PREC: tl.constexpr):
-    """q . k over latent and rope parts: [BH, BN] fp32."""
-    s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
-    return tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
-
+from pretrain.model.dsa.kernels.common import (
+    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2,
+)
+from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
 
 @triton.jit
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
@@ -66,15 +37,15 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
     h = tl.arange(0, BH)
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
-    q_lat, q_rope = _load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
+    q_lat, q_rope = load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
     m_i = tl.full((BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BC), tl.float32)
     nv = tl.load(nv_ptr + bid * S + t)
     for j0 in range(0, nv, BN):
-        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
+        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
                                                   c, r, C, R, BN)
-        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
+        s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -110,7 +81,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     hm = h < H
     qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
     dob = do_ptr + bid * s_dob + t * s_dot + h[:, None] * s_doh
-    q_lat, q_rope = _load_query(qb, h, c, r, H, C, R)
+    q_lat, q_rope = load_query(qb, h, c, r, H, C, R)
     do = tl.load(dob + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
     lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + (bid * S + t) * H + h, mask=hm, other=0.0)
@@ -118,10 +89,10 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     dq_rope = tl.zeros((BH, BR), tl.float32)
     nv = tl.load(nv_ptr + bid * S + t)
     for j0 in range(0, nv, BN):
-        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
+        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
                                                   c, r, C, R, BN)
         row = idx.to(tl.int64)[:, None]
-        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
+        s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(k_lat), input_precision=PREC)
@@ -157,17 +128,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (r[None, :] < R))
 
 
-
-def _shapes(q, kv, v_dim):
-    b, s, h, d = q.shape
-    c, r = int(v_dim), d - int(v_dim)
-    if kv.shape[-1] != d or r <= 0:
-        raise ValueError(f"sparse MLA kernels need q [.., {d}] and kv [.., {d}] with a rope part after v_dim={v_dim}")
-    if q.stride(-1) != 1 or kv.stride(-1) != 1:
-        raise ValueError("sparse MLA kernels need the feature dim contiguous in q and kv")
-    return b, s, h, c, r
-
-
 DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
 
 
@@ -182,7 +142,7 @@ def kernel_config(h: int, c: int, backward: bool = False):
 class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, scale: float, v_dim: int, deterministic: bool):
-        b, s, h, c, r = _shapes(q, kv, v_dim)
+        b, s, h, c, r = mla_shapes(q, kv, v_dim)
         indices = indices.to(torch.int32)
         nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
         out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
@@ -202,7 +162,7 @@ class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, kv, indices, nvalid, out, lse = ctx.saved_tensors
-        b, s, h, c, r = _shapes(q, kv, ctx.v_dim)
+        b, s, h, c, r = mla_shapes(q, kv, ctx.v_dim)
         t, k = kv.shape[1], indices.shape[-1]
         grad_out = grad_out.contiguous()
         # Delta = rowsum(dO * O) in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)
@@ -236,7 +196,7 @@ class SparseMLAFunction(torch.autograd.Function):
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int,
                          deterministic: bool = False):
-    """Triton version of `pretrain.model.sparse_mla.sparse_mla_attention` (same arguments and results).
+    """Triton version of `pretrain.model.dsa.sparse_mla.sparse_mla_attention` (same arguments and results).
     The valid slots of each row of `indices` must come first (-1 after them), as both top-k paths
     produce them."""
     if not math.isfinite(scale):

@@ -10,7 +10,7 @@
   deterministic per-key reduction of `segment_sum`).
 
 The KL itself, its TP reduction and normalization are elementwise work on [rows, K] in
-`pretrain.model.indexer_loss`, which runs them block by block of query rows.
+`pretrain.model.dsa.indexer_loss`, which runs them block by block of query rows.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.kernels.sparse_mla import LOG2E, _block_scores, _gather_block, _load_query, _shapes
-from pretrain.model.kernels.tiles import dot_precision, pow2
+from pretrain.model.dsa.kernels.common import (
+    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2,
+)
+from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
 
 
 @triton.jit
@@ -35,12 +36,12 @@ def _probs_kernel(q_ptr, kv_ptr, idx_ptr, lse_ptr, a_ptr, S, H, K, r0,
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
     hm = h < H
-    q_lat, q_rope = _load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
+    q_lat, q_rope = load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
     lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
     for j0 in range(0, K, BN):
-        j, idx, ok, k_lat, k_rope = _gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, K, s_kt,
+        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, K, s_kt,
                                                   c, r, C, R, BN)
-        s = _block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
+        s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.where(ok[None, :] & hm[:, None], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         tl.store(a_ptr + bid * s_ab + (t - r0) * s_at + j, tl.sum(p, 0), mask=j < K)
 
@@ -116,7 +117,7 @@ def _probs_config(h: int, c: int):
 def head_summed_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, scale: float,
                       v_dim: int, r0: int, r1: int) -> torch.Tensor:
     """sum_h exp(scale q_h . kv[S_t[j]] - lse_h(t)) for rows t in [r0, r1) -> [b, r1 - r0, K] fp32 (0 on empty slots)."""
-    b, s, h, c, r = _shapes(q, kv, v_dim)
+    b, s, h, c, r = mla_shapes(q, kv, v_dim)
     k = indices.shape[-1]
     out = torch.empty(b, r1 - r0, k, dtype=torch.float32, device=q.device)
     bn, warps = _probs_config(h, c)

@@ -1,0 +1,138 @@
+"""The two implementations of DSA's sparse operations, behind one interface.
+
+A DSA layer picks its backend once (`select_backend`, from `model.dsa_kernel_backend` and the
+device of its tensors) and calls the same four methods whichever it got:
+
+- `topk`: the lightning indexer's top-k key indices (GLM-5 report, DSA; DeepSeek-V3.2 section 2.1);
+- `sparse_attention`: absorbed sparse MLA attention over those keys, forward and backward;
+- `sparse_target`: the sparse indexer loss's target, the attention's head-summed probabilities at
+  the selected keys (from the attention's saved log-sum-exp);
+- `sparse_kl`: the sparse indexer KL and its gradient.
+
+`ReferenceBackend` is PyTorch (`indexer`, `sparse_mla`, `indexer_loss`: any device, the oracle of
+the kernels); `TritonBackend` runs the kernels of `pretrain.model.dsa.kernels` (CUDA tensors, or CPU
+under TRITON_INTERPRET=1). Both return the same results up to floating-point rounding.
+
+Choices: "reference"; "triton" (an error where Triton cannot run); "auto": Triton on CUDA tensors
+when triton is installed, the reference otherwise. On CUDA without triton "auto" warns once per
+process, since the reference is about 14x slower there.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from pretrain.model.dsa.indexer import VisibleKeys, default_chunk, indexer_topk
+from pretrain.model.dsa.indexer_loss import indexer_kl_sparse, normalize_heads, sparse_target
+from pretrain.model.dsa.kernels import interpreting, triton_available
+from pretrain.config.schema import ModelConfig
+from pretrain.model.dsa.sparse_mla import sparse_mla_attention
+
+BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backend"])  # the config field's choices
+
+
+class ReferenceBackend:
+    """PyTorch, `chunk` query rows at a time (memory linear in the sequence length)."""
+
+    name = "reference"
+
+    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
+        """q_I [b, s, H_I, d_I], k_I [b, T, d_I], w [b, s, H_I] -> indices [b, s, min(topk, T)], -1 padded."""
+        return indexer_topk(q, k, w, topk, keys, chunk)
+
+    def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
+        """q_abs [b, s, h, D], kv [b, T, D] -> (out [b, s, h, v_dim], lse [b, s, h] fp32)."""
+        return sparse_mla_attention(q_abs, kv, indices, scale, v_dim, chunk)
+
+    def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
+        """Target rows (r0, r1, indices rows) -> [b, r1 - r0, K] of the sparse attention (inputs detached)."""
+        return sparse_target(q_abs, kv, scale, tp_group)
+
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None):
+        """(mean sparse KL, recall) with `chunk` query rows per block (at most `max_rows`: what the
+        target's own blocks allow)."""
+        rows = chunk if max_rows is None else min(chunk, max_rows)
+        return indexer_kl_sparse(q, k, w, indices, target, rows)
+
+
+class TritonBackend:
+    """The Triton kernels; `deterministic` (megatron's `deterministic_mode`) reduces key gradients
+    in a fixed order instead of with atomics."""
+
+    name = "triton"
+
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = bool(deterministic)
+
+    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
+        """As the reference (int32 indices); the kernel bounds its own score buffer, `chunk` is unused."""
+        from pretrain.model.dsa.kernels.indexer_topk import indexer_topk as kernel
+
+        return kernel(q, k, w, topk, *keys.ranges())
+
+    def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
+        """As the reference; one program per query token, `chunk` is unused."""
+        from pretrain.model.dsa.kernels.sparse_mla import sparse_mla_attention as kernel
+
+        return kernel(q_abs, kv, indices, scale, v_dim, self.deterministic)
+
+    def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
+        """As the reference, reusing the attention's log-sum-exp (no max / sum pass)."""
+        from pretrain.model.dsa.kernels.indexer_kl import head_summed_probs
+
+        def rows(r0: int, r1: int, _indices_rows: torch.Tensor) -> torch.Tensor:
+            return normalize_heads(head_summed_probs(q_abs, kv, indices, lse, scale, v_dim, r0, r1), tp_group)
+
+        return rows
+
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None):
+        """As the reference, with the index scores at the selected keys from a kernel (no gathered
+        [rows, K, d_I] block, so rows per block follow K alone)."""
+        from pretrain.model.dsa.kernels.indexer_kl import index_scores_at
+
+        deterministic = self.deterministic
+
+        def scores_at(qc, kc, wc, idx):
+            return index_scores_at(qc, kc, wc.float(), idx, 0, qc.shape[1], deterministic)
+
+        rows = default_chunk(8 * indices.shape[-1])
+        rows = rows if max_rows is None else min(rows, max_rows)
+        return indexer_kl_sparse(q, k, w, indices, target, rows, scores_at=scores_at)
+
+
+_WARNED_NO_TRITON = False
+
+
+def _warn_reference_on_cuda() -> None:
+    global _WARNED_NO_TRITON
+    if not _WARNED_NO_TRITON:
+        _WARNED_NO_TRITON = True
+        warnings.warn("model.dsa_kernel_backend=auto: triton is not installed, so DSA runs its PyTorch reference on "
+                      "CUDA (about 14x slower than the Triton kernels); install triton", RuntimeWarning, stacklevel=3)
+
+
+def select_backend(choice: str, device_type: str, deterministic: bool = False):
+    """The backend for tensors on `device_type` under `model.dsa_kernel_backend` = `choice`."""
+    if choice not in BACKENDS:
+        raise ValueError(f"model.dsa_kernel_backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "reference":
+        return ReferenceBackend()
+    if choice == "auto":
+        if device_type != "cuda":
+            return ReferenceBackend()
+        if not triton_available():
+            _warn_reference_on_cuda()
+            return ReferenceBackend()
+        return TritonBackend(deterministic)
+    if not triton_available() or not (device_type == "cuda" or interpreting()):
+        raise RuntimeError(
+            "model.dsa_kernel_backend=triton needs the triton package and CUDA tensors (or TRITON_INTERPRET=1 "
+            "on CPU); use dsa_kernel_backend=auto or reference")
+    return TritonBackend(deterministic)
+
+
+__all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "select_backend"]

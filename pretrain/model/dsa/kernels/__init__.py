@@ -1,0 +1,34 @@
+"""Triton kernels of DeepSeek Sparse Attention (GLM-5 report, DSA section).
+
+- `indexer_topk`: lightning-indexer scores and exact top-k selection, no [S, S] matrix;
+- `sparse_mla`: sparse MLA attention in absorbed form, forward and backward;
+- `indexer_kl`: the sparse indexer loss's attention target and index scores at the selected keys;
+- `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;
+- `common`: launch parameters and the tile loads the kernels share.
+
+The DSA layer reaches them through `pretrain.model.dsa.backend.TritonBackend`; the PyTorch reference
+(`pretrain.model.dsa.indexer`, `sparse_mla`, `indexer_loss`) is their oracle. With TRITON_INTERPRET=1
+set before triton is imported, they also run on CPU tensors (the CPU tests do).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """Whether the triton package is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+if interpreting() and triton_available():
+    # Imported from its module: the compat package's __init__ is not needed for this one fix.
+    from pretrain.compat.triton_interpreter import patch_triton_interpreter
+
+    patch_triton_interpreter()
