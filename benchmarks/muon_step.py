@@ -112,8 +112,7 @@ def _sync():
 
 def newton_schulz_bench(trainer) -> dict:
     """Newton-Schulz on this rank's Muon matrices, grouped as `orthogonalized_update` groups them."""
-    from pretrain.optim.muon import newton_schulz
-    from pretrain.training.muon_setup import muon_roles
+    from pretrain.optim import muon_roles, newton_schulz
 
     batches = []
     for p, role, split in muon_roles(trainer.optimizer):

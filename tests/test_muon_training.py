@@ -1,4 +1,4 @@
-"""Muon in the training loop (pretrain/training/muon_setup.py), fp32 on CPU through gloo.
+"""Muon in the training loop (pretrain/optim/roles.py), fp32 on CPU through gloo.
 
 * which update every parameter of the tiny GLM-5 gets (AdamW / Muon whole / Muon Split blocks);
 * one Trainer step equals a naive float64 Muon / AdamW step computed here from the same gradients;
@@ -26,7 +26,7 @@ def _roles(rank, world_size, overrides):
 
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
-    from pretrain.training.muon_setup import muon_roles
+    from pretrain.optim import muon_roles
 
     trainer = Trainer(load_config(TINY, overrides))
     names = {id(p): n for chunk in unwrap_model(trainer.model) for n, p in chunk.named_parameters()}
@@ -83,7 +83,7 @@ def _one_step(rank, world_size, overrides):
 
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
-    from pretrain.training.muon_setup import muon_roles
+    from pretrain.optim import muon_roles
 
     trainer = Trainer(load_config(TINY, overrides))
     chunk = unwrap_model(trainer.model)[0]
@@ -173,11 +173,11 @@ def _save_initial(rank, world_size, overrides):
 
 def _train(rank, world_size, overrides, blockwise_tp: bool = False):
     from pretrain.config import load_config
-    from pretrain.training import muon_setup
+    from pretrain.optim import roles
     from pretrain.training.loop import Trainer
 
     if blockwise_tp:  # the mistake the TP test must catch: orthogonalizing each TP shard on its own
-        muon_setup._tp_group_of = lambda name, p: None
+        roles.tp_group_of = lambda name, p: None
     return Trainer(load_config(TINY, overrides)).train()
 
 

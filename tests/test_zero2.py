@@ -1,4 +1,4 @@
-"""ZeRO-2 with Muon (parallel/zero2.py, pretrain/training/zero2_optimizer.py), fp32 on CPU through gloo.
+"""ZeRO-2 with Muon (pretrain/optim/zero2_grads.py, pretrain/optim/zero2_owner.py), fp32 on CPU through gloo.
 
 The reference is always a run that does not shard: one rank (megatron's DDP, Muon updating every
 parameter) from the same initial checkpoint and global batches.
@@ -46,7 +46,7 @@ def _train(rank, world_size, overrides):
 
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
-    from pretrain.training.muon_setup import _subs
+    from pretrain.optim import sub_optimizers
 
     trainer = Trainer(load_config(TINY, overrides))
     loaded = _state_summary(trainer)  # what a resumed run starts from
@@ -58,7 +58,7 @@ def _train(rank, world_size, overrides):
     chunk = trainer.model[0]
     if hasattr(chunk, "param_owner"):
         owned = [p for p in chunk.param_owner if chunk.owns(p)]
-        states = [s for sub in _subs(trainer.optimizer) for s in sub.optimizer.state.values() if s]
+        states = [s for sub in sub_optimizers(trainer.optimizer) for s in sub.optimizer.state.values() if s]
         out.update(
             owned_grad=chunk.owned_grad_elements(),
             owned_params=sum(p.numel() for p in owned),
@@ -167,7 +167,7 @@ def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, t
 
 
 def test_ownership_balances_both_loads():
-    from parallel.zero2 import assign_owners
+    from pretrain.optim.zero2_grads import assign_owners
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
@@ -213,13 +213,13 @@ def test_checkpoint_resumes_exactly_across_dp_sizes(stdlib_data, tmp_path):
 
 
 def _state_summary(trainer):
-    from pretrain.training.muon_setup import _subs
+    from pretrain.optim import sub_optimizers
 
     chunk = trainer.model[0]
     if not hasattr(chunk, "param_owner"):
         return None
     momentum, with_state, owned = 0.0, 0, 0
-    for sub in _subs(trainer.optimizer):
+    for sub in sub_optimizers(trainer.optimizer):
         for group in sub.optimizer.param_groups:
             for p in group["params"]:
                 state = sub.optimizer.state.get(p, {})
@@ -237,7 +237,7 @@ def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
     from megatron.core.transformer import TransformerConfig
 
     from parallel.initialize import initialize_parallel
-    from parallel.zero2 import Zero2DataParallel
+    from pretrain.optim.zero2_grads import Zero2DataParallel
     from pretrain.config.schema import ParallelConfig
 
     initialize_parallel(ParallelConfig(), seed=0)
