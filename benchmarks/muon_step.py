@@ -8,8 +8,10 @@ or data-parallel over several (`--nproc N`: one torchrun launch per variant).
 For each optimizer variant a Trainer runs `--steps` training steps on mock tokens after `--warmup`
 steps; reported per step (medians; with several ranks the slowest rank's time of each step): the
 whole step, the optimizer's `step()` alone, and the optimizer's share of the step; peak memory and
-the gradient storage a rank keeps (megatron DDP's buffers, or ZeRO-2's owned gradients plus the
-largest transient reduce buckets). Then Newton-Schulz alone on the model's Muon matrices as the
+the gradient storage a rank holds: the most bytes of distinct storages behind gradient tensors
+(every parameter's `.main_grad` / `.grad`, megatron DDP's buffers, ZeRO-2's owned and in-flight
+reduce buckets), measured after each parameter's gradient arrives and when the optimizer steps,
+during the warm-up steps (which the timings exclude). Then Newton-Schulz alone on the model's Muon matrices as the
 optimizer batches them (blocks of equal shape in one batched call), with its TFLOP/s: per iteration
 on X [m, n] (m <= n) 4 m^2 n + 2 m^3 (single process only).
 Timings use wall clock around synchronized CUDA work (CPU runs, for a smoke test, also work).
@@ -43,16 +45,39 @@ VARIANTS = {
 }
 
 
-def grad_storage_gib(trainer) -> float:
-    """Gradient memory a rank keeps: DDP's fp32 buffers, or ZeRO-2's owned plus peak transient."""
-    total = 0
-    for chunk in trainer.model:
-        if hasattr(chunk, "owned_grad_elements"):
-            total += 4 * chunk.owned_grad_elements() + chunk.peak_transient_bytes
-        else:
-            for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-                total += buf.grad_data.numel() * buf.grad_data.element_size()
-    return total / 2**30
+def allocated_grad_bytes(chunks) -> int:
+    """Bytes of the distinct storages behind every gradient tensor allocated on this rank now."""
+    tensors = []
+    for chunk in chunks:
+        for p in chunk.module.parameters():
+            tensors += [getattr(p, "main_grad", None), p.grad]
+        if isinstance(getattr(chunk, "buffers", None), list):  # megatron DDP (nn.Module.buffers otherwise)
+            tensors += [buf.grad_data for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
+        for b in getattr(chunk, "buckets", []):  # ZeRO-2: owned accumulation, local and in-flight buffers
+            tensors += [b.grad, b.local, b.comm]
+    storages = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class GradMemoryProbe:
+    """The most gradient storage seen after any parameter's gradient arrived (hooks run after the
+    wrappers' own, which reduce or free it) and at the optimizer step."""
+
+    def __init__(self, trainer):
+        self.chunks, self.peak = trainer.model, 0
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _: self.sample())
+                      for chunk in self.chunks for p in chunk.module.parameters() if p.requires_grad]
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, allocated_grad_bytes(self.chunks))
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
 
 def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
@@ -67,8 +92,11 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
     trainer = Trainer(load_config(config, over))
     opt_ms, step_ms = [], []
     original = trainer.optimizer.step
+    probe = GradMemoryProbe(trainer)  # walks storages: only while warming up (untimed)
 
     def timed_step():
+        if probe.hooks:
+            probe.sample()
         _sync()
         t0 = time.perf_counter()
         out = original()
@@ -78,6 +106,8 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
 
     trainer.optimizer.step = timed_step
     for i in range(steps + warmup):
+        if i == max(warmup, 1):
+            probe.remove()
         _sync()
         t0 = time.perf_counter()
         trainer.train_step()
@@ -85,7 +115,8 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
         step_ms.append((time.perf_counter() - t0) * 1e3)
         trainer.iteration += 1
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    grads = grad_storage_gib(trainer)
+    probe.remove()
+    grads = probe.peak / 2**30
     world = 1
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         world = torch.distributed.get_world_size()
@@ -114,8 +145,7 @@ def _sync():
 
 def newton_schulz_bench(trainer) -> dict:
     """Newton-Schulz on this rank's Muon matrices, grouped as `orthogonalized_update` groups them."""
-    from pretrain.optim.muon import newton_schulz
-    from pretrain.training.muon_setup import muon_roles
+    from pretrain.optim import muon_roles, newton_schulz
 
     batches = []
     for p, role, split in muon_roles(trainer.optimizer):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from pretrain.optim import Muon, MuonSplit, mla_splits, newton_schulz
+from pretrain.config.schema import ModelConfig
+from pretrain.optim import Muon, MuonSplit, newton_schulz, param_split
 
 
 def polar(u: torch.Tensor) -> torch.Tensor:
@@ -154,22 +155,87 @@ def test_memory_chunk_split_for_grouped_experts():
     assert not torch.allclose(columns, out, atol=1e-3)  # the column reading is a different update
 
 
-def test_mla_splits_pick_the_up_projections_and_experts():
-    params = [
-        ("decoder.layers.0.self_attention.linear_q_up_proj.weight", torch.zeros(4 * 32, 16)),
-        ("decoder.layers.0.self_attention.linear_kv_up_proj.weight", torch.zeros(4 * (24 + 32), 16)),
-        ("decoder.layers.1.mlp.experts.weight1", torch.zeros(64, 8 * 2 * 32)),
-        ("decoder.layers.1.mlp.experts.weight2", torch.zeros(8 * 32, 64)),
-        ("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(64, 128)),
-    ]
-    splits = mla_splits(params, heads=4, qk_head_dim=24, qk_pos_emb_head_dim=8, v_head_dim=32, num_experts=8)
-    by_name = {n: splits.get(p) for n, p in params}
-    assert by_name["decoder.layers.0.self_attention.linear_q_up_proj.weight"] == MuonSplit(4, (32,), 0)
-    assert by_name["decoder.layers.0.self_attention.linear_kv_up_proj.weight"] == MuonSplit(4, (24, 32), 0)
-    assert by_name["decoder.layers.1.mlp.experts.weight1"] == MuonSplit(8, (64,), 2)
-    assert by_name["decoder.layers.1.mlp.experts.weight2"] == MuonSplit(8, (32,), 0)
-    assert by_name["decoder.layers.0.self_attention.linear_proj.weight"] is None
-    rope_own = mla_splits(params[:1], 4, 24, 8, 32, q_rope_own_block=True)
-    assert list(rope_own.values()) == [MuonSplit(4, (24, 8), 0)]
+def test_param_split_picks_the_up_projections_gqa_groups_and_experts():
+    """The one Muon Split rule (the optimizer's): blocks written out here per parameter name."""
+    m = ModelConfig(num_attention_heads=4, qk_head_dim=24, qk_pos_emb_head_dim=8, v_head_dim=32, num_moe_experts=8)
+    q_up = ("decoder.layers.0.self_attention.linear_q_up_proj.weight", torch.zeros(4 * 32, 16))
+    kv_up = ("decoder.layers.0.self_attention.linear_kv_up_proj.weight", torch.zeros(4 * (24 + 32), 16))
+    w1 = ("decoder.layers.1.mlp.experts.weight1", torch.zeros(64, 8 * 2 * 32))
+    w2 = ("decoder.layers.1.mlp.experts.weight2", torch.zeros(8 * 32, 64))
+    proj = ("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(64, 128))
+    indexer = ("decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight", torch.zeros(4 * 32, 16))
+    norm = ("decoder.layers.0.input_layernorm.weight", torch.zeros(64))
+    assert param_split(*q_up, m) == MuonSplit(4, (32,), 0)
+    assert param_split(*q_up, m, q_rope_own_block=True) == MuonSplit(4, (24, 8), 0)
+    assert param_split(*kv_up, m) == MuonSplit(4, (24, 32), 0)
+    assert param_split(*w1, m) == MuonSplit(8, (64,), 2)
+    assert param_split(*w2, m) == MuonSplit(8, (32,), 0)
+    assert param_split(*proj, m) is None and param_split(*indexer, m) is None and param_split(*norm, m) is None
+    # this rank's share under TP = 2 (heads) and EP = 2 (experts)
+    assert param_split(q_up[0], torch.zeros(2 * 32, 16), m, tp_size=2) == MuonSplit(2, (32,), 0)
+    assert param_split(w1[0], torch.zeros(64, 4 * 2 * 32), m, ep_size=2) == MuonSplit(4, (64,), 2)
+    assert param_split(w2[0], torch.zeros(4 * 32, 64), m, ep_size=2) == MuonSplit(4, (32,), 0)
+    # the ablation switch: attention whole, experts still per expert
+    assert param_split(*q_up, m, split_attention=False) is None
+    assert param_split(*w1, m, split_attention=False) == MuonSplit(8, (64,), 2)
+    # GQA: 8 heads in 2 query groups of head dim 16: per group [4 q heads; k; v]
+    gqa = ModelConfig(multi_latent_attention=False, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+                      num_moe_experts=None)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert param_split(qkv, torch.zeros(2 * (4 + 2) * 16, 64), gqa) == MuonSplit(2, (64, 16, 16), 0)
+    assert param_split(qkv, torch.zeros(1 * (4 + 2) * 16, 64), gqa, tp_size=2) == MuonSplit(1, (64, 16, 16), 0)
     with pytest.raises(ValueError, match="does not fit"):
-        MuonSplit(5, (24, 32), 0).blocks(params[1][1])
+        MuonSplit(5, (24, 32), 0).blocks(kv_up[1])
+
+
+def _expert_shards(full1, full2, experts, etp, rank):
+    """Expert-tensor-parallel rank `rank`'s slices, as megatron's GroupedMLP holds them: weight1
+    [H, E * 2F] viewed [E, H, 2F] keeps each expert's gate and up columns [gate_r; up_r]; weight2
+    [E * F, H] viewed [E, F, H] keeps rows F_r of each expert."""
+    hidden = full1.shape[0]
+    gate, up = full1.view(experts, hidden, -1).chunk(2, dim=-1)
+    w1 = torch.cat([gate.chunk(etp, -1)[rank], up.chunk(etp, -1)[rank]], -1).contiguous().view(hidden, -1)
+    w2 = full2.view(experts, -1, hidden).chunk(etp, 1)[rank].contiguous().view(-1, hidden)
+    return w1, w2
+
+
+def _sharded_updates(rank, world_size, u1, u2, dense):
+    import torch.distributed as dist
+
+    from pretrain.optim import sharded_orthogonalized_update
+
+    dist.init_process_group("gloo")
+    experts = 3
+    w1, w2 = _expert_shards(u1, u2, experts, world_size, rank)
+    group = dist.group.WORLD
+    args = (5, torch.float64, 0.2)
+    return (sharded_orthogonalized_update(w1, MuonSplit(experts, (w1.shape[0],), 2), 1, group, *args),
+            sharded_orthogonalized_update(w2, MuonSplit(experts, (w2.shape[0] // experts,), 0), 0, group, *args),
+            sharded_orthogonalized_update(dense.chunk(world_size, 1)[rank], None, 1, group, *args))
+
+
+def test_sharded_update_is_the_shard_of_the_whole_update():
+    """Expert tensor parallelism (ETP = 2): each expert's matrix is orthogonalized gathered, not slice
+    by slice; float64 reference: the unsharded weight's update, then sharded the same way."""
+    from pretrain.optim import orthogonalized_update
+    from tests.distributed import run_ranks
+
+    torch.manual_seed(6)
+    experts, hidden, ffn = 3, 6, 8
+    u1 = torch.randn(hidden, experts * 2 * ffn, dtype=torch.float64)
+    u2 = torch.randn(experts * ffn, hidden, dtype=torch.float64)
+    dense = torch.randn(10, 12, dtype=torch.float64)
+    want1 = orthogonalized_update(u1, MuonSplit(experts, (hidden,), 2), 5, torch.float64, 0.2)
+    want2 = orthogonalized_update(u2, MuonSplit(experts, (ffn,), 0), 5, torch.float64, 0.2)
+    want_dense = orthogonalized_update(dense, None, 5, torch.float64, 0.2)
+    ranks = run_ranks(_sharded_updates, 2, u1, u2, dense)
+    for rank, (got1, got2, got_dense) in enumerate(ranks):
+        ref1, ref2 = _expert_shards(want1, want2, experts, 2, rank)
+        assert torch.allclose(got1, ref1, atol=1e-12) and torch.allclose(got2, ref2, atol=1e-12), rank
+        assert torch.allclose(got_dense, want_dense.chunk(2, 1)[rank], atol=1e-12), rank
+    # orthogonalizing each rank's slice on its own is a different update (the test can fail)
+    alone1, _ = _expert_shards(u1, u2, experts, 2, 0)
+    local = orthogonalized_update(alone1, MuonSplit(experts, (hidden,), 2), 5, torch.float64, 0.2)
+    assert not torch.allclose(local, ranks[0][0], atol=1e-3)
+    with pytest.raises(ValueError, match="cut through its sections"):
+        MuonSplit(4, (24, 32), 0).shard_dim(0)

@@ -1,4 +1,4 @@
-"""ZeRO-2 with Muon (parallel/zero2.py, pretrain/training/zero2_optimizer.py), fp32 on CPU through gloo.
+"""ZeRO-2 with Muon (pretrain/optim/zero2_grads.py, pretrain/optim/zero2_owner.py), fp32 on CPU through gloo.
 
 The reference is always a run that does not shard: one rank (megatron's DDP, Muon updating every
 parameter) from the same initial checkpoint and global batches.
@@ -46,21 +46,30 @@ def _train(rank, world_size, overrides):
 
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
-    from pretrain.training.muon_setup import _subs
+    from pretrain.optim import sub_optimizers
 
     trainer = Trainer(load_config(TINY, overrides))
     loaded = _state_summary(trainer)  # what a resumed run starts from
+    grad_bytes = []
+    original = trainer.optimizer.step
+
+    def step():  # every gradient has arrived and been reduced: the most gradient memory of the step
+        grad_bytes.append(_allocated_grad_bytes(trainer.model))
+        return original()
+
+    trainer.optimizer.step = step
     trainer.train()
     out = {"loaded": loaded, "params": {n: p.detach().clone() for c in unwrap_model(trainer.model) for n, p in c.named_parameters()},
            "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
            "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-           "trainable": sorted(n for c in unwrap_model(trainer.model) for n, p in c.named_parameters() if p.requires_grad)}
+           "trainable": sorted(n for c in unwrap_model(trainer.model) for n, p in c.named_parameters() if p.requires_grad),
+           "grad_bytes": max(grad_bytes),
+           "trainable_elements": sum(p.numel() for c in unwrap_model(trainer.model) for p in c.parameters() if p.requires_grad)}
     chunk = trainer.model[0]
     if hasattr(chunk, "param_owner"):
         owned = [p for p in chunk.param_owner if chunk.owns(p)]
-        states = [s for sub in _subs(trainer.optimizer) for s in sub.optimizer.state.values() if s]
+        states = [s for sub in sub_optimizers(trainer.optimizer) for s in sub.optimizer.state.values() if s]
         out.update(
-            owned_grad=chunk.owned_grad_elements(),
             owned_params=sum(p.numel() for p in owned),
             total=sum(p.numel() for p in chunk.param_owner),
             largest=max(p.numel() for p in chunk.param_owner),
@@ -133,6 +142,8 @@ def test_zero2_matches_single_rank_after_10_steps(zero_runs, layout):
 
 def test_every_parameter_has_one_owner_and_gradients_are_sharded(zero_runs):
     _, runs = zero_runs
+    single = runs["single"][0]
+    assert single["grad_bytes"] >= 4 * single["trainable_elements"]  # DDP: a full-size buffer (the walk sees it)
     for layout in ("dp2_step", "dp4"):
         ranks = runs[layout]
         dp = len(ranks)
@@ -140,17 +151,18 @@ def test_every_parameter_has_one_owner_and_gradients_are_sharded(zero_runs):
         assert set().union(*names) == set(runs["single"][0]["trainable"])  # all trainable ones owned ...
         assert sum(len(n) for n in names) == len(set().union(*names))  # ... exactly once
         total = ranks[0]["total"]
-        assert sum(r["owned_grad"] for r in ranks) == total
+        assert sum(r["owned_params"] for r in ranks) == total
         for r in ranks:
-            # fp32 gradient storage: this rank's owned parameters only (whole matrices: up to one)
-            assert r["owned_grad"] == r["owned_params"]
-            assert r["owned_grad"] <= total / dp + r["largest"], layout
+            # fp32 gradient storage actually allocated: this rank's owned parameters only (whole
+            # matrices: up to one more than 1/dp), every gradient of the model held exactly once
+            assert r["grad_bytes"] == 4 * r["owned_params"], layout
+            assert r["grad_bytes"] <= 4 * (total / dp + r["largest"]), layout
             assert r["foreign_grads"] == 0
             assert r["state_elements"] <= 2 * r["owned_params"]  # momentum or AdamW moments, owned only
             if layout == "dp4":  # per micro-batch: a bounded number of buckets in flight
                 assert r["peak_transient"] <= 3 * r["bucket_elements"]
             else:  # per step: every non-owned gradient until the last micro-batch, then freed
-                assert r["peak_transient"] == r["total"] - r["owned_grad"]
+                assert r["peak_transient"] == r["total"] - r["owned_params"]
 
 
 def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, tmp_path):
@@ -161,13 +173,13 @@ def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, t
                           "train.micro_batch_size=1", "train.global_batch_size=4")
     ranks = run_ranks(_train, 4, over)
     total = ranks[0]["total"]
-    shares = [r["owned_grad"] / total for r in ranks]
+    shares = [r["grad_bytes"] / (4 * total) for r in ranks]  # allocated fp32 gradient storage
     assert sum(shares) == pytest.approx(1.0)
     assert max(shares) <= 1.15 / 4, shares
 
 
 def test_ownership_balances_both_loads():
-    from parallel.zero2 import assign_owners
+    from pretrain.optim.zero2_grads import assign_owners
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
@@ -212,14 +224,33 @@ def test_checkpoint_resumes_exactly_across_dp_sizes(stdlib_data, tmp_path):
             assert all(r["loaded"]["state_params"] == r["loaded"]["owned_in_optimizer"] for r in ranks)
 
 
+def _allocated_grad_bytes(chunks) -> int:
+    """Bytes of the distinct storages behind every gradient tensor allocated on this rank: each
+    parameter's `.main_grad` and `.grad`, megatron DDP's buffers, ZeRO-2's bucket buffers (owned
+    accumulation, local and in-flight reduce buffers). Measured, not derived from the ownership map."""
+    tensors = []
+    for chunk in chunks:
+        for p in chunk.module.parameters():
+            tensors += [getattr(p, "main_grad", None), p.grad]
+        if isinstance(getattr(chunk, "buffers", None), list):  # megatron DDP (nn.Module.buffers otherwise)
+            tensors += [buf.grad_data for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
+        for b in getattr(chunk, "buckets", []):
+            tensors += [b.grad, b.local, b.comm]
+    storages = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def _state_summary(trainer):
-    from pretrain.training.muon_setup import _subs
+    from pretrain.optim import sub_optimizers
 
     chunk = trainer.model[0]
     if not hasattr(chunk, "param_owner"):
         return None
     momentum, with_state, owned = 0.0, 0, 0
-    for sub in _subs(trainer.optimizer):
+    for sub in sub_optimizers(trainer.optimizer):
         for group in sub.optimizer.param_groups:
             for p in group["params"]:
                 state = sub.optimizer.state.get(p, {})
@@ -237,7 +268,7 @@ def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
     from megatron.core.transformer import TransformerConfig
 
     from parallel.initialize import initialize_parallel
-    from parallel.zero2 import Zero2DataParallel
+    from pretrain.optim.zero2_grads import Zero2DataParallel
     from pretrain.config.schema import ParallelConfig
 
     initialize_parallel(ParallelConfig(), seed=0)

@@ -202,7 +202,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0: none."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (megatron's for AdamW; ZeRO-2, parallel/zero2.py, with muon)."""
+    """Shard optimizer state over DP (megatron's for AdamW; ZeRO-2, pretrain/optim/zero2_*.py, with muon)."""
     zero2_grad_reduce: Literal["microbatch", "step"] = "microbatch"
     """Ours, Muon ZeRO-2: reduce to owners per micro-batch (1/dp grad memory) or once per step (DDP's traffic)."""
     muon_momentum: float = 0.95

@@ -1,5 +1,51 @@
-"""Optimizers GLM-5 trains with that megatron-core 0.16.1 does not provide for Python 3.11."""
+"""The optimizer's one home: Muon with Muon Split (`muon`), which update each GLM-5 parameter takes
+(`roles`), ZeRO-2 gradient ownership and reduction (`zero2_grads`) and its owner-side optimizer
+(`zero2_owner`), and the builder that decides data-parallel wrapping and optimizer together (`build`).
+"""
 
-from pretrain.optim.muon import Muon, MuonSplit, mla_splits, newton_schulz, orthogonalized_update
+from pretrain.optim.build import (
+    OPTIMIZERS,
+    build_optimizer,
+    build_scheduler,
+    data_parallel_mode,
+    optimizer_entry,
+    register_optimizer,
+    wrap_model_chunks,
+)
+from pretrain.optim.muon import Muon, MuonSplit, newton_schulz, orthogonalized_update, sharded_orthogonalized_update
+from pretrain.optim.roles import (
+    build_muon_optimizer,
+    inner_to_model_params,
+    muon_roles,
+    ownership_cost,
+    param_role,
+    param_split,
+    sub_optimizers,
+)
+from pretrain.optim.zero2_grads import Zero2DataParallel, assign_owners
+from pretrain.optim.zero2_owner import shard_optimizer
 
-__all__ = ["Muon", "MuonSplit", "mla_splits", "newton_schulz", "orthogonalized_update"]
+__all__ = [
+    "OPTIMIZERS",
+    "Muon",
+    "MuonSplit",
+    "Zero2DataParallel",
+    "assign_owners",
+    "build_muon_optimizer",
+    "build_optimizer",
+    "build_scheduler",
+    "data_parallel_mode",
+    "inner_to_model_params",
+    "muon_roles",
+    "newton_schulz",
+    "optimizer_entry",
+    "orthogonalized_update",
+    "ownership_cost",
+    "param_role",
+    "param_split",
+    "register_optimizer",
+    "shard_optimizer",
+    "sharded_orthogonalized_update",
+    "sub_optimizers",
+    "wrap_model_chunks",
+]

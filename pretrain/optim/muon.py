@@ -15,16 +15,19 @@ expert of a grouped expert weight) and orthogonalize each block on its own, scal
 
 `Muon` is a `torch.optim.Optimizer` over plain tensors: parameter groups with `use_muon=False`,
 parameters in `adamw_params`, and parameters that are not 2-D are updated with AdamW. A parameter's
-split comes from `splits` (parameter -> `MuonSplit`). A tensor-parallel shard of a matrix that is not
-split along whole heads is listed in `tp_shards` (parameter -> (partition dim, process group)): its
-update is orthogonalized on the matrix gathered over the group, and each rank keeps its slice.
+split comes from `splits` (parameter -> `MuonSplit`). A tensor-parallel shard whose cut goes through
+its matrix (or through every block of its split, as expert tensor parallelism cuts each expert's
+matrix) is listed in `tp_shards` (parameter -> (partition dim, process group)): its update is
+orthogonalized on the matrix (each block) gathered over the group, and each rank keeps its slice:
+the update of a shard is the shard of the update of the whole matrix. Which weight of a GLM-5 model
+gets which split and which gather is decided in `pretrain.optim.roles`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,8 +67,13 @@ class MuonSplit:
     sections: Tuple[int, ...]
     axis: int = 0
 
-    def blocks(self, w: torch.Tensor) -> List[torch.Tensor]:
-        """Views of `w` grouped by section: one [groups, rows, cols] tensor per section."""
+    @property
+    def section_dim(self) -> int:
+        """The dim of `group_view` that `sections` cut."""
+        return 2 if self.axis == 1 else 1
+
+    def group_view(self, w: torch.Tensor) -> torch.Tensor:
+        """A [groups, rows, cols] view of `w`: each group's (head's, expert's) matrix."""
         per_group = sum(self.sections)
         if self.axis == 2:
             fits = w.is_contiguous() and w.numel() % (self.groups * per_group) == 0
@@ -75,13 +83,25 @@ class MuonSplit:
             raise ValueError(f"MuonSplit({self.groups} x {self.sections}, axis {self.axis}) does not fit a weight of "
                              f"shape {tuple(w.shape)}")
         if self.axis == 2:
-            grouped = w.view(self.groups, per_group, -1)
-            return list(torch.split(grouped, list(self.sections), dim=1))
+            return w.view(self.groups, per_group, -1)
         if self.axis == 0:
-            grouped = w.view(self.groups, per_group, w.shape[1])
-            return list(torch.split(grouped, list(self.sections), dim=1))
-        grouped = w.view(w.shape[0], self.groups, per_group).permute(1, 0, 2)
-        return list(torch.split(grouped, list(self.sections), dim=2))
+            return w.view(self.groups, per_group, w.shape[1])
+        return w.view(w.shape[0], self.groups, per_group).permute(1, 0, 2)
+
+    def blocks(self, w: torch.Tensor) -> List[torch.Tensor]:
+        """Views of `w` grouped by section: one [groups, rows, cols] tensor per section."""
+        return list(torch.split(self.group_view(w), list(self.sections), dim=self.section_dim))
+
+    def shard_dim(self, partition_dim: int) -> int:
+        """The dim of `group_view` that a tensor-parallel cut of the 2-D weight along `partition_dim`
+        cuts. It must not cut between sections (concatenating the shards would interleave them)."""
+        if self.axis == 2 and partition_dim != 1:
+            raise ValueError("a memory-chunk split (axis 2) can be sharded only along its columns (partition dim 1)")
+        dim = 1 if partition_dim == 0 else 2
+        if dim == self.section_dim and len(self.sections) > 1:
+            raise ValueError(f"MuonSplit with sections {self.sections}: a tensor-parallel cut along dim "
+                             f"{partition_dim} would cut through its sections")
+        return dim
 
 
 def orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], steps: int, dtype: torch.dtype,
@@ -90,8 +110,40 @@ def orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], steps: in
     if split is None:
         return newton_schulz(u, steps, dtype) * (scale_rms * math.sqrt(max(u.shape)))
     out = torch.empty_like(u)
-    for src, dst in zip(split.blocks(u), split.blocks(out)):
+    _update_blocks(split.blocks(u), split.blocks(out), steps, dtype, scale_rms)
+    return out
+
+
+def _update_blocks(sources, targets, steps: int, dtype: torch.dtype, scale_rms: float) -> None:
+    """Each [groups, rows, cols] source orthogonalized group by group (one batched call), scaled by
+    its own 0.2 * sqrt(max(rows, cols)), into the matching target."""
+    for src, dst in zip(sources, targets):
         dst.copy_(newton_schulz(src, steps, dtype) * (scale_rms * math.sqrt(max(src.shape[-2:]))))
+
+
+def sharded_orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], dim: int, group, steps: int,
+                                  dtype: torch.dtype, scale_rms: float) -> torch.Tensor:
+    """This rank's slice of the update of a matrix cut along `dim` over process group `group`.
+
+    The shards are gathered (per block with `split`), orthogonalized as one matrix, and each rank
+    keeps its own slice. A column-parallel SwiGLU weight gathers as a column permutation of the whole
+    ([gate_0; up_0; gate_1; up_1] instead of [gate; up]); Newton-Schulz commutes with permutations
+    (X P (X P)^T = X X^T), so the update is the same permuted back.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = u if split is None else split.group_view(u)
+    cut = dim if split is None else split.shard_dim(dim)
+    parts = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    full = torch.cat(parts, cut)
+    if split is None:
+        return orthogonalized_update(full, None, steps, dtype, scale_rms).chunk(world, cut)[rank]
+    sections = [s * world for s in split.sections] if cut == split.section_dim else list(split.sections)
+    update = torch.empty_like(full)
+    d = split.section_dim
+    _update_blocks(torch.split(full, sections, d), torch.split(update, sections, d), steps, dtype, scale_rms)
+    out = torch.empty_like(u)
+    split.group_view(out).copy_(update.chunk(world, cut)[rank])
     return out
 
 
@@ -125,10 +177,13 @@ class Muon(torch.optim.Optimizer):
         self._splits = {id(p): s for p, s in (splits or {}).items()}
         self._adamw = {id(p) for p in adamw_params}
         self._tp = {id(p): v for p, v in (tp_shards or {}).items()}
+        for p, (dim, _) in (tp_shards or {}).items():  # a shard its split cannot be gathered for fails here
+            if id(p) in self._splits:
+                self._splits[id(p)].shard_dim(dim)
         self._foreign: set = set()
 
     def set_foreign(self, params: Iterable[torch.Tensor]) -> None:
-        """Parameters another data-parallel rank updates (ZeRO-2, `parallel.zero2`): skipped here,
+        """Parameters another data-parallel rank updates (ZeRO-2, `pretrain.optim.zero2_grads`): skipped here,
         and no state is kept for them."""
         self._foreign = {id(p) for p in params}
 
@@ -137,6 +192,14 @@ class Muon(torch.optim.Optimizer):
 
     def uses_muon(self, group: dict, p: torch.Tensor) -> bool:
         return bool(group["use_muon"]) and p.ndim == 2 and id(p) not in self._adamw
+
+    def split_of(self, p: torch.Tensor) -> Optional[MuonSplit]:
+        """The Muon Split blocks of `p`, or None (the whole matrix)."""
+        return self._splits.get(id(p))
+
+    def tp_shard_of(self, p: torch.Tensor) -> Optional[Tuple[int, object]]:
+        """(partition dim, process group) when `p`'s update is orthogonalized gathered, else None."""
+        return self._tp.get(id(p))
 
     @torch.no_grad()
     def step(self, closure=None, params: Optional[Iterable[torch.Tensor]] = None):
@@ -168,14 +231,11 @@ class Muon(torch.optim.Optimizer):
         dtype = group["ns_dtype"]
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         shard = self._tp.get(id(p))
+        split = self._splits.get(id(p))
         if shard is None:
-            update = orthogonalized_update(u, self._splits.get(id(p)), group["ns_steps"], dtype, group["scale_rms"])
-        else:  # orthogonalize the whole matrix, keep this rank's slice
-            dim, pg = shard
-            parts = [torch.empty_like(u) for _ in range(dist.get_world_size(pg))]
-            dist.all_gather(parts, u.contiguous(), group=pg)
-            full = orthogonalized_update(torch.cat(parts, dim), None, group["ns_steps"], dtype, group["scale_rms"])
-            update = full.chunk(len(parts), dim)[dist.get_rank(pg)]
+            update = orthogonalized_update(u, split, group["ns_steps"], dtype, group["scale_rms"])
+        else:  # orthogonalize the whole matrix (each whole block), keep this rank's slice
+            update = sharded_orthogonalized_update(u, split, *shard, group["ns_steps"], dtype, group["scale_rms"])
         p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
 
@@ -193,28 +253,3 @@ class Muon(torch.optim.Optimizer):
         denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["adam_eps"])
         p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**t))
-
-
-def mla_splits(named_params: Sequence[Tuple[str, torch.Tensor]], heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
-               v_head_dim: int, num_experts: int = 0, q_rope_own_block: bool = False) -> Dict[torch.Tensor, MuonSplit]:
-    """Muon Split blocks of a GLM-5 model's parameters (megatron-core names, this rank's heads/experts).
-
-    q up-projection: one block per head (the rope slice inside it, or its own block with
-    `q_rope_own_block`); kv up-projection: W_UK and W_UV per head; grouped experts: one block per
-    expert (weight1 [hidden, E * 2 * ffn] as the layer views it, [E, hidden, 2 * ffn]; weight2
-    [E * ffn, hidden] by rows).
-    """
-    out: Dict[torch.Tensor, MuonSplit] = {}
-    q_sections = (qk_head_dim, qk_pos_emb_head_dim) if q_rope_own_block else (qk_head_dim + qk_pos_emb_head_dim,)
-    for name, p in named_params:
-        if p.ndim != 2:
-            continue
-        if name.endswith("linear_q_up_proj.weight"):
-            out[p] = MuonSplit(heads, q_sections, axis=0)
-        elif name.endswith("linear_kv_up_proj.weight"):
-            out[p] = MuonSplit(heads, (qk_head_dim, v_head_dim), axis=0)
-        elif num_experts and name.endswith("experts.weight1"):
-            out[p] = MuonSplit(num_experts, (p.shape[0],), axis=2)
-        elif num_experts and name.endswith("experts.weight2"):
-            out[p] = MuonSplit(num_experts, (p.shape[0] // num_experts,), axis=0)
-    return out

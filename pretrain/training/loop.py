@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.moe_utils import (
@@ -32,7 +32,7 @@ from pretrain.config.schema import GLM5Config
 from pretrain.model.builder import build_model
 from pretrain.model.dsa import is_indexer_parameter
 from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
-from pretrain.training.optimizer import build_optimizer, build_scheduler, zero2_enabled
+from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
 from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step
 
@@ -67,21 +67,7 @@ def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
     freeze_for_stage(chunks, cfg.train.trainable_params)
     if cfg.model.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    if zero2_enabled(cfg):  # Muon's ZeRO-2: gradients reduced to their owners (parallel/zero2.py)
-        from parallel.zero2 import Zero2DataParallel
-        from pretrain.training.muon_setup import ownership_cost
-
-        return [Zero2DataParallel(chunk.config, chunk, ownership_cost(cfg), cfg.optimizer.zero2_grad_reduce,
-                                  cfg.parallel.grad_reduce_in_fp32) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and ps.get_data_parallel_world_size() > 1,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-    )
-    return [
-        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
+    return wrap_model_chunks(chunks, cfg.parallel, cfg.optimizer, cfg.model)
 
 
 def _unwrap(chunk):

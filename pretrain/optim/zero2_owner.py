@@ -1,7 +1,8 @@
-"""megatron-core's optimizer wrappers made ZeRO-2 owners (`parallel.zero2`; GLM-5 report, section 7).
+"""megatron-core's optimizer wrappers made ZeRO-2 owners (`pretrain.optim.zero2_grads`; GLM-5 report,
+section 7).
 
 `optimizer.optimizer: muon` with `optimizer.use_distributed_optimizer: true` wraps the model chunks
-in `parallel.zero2.Zero2DataParallel` (gradients reduced to one owner per parameter) and builds
+in `Zero2DataParallel` (gradients reduced to one owner per parameter; `pretrain.optim.build`) and builds
 megatron's ordinary optimizer wrappers around Muon; `shard_optimizer` then turns each wrapper into
 the owner of its share:
 
@@ -30,8 +31,8 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
-from parallel.zero2 import Zero2DataParallel, broadcast_bucket
-from pretrain.training.muon_setup import _model_to_inner, _subs
+from pretrain.optim.roles import inner_to_model_params, sub_optimizers
+from pretrain.optim.zero2_grads import Zero2DataParallel, broadcast_bucket
 
 
 def _main_replica(tree) -> None:
@@ -139,7 +140,7 @@ def shard_optimizer(optimizer, model_chunks: List[Zero2DataParallel]):
     owned = {p for chunk in model_chunks for p in chunk.param_owner if chunk.owns(p)}
     buckets = [b for chunk in model_chunks for b in chunk.broadcast_order()]
     world = dist.group.WORLD
-    for sub in _subs(optimizer):
+    for sub in sub_optimizers(optimizer):
         if sub.optimizer is None:
             continue
         if isinstance(sub, Float16OptimizerWithFloat16Params):
@@ -148,7 +149,7 @@ def shard_optimizer(optimizer, model_chunks: List[Zero2DataParallel]):
             sub.__class__ = ZeroFP32Optimizer
         else:
             raise TypeError(f"ZeRO-2 with Muon cannot shard a {type(sub).__name__}")
-        to_model = _model_to_inner(sub)  # inner (main) parameter id -> model parameter
+        to_model = inner_to_model_params(sub)  # inner (main) parameter id -> model parameter
         inner = [p for group in sub.optimizer.param_groups for p in group["params"]]
         mine = {id(to_model[id(p)]) for p in inner}
         sub._zero_buckets = [b for b in buckets if id(b.params[0]) in mine]

@@ -325,4 +325,4 @@ class Zero2DataParallel(DistributedDataParallel):
                 w.wait()
 
     def start_param_sync(self, *unused, **kwargs) -> None:
-        pass  # parameters are broadcast by the optimizer step (pretrain.training.zero2_optimizer)
+        pass  # parameters are broadcast by the optimizer step (pretrain.optim.zero2_owner)
