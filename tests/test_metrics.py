@@ -157,6 +157,7 @@ def test_step_timer_and_memory():
     cpu.start()
     measured = cpu.stop()
     assert measured["mfu"] is None and measured["step_time_s"] > 0 and math.isfinite(measured["tokens_per_sec"])
+    assert 0 < measured["mem_peak_gb"] < 1024  # the trainer logs the peak with each step's timing
     with pytest.raises(RuntimeError):
         cpu.stop()
     mem = memory_stats()

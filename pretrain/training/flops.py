@@ -210,6 +210,16 @@ def training_flops_per_step(
     }
 
 
+def configured_flops_per_step(model_cfg, seq_length: int, global_batch_tokens: int) -> float:
+    """Total training FLOPs of one step of the model as its config trains it: DSA's sparse
+    attention and its indexer loss counted when `model_cfg` turns them on."""
+    dsa = model_cfg.experimental_attention_variant == "dsa"
+    return training_flops_per_step(
+        model_cfg, seq_length, global_batch_tokens, dsa_sparse=dsa and model_cfg.dsa_sparse_attention,
+        dsa_indexer=dsa and model_cfg.dsa_indexer_loss_coeff > 0,
+    )["total"]
+
+
 # ----------------------------------------------------------------------------------- MFU
 # Dense (no structured sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets.
 # First match wins, so the more specific names come first.

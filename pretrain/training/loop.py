@@ -5,13 +5,18 @@ Per iteration: `global_batch_size / (micro_batch_size * DP)` micro-batches go th
 `finalize_model_grads` reduces gradients and updates the MoE routers' correction biases, and the
 optimizer steps unless the loss or the gradient norm is not finite (then the step is skipped,
 logged, and the run stops after `train.max_consecutive_nan_steps` skips in a row).
+
+The loop knows no technique's internals: auxiliary losses (MoE load balancing, MTP depths, the DSA
+indexer) come as a list of `pretrain.model.aux_losses.AuxLoss`, which scale their gradients before
+each schedule and report their numbers after each step; what a stage trains
+(`train.trainable_params`) is `pretrain.model.stages.freeze_for_stage`; step timing and throughput
+are `pretrain.training.metrics.StepTimer`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
 from typing import Dict, List, Optional
 
 import torch
@@ -20,45 +25,24 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.moe.moe_utils import (
-    clear_aux_losses_tracker,
-    get_moe_layer_wise_logging_tracker,
-    reduce_aux_losses_tracker_across_ranks,
-)
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from parallel.initialize import initialize_parallel
-from pretrain.config.schema import GLM5Config
+from pretrain.config.schema import GLM5Config, TrainConfig
+from pretrain.model.aux_losses import ReduceGroups, aux_losses_for
 from pretrain.model.builder import build_model
-from pretrain.model.dsa import is_indexer_parameter
-from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
+from pretrain.model.stages import freeze_for_stage
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
 from pretrain.training.preflight import preflight
 from pretrain.training.step import forward_step
-
-
-# megatron-core's tracker name of each load-balancing loss type (router.py); logged as "aux_loss",
-# the loss before its coefficient.
-_AUX_LOSS_NAMES = {
-    "aux_loss": "load_balancing_loss",
-    "seq_aux_loss": "seq_load_balancing_loss",
-    "global_aux_loss": "global_load_balancing_loss",
-}
 
 
 class TrainingStopped(RuntimeError):
     """Raised when too many consecutive steps had a non-finite loss or gradient norm."""
 
 
-def freeze_for_stage(chunks, trainable_params: str) -> None:
-    """DSA warm-up (`train.trainable_params=dsa_indexer`): only the lightning indexers learn; the MoE
-    routers' correction biases (updated outside the optimizer) stay fixed as well."""
-    if trainable_params != "dsa_indexer":
-        return
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            param.requires_grad_(is_indexer_parameter(name))
-        chunk.config.moe_router_bias_update_rate = 0.0
+def microbatches_per_step(train: TrainConfig, dp_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+    return train.global_batch_size // (train.micro_batch_size * dp_size)
 
 
 def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
@@ -83,26 +67,21 @@ class Trainer:
         initialize_parallel(cfg.parallel, seed=cfg.train.seed)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        t = cfg.train
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.num_microbatches = microbatches_per_step(cfg.train, self.dp_size)
         self.model = build_model_chunks(cfg)
+        self.aux_losses = aux_losses_for(cfg.model)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self._configure_schedule()
         self.iteration, self.nan_streak, self.skipped_steps = 0, 0, 0
         self._build_data()
         self._resume()
-        from pretrain.training.flops import training_flops_per_step
-        from pretrain.training.metrics import MetricsLogger
+        from pretrain.training.flops import configured_flops_per_step
+        from pretrain.training.metrics import MetricsLogger, StepTimer
 
-        tokens = t.global_batch_size * cfg.data.seq_length
-        self.tokens_per_step = tokens
-        m = cfg.model
-        dsa = m.experimental_attention_variant == "dsa"
-        self.flops_per_step = training_flops_per_step(
-            m, cfg.data.seq_length, tokens, dsa_sparse=dsa and m.dsa_sparse_attention,
-            dsa_indexer=dsa and m.dsa_indexer_loss_coeff > 0,
-        )["total"]
+        tokens = cfg.train.global_batch_size * cfg.data.seq_length
+        self.timer = StepTimer(configured_flops_per_step(cfg.model, cfg.data.seq_length, tokens), tokens,
+                               self.world_size)
         self.metrics = MetricsLogger(cfg, self.rank, self.world_size, resume_step=self.iteration)
 
     # ----------------------------------------------------------------------------- setup
@@ -170,10 +149,11 @@ class Trainer:
     # ----------------------------------------------------------------------------- steps
     def _run_schedule(self, data_iterator, forward_only: bool):
         seq = self.cfg.data.seq_length
-        # The indexer loss's gradient is averaged over micro-batches like the LM loss's (and carries
-        # the fp16 loss scale); megatron-core sets this for its MoE / MTP losses, not for DSA.
-        one = torch.ones(1, device=_device())
-        IndexerLossAutoScaler.set_loss_scale(self.optimizer.scale_loss(one) / self.num_microbatches)
+        # Auxiliary gradients are averaged over micro-batches like the LM loss's and carry the fp16
+        # loss scale.
+        loss_scale = self.optimizer.scale_loss(torch.ones(1, device=_device()))
+        for aux in self.aux_losses:
+            aux.prepare(loss_scale, self.num_microbatches)
         return self.schedule(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
@@ -195,47 +175,13 @@ class Trainer:
         return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
     def _auxiliary_losses(self) -> Dict[str, float]:
-        """MTP depth losses and the MoE auxiliary loss of this step, for logging."""
+        """This step's auxiliary losses (MTP depths, MoE balancing, DSA indexer, ...), for logging."""
+        groups = ReduceGroups(pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(),
+                              device=_device())
         out: Dict[str, float] = {}
-        depths = self.cfg.model.mtp_num_layers or 0
-        vec = torch.zeros(depths + 1, dtype=torch.float64, device=_device())
-        tracker = MTPLossLoggingHelper.tracker
-        if depths and "values" in tracker:
-            MTPLossLoggingHelper.reduce_loss_in_tracker()
-            vec[:depths] = tracker["values"].double() / self.num_microbatches
-            vec[depths] = 1.0
-            MTPLossLoggingHelper.clean_loss_in_tracker()
-        dist.all_reduce(vec)
-        if depths and vec[depths] > 0:
-            for d in range(depths):
-                out[f"mtp_loss_{d + 1}"] = (vec[d] / vec[depths]).item()
-        moe = get_moe_layer_wise_logging_tracker()
-        self._ensure_aux_loss_entry(moe)
-        if moe:
-            reduce_aux_losses_tracker_across_ranks()
-            for name, entry in moe.items():
-                values = entry["values"]
-                reporting = int((values != 0).sum().item()) or 1  # the MoE layers (dense ones stay 0)
-                key = "aux_loss" if "load_balancing" in name else name.replace(" ", "_")
-                out[key] = values.sum().item() / reporting / self.num_microbatches
-            clear_aux_losses_tracker()
-        if self.cfg.model.experimental_attention_variant == "dsa":
-            out.update(DSAMetrics.collect(
-                self.cfg.model.num_layers + 1, pp_group=ps.get_pipeline_model_parallel_group(),
-                dp_group=ps.get_data_parallel_group(), device=_device(),
-            ))
+        for aux in self.aux_losses:
+            out.update(aux.collect(groups))
         return out
-
-    def _ensure_aux_loss_entry(self, tracker: dict) -> None:
-        # The reduction all-reduces each tracked loss over the pipeline group, so every stage must
-        # hold the entry, also stages without MoE layers (their routers never create it).
-        m = self.cfg.model
-        name = _AUX_LOSS_NAMES.get(m.moe_router_load_balancing_type)
-        if not m.num_moe_experts or name is None or name in tracker:
-            return
-        size = m.num_layers + (m.mtp_num_layers or 0)
-        tracker[name] = {"values": torch.zeros(size, device=_device()), "reduce_group": None, "avg_group": None,
-                         "reduce_group_has_dp": False}
 
     def train_step(self) -> Dict[str, float]:
         for chunk in self.model:
@@ -272,9 +218,8 @@ class Trainer:
             losses += self._run_schedule(data, forward_only=True) or []
         for chunk in self.model:
             chunk.train()
-        MTPLossLoggingHelper.tracker.pop("values", None)
-        clear_aux_losses_tracker()
-        DSAMetrics.clear()
+        for aux in self.aux_losses:
+            aux.reset()
         return self._global_mean(losses)
 
     def save(self) -> Optional[str]:
@@ -295,13 +240,11 @@ class Trainer:
         last: Dict[str, float] = {}
         profiler = ProfilerWindow(self.cfg)
         while self.iteration < t.train_iters:
-            start = time.perf_counter()
+            self.timer.start()
             with profiler.step(self.iteration + 1):
                 values = self.train_step()
-            _synchronize()
-            elapsed = time.perf_counter() - start
+            values.update(self.timer.stop())
             self.iteration += 1
-            values.update(self._throughput(elapsed))
             if t.eval_interval and self.iteration % t.eval_interval == 0 and self.valid_ds is not None:
                 values["valid_loss"] = self.evaluate()
             self.metrics.log_step(self.iteration, values)
@@ -318,25 +261,7 @@ class Trainer:
         self.metrics.close()
         return last
 
-    def _throughput(self, elapsed: float) -> Dict[str, float]:
-        from pretrain.training.flops import mfu
-        from pretrain.training.metrics import memory_stats
-
-        per_gpu = self.flops_per_step / elapsed / self.world_size
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        return {
-            "tokens_per_sec": self.tokens_per_step / elapsed,
-            "tflops_per_gpu": per_gpu / 1e12,
-            "mfu": mfu(per_gpu, device),
-            "mem_peak_gb": memory_stats()["mem_peak_gb"],
-            "step_time_s": elapsed,
-        }
-
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

@@ -258,7 +258,8 @@ def device_name() -> Optional[str]:
 
 
 class StepTimer:
-    """Wall time of a step (synchronized with the GPU) -> tokens/s, TFLOP/s per GPU and MFU.
+    """Wall time of a step (synchronized with the GPU) -> tokens/s, TFLOP/s per GPU, MFU and the
+    peak memory so far; the trainer logs these for every step.
 
         timer = StepTimer(flops_per_step, tokens_per_step, world_size)
         timer.start(); train_step(); values.update(timer.stop())
@@ -280,7 +281,7 @@ class StepTimer:
             raise RuntimeError("StepTimer.stop() called before start()")
         synchronize()
         elapsed, self._start = time.perf_counter() - self._start, None
-        return self.throughput(elapsed)
+        return {**self.throughput(elapsed), "mem_peak_gb": memory_stats()["mem_peak_gb"]}
 
     def throughput(self, seconds: float) -> Dict[str, Optional[float]]:
         per_gpu = self.flops_per_step / seconds / self.world_size
