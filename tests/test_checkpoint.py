@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.test_parallel_equivalence import _coords, _meta, shard_like
+from tests.test_parallel_equivalence import param_meta, rank_coords, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
@@ -217,8 +217,8 @@ def _local_view(setup: Setup) -> dict:
 
     snap = setup.snapshot()
     return {
-        "coords": dict(_coords(), num_experts=setup.cfg.model.num_moe_experts),
-        "meta": {global_name(n): _meta(p) for n, p in setup.model.named_parameters()},
+        "coords": dict(rank_coords(), num_experts=setup.cfg.model.num_moe_experts),
+        "meta": {global_name(n): param_meta(p) for n, p in setup.model.named_parameters()},
         "params": {global_name(n): t for n, t in snap["params"].items()},
         "exp_avg": {global_name(n): s["exp_avg"] for n, s in snap["adam"].items()},
         "adam_step": {global_name(n): s["step"] for n, s in snap["adam"].items()},
