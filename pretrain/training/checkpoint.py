@@ -199,9 +199,9 @@ def _load_all_ranks(path: str, model_chunks, optimizer) -> Tuple[Optional[dict],
     if worst.item() == _READ_FAILED:
         what = _describe(error) if error is not None else "it failed on another rank"
         raise RuntimeError(
-            f"could not load checkpoint {path}: {what}. Its files match their completion record, so this is "
-            "no damage on disk but a model, optimizer or layout that does not fit it (or a bug); no older "
-            "checkpoint was tried"
+            f"could not load checkpoint {path}: {what}. Its files are all there at their recorded sizes, so this "
+            "is most likely no damage on disk but a model, optimizer or layout that does not fit the checkpoint, "
+            f"or a bug; no older checkpoint was tried (move {path} aside to resume from an older one)"
         ) from error
     if worst.item() == _READ_UNREADABLE:
         return None, unreadable or "a file is unreadable on another rank"
