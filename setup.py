@@ -28,7 +28,8 @@ setup(
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
         # the DSA kernels; CUDA builds of torch ship it, the CPU tests run it in its interpreter
         "kernels": ["triton==3.6.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard", "triton==3.6.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard", "triton==3.6.0",
+                "pyarrow"],
     },
     entry_points={
         "console_scripts": [

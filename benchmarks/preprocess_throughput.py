@@ -38,8 +38,7 @@ sys.path.insert(0, REPO)
 
 def generate_corpus(path: str, target_bytes: int) -> dict:
     """JSONL of stdlib documents repeated until `target_bytes`, written as it is produced."""
-    from data_pipeline.readers import iter_documents
-    from data_pipeline.stdlib_corpus import stdlib_files
+    from data_pipeline.readers import iter_documents, stdlib_files
 
     if os.path.exists(path) and os.path.getsize(path) >= target_bytes:
         return {"path": path, "bytes": os.path.getsize(path), "reused": True}

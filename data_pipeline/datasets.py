@@ -159,8 +159,9 @@ def resolve_sources(prefixes: Sequence[str], vocab_size: Optional[int], tokenize
     return [resolved[p] for p in prefixes]
 
 
-def default_cache_path(cfg) -> str:
-    return cfg.data.data_cache_path or os.path.join(cfg.logging.run_dir, "data_cache")
+def default_cache_path(data, run_dir: str) -> str:
+    """`data.data_cache_path`, else `<logging.run_dir>/data_cache`."""
+    return data.data_cache_path or os.path.join(run_dir, "data_cache")
 
 
 class _MockTokenizer:
@@ -189,7 +190,7 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
     sizes = [train_samples, valid_samples, test_samples]
     if any(n is None or n < 0 for n in sizes):
         raise DataError(f"sample counts must be integers >= 0, got train/valid/test = {sizes}")
-    tokenizer = _resolve_tokenizer(cfg, tokenizer)
+    tokenizer = _resolve_tokenizer(d, cfg.model.vocab_size, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
@@ -217,7 +218,7 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
         sequence_length=d.seq_length,
         blend=blend,
         split=d.split,
-        path_to_cache=default_cache_path(cfg),
+        path_to_cache=default_cache_path(d, cfg.logging.run_dir),
         tokenizer=tokenizer,
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
@@ -233,15 +234,15 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
     return train, valid, test
 
 
-def _resolve_tokenizer(cfg, tokenizer):
+def _resolve_tokenizer(data, vocab_size: int, tokenizer):
     if tokenizer is not None:
         return tokenizer
-    if cfg.data.tokenizer:
+    if data.tokenizer:
         from data_pipeline.tokenizer import load_tokenizer
 
-        return load_tokenizer(cfg.data.tokenizer)
-    if cfg.data.mock:
-        return _MockTokenizer(cfg.model.vocab_size)
+        return load_tokenizer(data.tokenizer)
+    if data.mock:
+        return _MockTokenizer(vocab_size)
     raise DataError("data.tokenizer is not set; give the path of the tokenizer.json the data was preprocessed with")
 
 

@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=100_000, help="documents between log lines (no TTY)")
     p.add_argument("--batch-bytes", type=int, default=1 << 20, help="input bytes per worker task")
     p.add_argument("--summary-json", help="also write the run summary to this JSON file")
-    p.add_argument("--eod-token", help="name of the end-of-document token if not a usual one")
+    p.add_argument("--eod-token", help="name of the end-of-document token (default: eos_token of a "
+                   "tokenizer_config.json beside tokenizer.json, else a usual name such as <|endoftext|>)")
     args = p.parse_args(argv)
     if len(args.json_keys) != 1:
         p.error("give one --json-keys field; run once per field for several outputs")
@@ -175,7 +176,7 @@ def preprocess(args: argparse.Namespace) -> dict:
     skips, documents, tokens, worker_rss = SkipReport(), 0, 0, 0
     progress = _Progress(reader.total_bytes, args.log_interval)
     ctx = multiprocessing.get_context("spawn")  # workers import no torch and inherit no threads
-    initargs = (tokenizer.path, args.eod_token, json_key, args.append_eod, np.dtype(dtype).name)
+    initargs = (tokenizer.path, tokenizer.eod_token, json_key, args.append_eod, np.dtype(dtype).name)
     try:
         with DatasetWriter(args.output_prefix, dtype, args.shard_size_docs) as writer, \
                 ctx.Pool(args.workers, initializer=_init_worker, initargs=initargs) as pool:

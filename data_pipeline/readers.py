@@ -2,7 +2,8 @@
 
 Inputs are files, directories (walked recursively, hidden entries and `__pycache__` pruned,
 filtered by `extensions`), globs (`src/**/*.py`, filtered the same way) or `@stdlib` (the
-running Python's standard library, see `stdlib_corpus`). The kind of a file follows its name:
+running Python's standard library, listed by `stdlib_files()` here; `stdlib_corpus` describes and
+measures it). The kind of a file follows its name:
 
     *.jsonl *.ndjson *.json (+ .gz)   one JSON object per line, text in field `json_key`
     *.parquet                         column `json_key` (needs pyarrow)
@@ -24,12 +25,15 @@ import glob
 import gzip
 import json
 import os
+import sysconfig
 from collections import Counter
 from typing import Iterator, NamedTuple
 
 SKIP_REASONS = ("malformed_json", "invalid_utf8", "empty_document", "missing_field", "non_string_field")
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 STDLIB_INPUT = "@stdlib"
+# installed packages are not the standard library; bytecode caches are not text
+STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 # Record kinds: how `decode_record` must read the payload.
 JSON_LINE, TEXT_BYTES, TEXT_VALUE = 0, 1, 2
@@ -118,6 +122,19 @@ def _walk(directory: str) -> Iterator[str]:
                 yield os.path.join(root, name)
 
 
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files() -> list[str]:
+    """Every `*.py` of the standard library (the `@stdlib` input), sorted, installed packages excluded."""
+    files = []
+    for root, dirs, names in os.walk(stdlib_root()):
+        dirs[:] = sorted(d for d in dirs if d not in STDLIB_EXCLUDED_DIRS)
+        files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
+    return files
+
+
 def expand_inputs(inputs: list[str], extensions: tuple[str, ...] | None = None) -> list[str]:
     """Files named by `inputs`, in a deterministic order, each once.
 
@@ -128,8 +145,6 @@ def expand_inputs(inputs: list[str], extensions: tuple[str, ...] | None = None) 
     files: list[str] = []
     for spec in inputs:
         if spec == STDLIB_INPUT:
-            from data_pipeline.stdlib_corpus import stdlib_files
-
             files.extend(stdlib_files())
         elif os.path.isfile(spec):
             files.append(spec)

@@ -18,7 +18,8 @@ Other Python versions differ by a few percent. Reproduce with
 
     python -m data_pipeline.stdlib_corpus --stats [--tokenizer PATH/tokenizer.json]
 
-The readers accept `@stdlib` wherever an input path goes (`--input @stdlib`).
+The readers accept `@stdlib` wherever an input path goes (`--input @stdlib`); the listing itself
+(`stdlib_files`) lives in `readers`, which this module builds on (never the other way round).
 """
 
 from __future__ import annotations
@@ -26,29 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import sysconfig
 import time
 
-EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
-
-
-def stdlib_root() -> str:
-    return sysconfig.get_paths()["stdlib"]
-
-
-def stdlib_files() -> list[str]:
-    """Every `*.py` of the standard library, sorted, installed packages excluded."""
-    files = []
-    for root, dirs, names in os.walk(stdlib_root()):
-        dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS)
-        files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
-    return files
+from data_pipeline.readers import SkipReport, iter_documents, stdlib_files, stdlib_root
 
 
 def corpus_stats(tokenizer_path: str | None = None, batch_docs: int = 256) -> dict:
     """Counts of the corpus as the pipeline reads it; tokens only when a tokenizer is given."""
-    from data_pipeline.readers import SkipReport, iter_documents
-
     files = stdlib_files()
     skips = SkipReport()
     stats = {"root": stdlib_root(), "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}

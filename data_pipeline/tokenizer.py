@@ -11,6 +11,10 @@ megatron's dataset cache names) plus batch encoding for the preprocessor. It duc
 `megatron.core.tokenizers.MegatronTokenizerBase` instead of subclassing it so that tokenizer
 worker processes never import torch.
 
+The end-of-document token is, in this order: the name given (`--eod-token` of the preprocessor), the
+`eos_token` of a `tokenizer_config.json` next to `tokenizer.json` (as `transformers` saves it: a string
+or `{"content": ...}`), or the first of `EOD_CANDIDATES` the vocabulary has.
+
 Encoding never adds special tokens, and a literal special-token string inside a document (say
 the text "<|endoftext|>" in a file about tokenizers) is encoded as ordinary text: only the
 preprocessor's `--append-eod` puts the end-of-document id into a dataset, so document boundaries
@@ -20,11 +24,14 @@ cannot be forged by the data.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>")
+# GPT-2 / GLM / Qwen, Llama 2 / Mistral, Gemma, ours, Llama 3 base, DeepSeek (full-width bars, U+2581)
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
@@ -38,6 +45,24 @@ def file_sha256(path: str, chunk_bytes: int = 1 << 20) -> str:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def config_eos_token(tokenizer_path: str) -> str | None:
+    """`eos_token` of the `tokenizer_config.json` beside `tokenizer_path`, or None (no file, no entry)."""
+    config_path = os.path.join(os.path.dirname(tokenizer_path), TOKENIZER_CONFIG)
+    if not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise TokenizerError(f"cannot read {config_path}: {exc}") from None
+    if isinstance(eos, dict):  # transformers' AddedToken form
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise TokenizerError(f"{config_path}: eos_token is a {type(eos).__name__}, expected a string or "
+                             '{"content": "..."}')
+    return eos or None
 
 
 def resolve_tokenizer_path(path: str) -> str:
@@ -67,7 +92,7 @@ class Tokenizer:
         self._tok.encode_special_tokens = True
         self.path = path
         self.sha256 = sha256 or file_sha256(path)
-        self._eod_token, self._pad_token = eod_token, pad_token
+        self._pad_token = pad_token
         vocab = hf_tokenizer.get_vocab(with_added_tokens=True)
         if not vocab:
             raise TokenizerError(f"tokenizer {path} has an empty vocabulary")
@@ -77,14 +102,20 @@ class Tokenizer:
         self._encode_batch = getattr(hf_tokenizer, "encode_batch_fast", hf_tokenizer.encode_batch)
 
     def _find_eod(self, name: str | None) -> tuple[str, int]:
-        names = (name,) if name else EOD_CANDIDATES
+        if name:
+            where, names = "the name given", (name,)
+        elif (eos := config_eos_token(self.path)) is not None:
+            where, names = f"eos_token of {TOKENIZER_CONFIG}", (eos,)
+        else:
+            where, names = "the usual names", EOD_CANDIDATES
         for token in names:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
                 return token, token_id
         raise TokenizerError(
-            f"tokenizer {self.path} has no end-of-document token (looked for {', '.join(names)}); "
-            "pass eod_token=<its name> or retrain with `--special-tokens '<|endoftext|>' ...`"
+            f"tokenizer {self.path} has no end-of-document token (looked for {', '.join(names)}: {where}); "
+            f"pass --eod-token <its name>, set eos_token in {TOKENIZER_CONFIG} next to it, or retrain with "
+            "`--special-tokens '<|endoftext|>' ...`"
         )
 
     def _find_pad(self, name: str | None) -> tuple[str | None, int | None]:
@@ -138,7 +169,8 @@ class Tokenizer:
         return self._tok
 
     def __getstate__(self) -> dict:
-        names = {"eod_token": self._eod_token, "pad_token": self._pad_token}
+        # the resolved eod name: an unpickled copy needs no tokenizer_config.json
+        names = {"eod_token": self.eod_token, "pad_token": self._pad_token}
         return {"json": self._tok.to_str(), "path": self.path, "sha256": self.sha256, **names}
 
     def __setstate__(self, state: dict) -> None:

@@ -70,4 +70,4 @@ stage sparse "configs/dsa/$model-dsa-sparse.yaml" "$run_dir/warmup/checkpoints"
 if [[ $baseline == 1 ]]; then
     stage dense "configs/dsa/$model-dense-continue.yaml" "$run_dir/warmup/checkpoints"
 fi
-"$PY" -m pretrain.dsa_report "$run_dir"
+"$PY" -m pretrain.tools.dsa_report "$run_dir"

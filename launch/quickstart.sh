@@ -28,4 +28,4 @@ if [[ ! -f data/stdlib.meta.json ]]; then
 fi
 "$PY" -m pretrain.model.summary --config "$config" | tail -n 4
 bash launch/train.sh --config "$config" "$@"
-"$PY" -m pretrain.report runs/quickstart
+"$PY" -m pretrain.tools.report runs/quickstart

@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, TP/PP resharding, the `latest` marker, corrupted and partial step dirs.
+"""Checkpoints: exact resume and TP/PP resharding (files on disk, damage and load errors: test_checkpoint_files).
 
 Every rank body runs in processes spawned by `run_ranks` (no parallel state in the pytest process).
 The tiny GLM-5 trains with megatron's DDP, fp32 AdamW (`get_megatron_optimizer`, a ChainedOptimizer
@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Dict, List
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.test_parallel_equivalence import _coords, _meta, shard_like
+from tests.test_parallel_equivalence import param_meta, rank_coords, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
@@ -218,8 +217,8 @@ def _local_view(setup: Setup) -> dict:
 
     snap = setup.snapshot()
     return {
-        "coords": dict(_coords(), num_experts=setup.cfg.model.num_moe_experts),
-        "meta": {global_name(n): _meta(p) for n, p in setup.model.named_parameters()},
+        "coords": dict(rank_coords(), num_experts=setup.cfg.model.num_moe_experts),
+        "meta": {global_name(n): param_meta(p) for n, p in setup.model.named_parameters()},
         "params": {global_name(n): t for n, t in snap["params"].items()},
         "exp_avg": {global_name(n): s["exp_avg"] for n, s in snap["adam"].items()},
         "adam_step": {global_name(n): s["step"] for n, s in snap["adam"].items()},
@@ -239,100 +238,6 @@ def rank_load_single(rank: int, world_size: int, save_dir: str) -> dict:
     setup = Setup(config(save_dir), seed=2)  # other weights: every value must come from the checkpoint
     restored, caught = setup.load()
     return {"restored": restored, "warnings": caught, **_local_view(setup)}
-
-
-def _latest(save_dir: Path):
-    path = save_dir / "latest"
-    return json.loads(path.read_text())["step_dir"] if path.exists() else None
-
-
-def rank_file_scenarios(rank: int, world_size: int, save_dir: str) -> dict:
-    """Saves with keep_last=2, a crash mid-save, and loads from damaged step dirs (one rank)."""
-    from megatron.core import dist_checkpointing
-
-    from pretrain.training import checkpoint
-
-    out: dict = {}
-    root = Path(save_dir)
-    setup = Setup(config(save_dir), seed=1)
-    out["empty"] = setup.load()
-
-    seen_during_save = []
-    real_save = dist_checkpointing.save
-
-    def watching_save(state, directory, **kwargs):
-        real_save(state, directory, **kwargs)  # all shards written: the step is still not published
-        seen_during_save.append((Path(directory).name, _latest(root), (Path(directory) / "complete.json").exists()))
-
-    checkpoint.dist_checkpointing.save = watching_save
-    listings = []
-    for _ in range(3):
-        setup.step()
-        setup.save()
-        listings.append((_latest(root), sorted(p.name for p in root.iterdir())))
-    checkpoint.dist_checkpointing.save = real_save
-    out["seen_during_save"], out["listings"] = seen_during_save, listings
-
-    # A crash after the shards and rank files are written, before the config and completion record.
-    def crash(*_args, **_kwargs):
-        raise KeyboardInterrupt("killed mid-save")
-
-    setup.step()
-    checkpoint.save_config, real_save_config = crash, checkpoint.save_config
-    try:
-        setup.save()
-    except KeyboardInterrupt:
-        out["crashed"] = True
-    checkpoint.save_config = real_save_config
-    out["after_crash"] = (_latest(root), sorted(p.name for p in root.iterdir()))
-    out["load_after_crash"] = setup.load()
-    # Saving the iteration just resumed from replaces its step dir; stale partial dirs are removed.
-    setup.save()
-    out["resaved"] = (_latest(root), sorted(p.name for p in root.iterdir()))
-
-    # Damage the newest step dir in several ways; each load falls back to the previous one.
-    newest = root / "iter_0000003"
-    backup = root.parent / "backup"
-    shutil.copytree(newest, backup)
-    shard = sorted(newest.glob("*.distcp"))[0]
-
-    def damage(what):
-        if what == "truncated shard":
-            with open(shard, "r+b") as f:
-                f.truncate(shard.stat().st_size // 2)
-        elif what == "deleted shard":
-            shard.unlink()
-        elif what == "no completion record":
-            (newest / "complete.json").unlink()
-        elif what == "garbled metadata":
-            meta = newest / ".metadata"
-            meta.write_bytes(b"\0" * meta.stat().st_size)
-        elif what == "garbled common state":  # same size: only reading it can tell
-            common = newest / "common.pt"
-            common.write_bytes(b"\0" * common.stat().st_size)
-        elif what == "latest names a missing dir":
-            (root / "latest").write_text(json.dumps({"step_dir": "iter_0000009", "iteration": 9}))
-        elif what == "latest unreadable":
-            (root / "latest").write_text("{not json")
-
-    latest_text = (root / "latest").read_text()
-    out["damaged"] = {}
-    for what in ["truncated shard", "deleted shard", "no completion record", "garbled metadata",
-                 "garbled common state", "latest names a missing dir", "latest unreadable"]:
-        damage(what)
-        out["damaged"][what] = setup.load()
-        shutil.rmtree(newest)
-        shutil.copytree(backup, newest)
-        (root / "latest").write_text(latest_text)
-
-    # Every step dir damaged: an error, not a silent fresh start.
-    for step in root.glob("iter_???????"):
-        (step / "complete.json").unlink()
-    try:
-        setup.load()
-    except RuntimeError as exc:
-        out["all_damaged"] = str(exc)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,61 +324,3 @@ def test_load_checkpoint_into_another_layout(tmp_path, layout):
     assert held == set(single["params"])
     ref = [v["eval_loss"] for v in saved if v["eval_loss"] is not None][0]
     assert torch.allclose(single["eval_loss"], ref, rtol=1e-5), (single["eval_loss"], ref)
-
-
-@pytest.fixture(scope="module")
-def file_scenarios(tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("files") / "ckpt"
-    return run_ranks(rank_file_scenarios, 1, str(save_dir), env=RANK_ENV)[0]
-
-
-def test_latest_marker_written_last_and_keep_last(file_scenarios):
-    assert file_scenarios["empty"] == (None, [])
-    # while a step is written: staged under .partial, no completion record, `latest` still the previous step
-    assert file_scenarios["seen_during_save"] == [
-        ("iter_0000001.partial", None, False),
-        ("iter_0000002.partial", "iter_0000001", False),
-        ("iter_0000003.partial", "iter_0000002", False),
-    ]
-    assert file_scenarios["listings"] == [
-        ("iter_0000001", ["iter_0000001", "latest"]),
-        ("iter_0000002", ["iter_0000001", "iter_0000002", "latest"]),
-        ("iter_0000003", ["iter_0000002", "iter_0000003", "latest"]),  # keep_last=2
-    ]
-
-
-def test_crash_mid_save_keeps_previous_checkpoint(file_scenarios):
-    assert file_scenarios["crashed"]
-    assert file_scenarios["after_crash"] == (
-        "iter_0000003", ["iter_0000002", "iter_0000003", "iter_0000004.partial", "latest"]
-    )
-    (iteration, _), caught = file_scenarios["load_after_crash"]
-    assert iteration == 3 and caught == []
-    assert file_scenarios["resaved"] == ("iter_0000003", ["iter_0000002", "iter_0000003", "latest"])
-
-
-@pytest.mark.parametrize(
-    "damage, expected, fallback",
-    [
-        ("truncated shard", "truncated", 2),
-        ("deleted shard", "is missing", 2),
-        ("no completion record", "no completion record", 2),
-        ("garbled metadata", "unreadable checkpoint metadata", 2),
-        ("garbled common state", "could not read checkpoint", 2),
-        ("latest names a missing dir", "does not exist", 3),  # the newest valid one below it
-    ],
-)
-def test_damaged_checkpoint_falls_back_with_warning(file_scenarios, damage, expected, fallback):
-    (iteration, _), caught = file_scenarios["damaged"][damage]
-    assert iteration == fallback
-    assert any(expected in w for w in caught), caught
-
-
-def test_unreadable_marker_uses_newest_valid_step(file_scenarios):
-    (iteration, _), caught = file_scenarios["damaged"]["latest unreadable"]
-    assert iteration == 3
-    assert any("unreadable" in w for w in caught), caught
-
-
-def test_no_valid_checkpoint_is_an_error(file_scenarios):
-    assert "no usable checkpoint" in file_scenarios["all_damaged"]

@@ -163,7 +163,7 @@ def dense_ckpt(stdlib_data, tmp_path_factory):
 
 def convert(hf_dir, out_dir, **overrides) -> Path:
     """`hf_to_checkpoint` in this process."""
-    from pretrain.training.pretrained import hf_to_checkpoint
+    from pretrain.convert.training_checkpoint import hf_to_checkpoint
 
     return Path(hf_to_checkpoint(str(hf_dir), str(out_dir), **overrides))
 

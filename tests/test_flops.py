@@ -4,7 +4,8 @@ architecture (dense/MoE layers, MTP depths, top-k), DSA's sparse count, GLM-5 74
 FlopCounterMode counts the matmuls the code executes (mm, bmm, SDPA), full S x S attention (the
 CPU math kernel computes every score and masks afterwards), every MTP depth and exactly the
 routed experts' token counts (top-k per token); norms, activations and softmax are not counted by
-either side. So with causal=False the two counts must agree; measured: exactly (0 FLOPs apart).
+either side. So with causal=False the two counts are the same integer, and the tests compare them
+exactly (ours is a float holding an integer far below 2**53, so float equality is integer equality).
 """
 
 import dataclasses
@@ -68,7 +69,7 @@ def test_matches_flop_counter_mode(overrides):
     with mock.patch.object(experts, "grouped_mm_available", lambda device: False):
         reference = measured_flops(cfg)
     ours = training_flops_per_step(cfg.model, SEQ, BATCH * SEQ, causal=False)["total"]
-    assert ours == pytest.approx(reference, rel=0.01)
+    assert ours == reference, f"ours {ours:,.0f} vs FlopCounterMode {reference:,}: {ours - reference:+,.0f}"
 
 
 def test_matches_flop_counter_mode_grouped_gemm():
@@ -84,7 +85,7 @@ def test_matches_flop_counter_mode_grouped_gemm():
     cfg = tiny_cfg()
     reference = measured_flops(cfg, {torch.ops.aten._grouped_mm: grouped_mm})
     ours = training_flops_per_step(cfg.model, SEQ, BATCH * SEQ, causal=False)["total"]
-    assert ours == pytest.approx(reference, rel=0.01)
+    assert ours == reference, f"ours {ours:,.0f} vs FlopCounterMode {reference:,}: {ours - reference:+,.0f}"
 
 
 def test_structure_responds_to_architecture():

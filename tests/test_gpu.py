@@ -42,7 +42,9 @@ def test_sdpa_core_attention_mla_shapes_match_fp64():
 
 
 def test_tiny_model_bf16_step_is_finite_and_paths_agree():
-    """The grouped-GEMM and megatron local (SequentialMLP) expert paths give the same loss."""
+    """A bf16 smoke test: both expert paths (grouped GEMM, megatron's SequentialMLP) run a finite
+    forward/backward on the GPU and their losses agree within bf16 noise (2%, near log(vocab), so it
+    says little). The tight check, MoE outputs and every expert gradient in fp32, is test_experts.py."""
     import dataclasses
 
     from parallel.initialize import ensure_single_rank

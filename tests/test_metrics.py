@@ -1,5 +1,5 @@
 """MetricsLogger (JSONL, console, resume truncation, TensorBoard, wandb), throughput and memory
-helpers, the profiler window, and `python -m pretrain.plot`."""
+helpers, the profiler window, and `python -m pretrain.tools.plot`."""
 
 import json
 import math
@@ -192,7 +192,7 @@ def test_profiler_off_and_misconfigured(tmp_path):
 
 def test_plot_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from pretrain import plot
+    from pretrain.tools import plot
 
     runs = []
     for name, offset in (("a", 0.0), ("b", 0.3)):

@@ -50,6 +50,8 @@ reference loss (mean over 32 tokens) is the average of the two ranks' losses, an
   TP x CP group only (size 1): rank r's aux loss is sequence r's, and the DP average is the
   reference's mean over both sequences. Exact, no special case;
 * MTP: each depth's loss is divided by the rank's own (rolled) token count, a per-rank mean again.
+
+Pipeline parallelism (PP=2) is compared against the same reference in test_pipeline_equivalence.py.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def shard_like(name: str, full: torch.Tensor, meta: dict, coords: dict) -> torch
 # ------------------------------------------------------------------------------------------------
 
 
-def _coords() -> dict:
+def rank_coords() -> dict:
     from megatron.core import parallel_state as ps
 
     return {
@@ -173,7 +175,7 @@ def _coords() -> dict:
     }
 
 
-def _meta(param: torch.nn.Parameter) -> dict:
+def param_meta(param: torch.nn.Parameter) -> dict:
     return {
         "tensor_model_parallel": bool(getattr(param, "tensor_model_parallel", False)),
         "partition_dim": getattr(param, "partition_dim", -1),
@@ -248,16 +250,16 @@ def _parallel_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
 
     from pretrain.model.builder import build_model
 
-    coords = dict(_coords(), num_experts=cfg.model.num_moe_experts)
+    coords = dict(rank_coords(), num_experts=cfg.model.num_moe_experts)
     model = build_model(cfg)
-    meta = {n: _meta(p) for n, p in model.named_parameters()}
+    meta = {n: param_meta(p) for n, p in model.named_parameters()}
     shapes = {}
     with torch.no_grad():
         tensors = dict(model.named_parameters())
         tensors.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
         assert set(tensors) == set(ref_state), set(tensors) ^ set(ref_state)
         for name, t in tensors.items():
-            shard = shard_like(name, ref_state[name], meta.get(name, _meta(t)), coords)
+            shard = shard_like(name, ref_state[name], meta.get(name, param_meta(t)), coords)
             assert shard.shape == t.shape, f"{name}: rank holds {tuple(t.shape)}, shard_like gives {tuple(shard.shape)}"
             t.copy_(shard)
             shapes[name] = tuple(t.shape)

@@ -78,7 +78,7 @@ def test_eod_and_pad_detection(tmp_path):
     assert (tok.eod_token, tok.eod, tok.pad_token, tok.pad) == ("</s>", 1, "<pad>", 0)
     tok = load_tokenizer(_tokenizer_file(tmp_path, ["<doc_end>"], "b.json"), eod_token="<doc_end>")
     assert (tok.eod, tok.pad) == (0, None)
-    with pytest.raises(TokenizerError, match=r"b\.json has no end-of-document token.*eod_token"):
+    with pytest.raises(TokenizerError, match=r"b\.json has no end-of-document token.*--eod-token"):
         load_tokenizer(str(tmp_path / "b.json"))
     with pytest.raises(TokenizerError, match="tokenizer file not found"):
         load_tokenizer(str(tmp_path / "missing.json"))
@@ -86,6 +86,71 @@ def test_eod_and_pad_detection(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load tokenizer"):
         load_tokenizer(str(tmp_path / "broken.json"))
     assert load_tokenizer(str(tmp_path.parent / tmp_path.name / "a.json")).path.endswith("a.json")
+
+
+def _tokenizer_dir(tmp_path, name, special_tokens, eos_token):
+    """A directory with tokenizer.json and a tokenizer_config.json naming `eos_token`."""
+    directory = tmp_path / name
+    directory.mkdir()
+    _tokenizer_file(directory, special_tokens)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
+    return directory
+
+
+ADDED_TOKEN = {"__type": "AddedToken", "content": "<doc_end>", "lstrip": False, "normalized": False,
+               "rstrip": False, "single_word": False, "special": True}
+
+
+@pytest.mark.parametrize("eos_token", ["<doc_end>", ADDED_TOKEN], ids=["string", "added_token"])
+def test_eod_from_tokenizer_config_matches_transformers(tmp_path, eos_token):
+    """eos_token of tokenizer_config.json, in both forms transformers writes, as transformers reads it;
+    it wins over a usual name ("</s>") and loses to an explicit one."""
+    from transformers import AutoTokenizer
+
+    directory = _tokenizer_dir(tmp_path, "tok", ["</s>", "<doc_end>"], eos_token)
+    tok = load_tokenizer(str(directory))
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    assert (tok.eod_token, tok.eod) == (reference.eos_token, reference.eos_token_id) == ("<doc_end>", 1)
+    assert load_tokenizer(str(directory), eod_token="</s>").eod == 0
+    (directory / "tokenizer_config.json").unlink()
+    assert pickle.loads(pickle.dumps(tok)).eod == 1  # the copy keeps the resolved token without the file
+    assert load_tokenizer(str(directory)).eod_token == "</s>"  # without the file: the usual names
+
+
+def test_tokenizer_config_problems_are_named(tmp_path):
+    directory = _tokenizer_dir(tmp_path, "absent", ["</s>"], "<|im_end|>")
+    with pytest.raises(TokenizerError, match=r"no end-of-document token \(looked for <\|im_end\|>: eos_token of "
+                                             r"tokenizer_config\.json\); pass --eod-token"):
+        load_tokenizer(str(directory))
+    (directory / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match=r"cannot read .*tokenizer_config\.json"):
+        load_tokenizer(str(directory))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": 7}))
+    with pytest.raises(TokenizerError, match="eos_token is a int"):
+        load_tokenizer(str(directory))
+
+
+@pytest.mark.parametrize("eod", ["<|end_of_text|>", "<\uff5cend\u2581of\u2581sentence\uff5c>"], ids=["llama3", "deepseek"])
+def test_llama3_and_deepseek_end_tokens_are_known(tmp_path, eod):
+    tok = load_tokenizer(_tokenizer_file(tmp_path, ["<pad>", eod]))
+    assert (tok.eod_token, tok.eod, tok.pad) == (eod, 1, 0)
+
+
+def test_preprocess_eod_token_flag(tmp_path, capsys):
+    """`glm5-preprocess --eod-token NAME --append-eod` ends each document with NAME's id; without the
+    flag, a tokenizer with no usual end token is refused with a message naming the flag."""
+    from data_pipeline import preprocess
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    path = _tokenizer_file(tmp_path, ["<pad>", "<doc_end>"])
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in UNICODE_TEXTS[:3]))
+    argv = ["--input", str(tmp_path / "docs.jsonl"), "--tokenizer", path, "--output-prefix", str(tmp_path / "out"),
+            "--append-eod", "--workers", "1"]
+    assert preprocess.main(argv) == 2
+    assert "pass --eod-token" in capsys.readouterr().err
+    assert preprocess.main(argv + ["--eod-token", "<doc_end>"]) == 0
+    dataset = IndexedDataset(str(tmp_path / "out"))
+    assert len(dataset) == 3 and all(int(dataset[i][-1]) == 1 for i in range(3))
 
 
 def test_megatron_gpt_dataset_reads_eod_pad_and_identifiers(tok_path, tmp_path):

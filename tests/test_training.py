@@ -137,7 +137,9 @@ DSA_SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_topk=16", "m
 def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path, extra):
     """1F1B over 2 pipeline stages (MTP and the MoE layer on the last) gives the 1-stage losses,
     starting from the same weights (a 1-stage checkpoint of step 0, resharded on load); with DSA
-    sparse attention, also each stage's indexer losses (reduced over the pipeline)."""
+    sparse attention, also each stage's indexer losses (reduced over the pipeline). Over 4 steps of the
+    trainer it compares losses and the gradient norm; every parameter's gradient of one step is
+    compared in test_pipeline_equivalence.py."""
     init = tmp_path / "init"
     base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2", *extra]
     run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "init_run", *base, f"checkpoint.save={init}"))

@@ -50,7 +50,8 @@ from pretrain.compat.tensor_parallel import SequenceParallelTorchNorm
 from pretrain.compat.triton_interpreter import patch_triton_interpreter
 
 MEGATRON_CORE_VERSION = "0.16.1"  # the release every workaround here was written and tested against
-CONCERNS = ("te_absent", "tensor_parallel", "dist_checkpointing", "datasets", "model", "cpu", "triton_interpreter")
+CONCERNS = ("te_absent", "tensor_parallel", "dist_checkpointing", "datasets", "model", "trackers", "dsa", "cpu",
+            "triton_interpreter")
 WORKAROUNDS: Tuple[Workaround, ...] = tuple(
     w for concern in CONCERNS for w in importlib.import_module(f"pretrain.compat.{concern}").WORKAROUNDS
 )

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     shard = int(getattr(args, "max_shard_gb", 5.0) * 2**30)
     try:
         if args.command == "hf-to-checkpoint":
-            from pretrain.training.pretrained import hf_to_checkpoint
+            from pretrain.convert.training_checkpoint import hf_to_checkpoint
 
             out = hf_to_checkpoint(args.hf_dir, args.out_dir, **({"mtp_num_layers": None} if args.no_mtp else {}))
         elif args.command == "import-hf":

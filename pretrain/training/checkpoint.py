@@ -41,9 +41,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state as ps
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.config import save_config
 from pretrain.training import checkpoint_files as files
@@ -139,10 +141,12 @@ def load_checkpoint(
 ) -> Optional[Tuple[int, Dict[str, Any]]]:
     """Restore the newest valid checkpoint under `load_dir`; return (iteration, extra_state).
 
-    Collective. Returns None when `load_dir` holds no checkpoint. Step dirs that are partial or
-    corrupted (missing or truncated files, unreadable metadata, a failed read) are skipped with a
-    `CheckpointWarning` and the previous valid one is used; if none is usable, raises RuntimeError.
-    `optimizer` and `scheduler` may be None (weights only).
+    Collective. Returns None when `load_dir` holds no checkpoint. A step dir whose files are damaged
+    (partial, missing or truncated files, an unreadable completion record, metadata or file) is
+    skipped with a `CheckpointWarning` and the previous valid one is used; if none is usable, raises
+    RuntimeError. Any other failure while loading (a model or optimizer that does not match the
+    checkpoint, a bug) raises RuntimeError naming the step dir at once: an older checkpoint would hit
+    it too, or silently cost the steps since. `optimizer` and `scheduler` may be None (weights only).
     """
     rank = dist.get_rank()
     found: List[Any] = [None]
@@ -160,62 +164,90 @@ def load_checkpoint(
 
     failures = []
     for iteration, path in candidates:
-        loaded, error = _load_all_ranks(path, model_chunks, optimizer)
+        loaded, unreadable = _load_all_ranks(path, model_chunks, optimizer)
         if loaded is not None:
             if problems or failures:
                 _warn(f"resuming from checkpoint {path} (iteration {iteration})")
             return _apply(loaded, Path(path), model_chunks, optimizer, scheduler)
-        failures.append(f"{path}: {error}")
-        _warn(f"could not read checkpoint {path} ({error}); falling back to an older one")
+        failures.append(f"{path}: {unreadable}")
+        _warn(f"could not read checkpoint {path} ({unreadable}); falling back to an older one")
     raise RuntimeError(f"no usable checkpoint in {load_dir}: " + "; ".join(problems + failures))
 
 
-def _load_all_ranks(path: str, model_chunks, optimizer) -> Tuple[Optional[dict], Optional[str]]:
-    """The step dir's state on every rank, or (None, reason) if any rank failed to read it.
+_READ_OK, _READ_UNREADABLE, _READ_FAILED = 0, 1, 2
 
-    The result is the common state (iteration, scheduler, ...) with the requested shards, under
-    "optimizer" the current optimizer's state dict filled with the loaded tensors, and under
-    "rank_state" this rank's RNG and extra state (rank 0's if the layout changed). Nothing of the
-    model is modified here, so a failure can fall back to an older checkpoint.
+
+def _load_all_ranks(path: str, model_chunks, optimizer) -> Tuple[Optional[dict], Optional[str]]:
+    """The step dir's state on every rank, or (None, reason) if a file of it was unreadable on any rank.
+
+    Raises RuntimeError naming `path` on every rank if any rank failed for another reason. The ranks
+    agree on the outcome first, so none is left waiting in a collective. Nothing of the model is
+    modified here, so an unreadable file can fall back to an older checkpoint.
     """
-    error = None
-    loaded = None
+    loaded, unreadable, error = None, None, None
     try:
-        metadata = dist_checkpointing.load_content_metadata(path) or dict(SHARDED_STATE_METADATA)
-        request = model_sharded_state(model_chunks, metadata)
-        saved_step = dist_checkpointing.load_common_state_dict(path)["optimizer_step"]
-        # A checkpoint from before the first step (e.g. initial weights) has no optimizer state:
-        # a fresh optimizer is exactly its state.
-        with_optimizer = optimizer is not None and saved_step["step"] > 0
-        if with_optimizer:
-            prime_optimizer_state(optimizer, saved_step)
-            template, request["optimizer"] = optimizer_sharded_state(optimizer, dict(request), True, metadata)
-        loaded = dist_checkpointing.load(request, path)
-        if with_optimizer:
-            loaded["optimizer"] = fill_optimizer_state(template, loaded["optimizer"])
-        same_layout = loaded.get("layout") == parallel_layout()
-        loaded["rank_state"] = _load_rank_state(Path(path), dist.get_rank() if same_layout else 0)
-    except Exception as exc:  # noqa: BLE001 - any read failure means: try the previous checkpoint
-        error = f"{type(exc).__name__}: {exc}"
+        loaded = _read_state(Path(path), model_chunks, optimizer)
+    except files.UnreadableFile as exc:
+        unreadable = str(exc)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised below, once every rank knows
+        error = exc
+    outcome = _READ_FAILED if error is not None else _READ_UNREADABLE if unreadable else _READ_OK
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)  # NCCL: on the GPU
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        return None, error or "another rank failed to read it"
+    worst = torch.tensor([outcome], dtype=torch.int32, device=device)  # NCCL: on the GPU
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if worst.item() == _READ_FAILED:
+        what = _describe(error) if error is not None else "it failed on another rank"
+        raise RuntimeError(
+            f"could not load checkpoint {path}: {what}. Its files are all there at their recorded sizes, so this "
+            "is most likely no damage on disk but a model, optimizer or layout that does not fit the checkpoint, "
+            f"or a bug; no older checkpoint was tried (move {path} aside to resume from an older one)"
+        ) from error
+    if worst.item() == _READ_UNREADABLE:
+        return None, unreadable or "a file is unreadable on another rank"
     return loaded, None
 
 
-def _apply(loaded: dict, step_dir: Path, model_chunks, optimizer, scheduler) -> Tuple[int, Dict[str, Any]]:
-    for key, chunk in zip(model_keys(model_chunks), unwrap_model(list(model_chunks))):
-        chunk.load_state_dict(loaded[key], strict=True)
-    if optimizer is not None and loaded["optimizer_step"]["step"] > 0:  # else: saved before any step
-        optimizer.load_state_dict(loaded["optimizer"])
-        set_optimizer_step(optimizer, loaded["optimizer_step"])
-    elif optimizer is not None:
-        optimizer.reload_model_params()  # fp32 main copies (bf16 training) follow the loaded weights
-    if scheduler is not None and loaded.get("scheduler") is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
+def _describe(error: BaseException) -> str:
+    """One line for an error; torch's CheckpointException (a traceback per rank) by its first cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        failure = next(iter(error.failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+    return f"{type(error).__name__}: {error}".strip()
 
+
+def _read_state(step_dir: Path, model_chunks, optimizer) -> dict:
+    """The common state (iteration, scheduler, ...) with the requested shards, under "optimizer" the
+    current optimizer's state dict filled with the loaded tensors, and under "rank_state" this rank's
+    RNG and extra state (rank 0's if the layout changed). `files.reading` marks which calls read a file.
+    """
+    path = str(step_dir)
+    with files.reading(step_dir / COMMON_STATE_FNAME):
+        common = dist_checkpointing.load_common_state_dict(path)
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or dict(SHARDED_STATE_METADATA)
+    request = model_sharded_state(model_chunks, metadata)
+    saved_step = common["optimizer_step"]
+    # A checkpoint from before the first step (e.g. initial weights) has no optimizer state:
+    # a fresh optimizer is exactly its state.
+    with_optimizer = optimizer is not None and saved_step["step"] > 0
+    if with_optimizer:
+        prime_optimizer_state(optimizer, saved_step)
+        template, request["optimizer"] = optimizer_sharded_state(optimizer, dict(request), True, metadata)
+    with files.reading(step_dir):  # the shards: only an OS error among the causes counts as damage
+        loaded = dist_checkpointing.load(request, path)
+    if with_optimizer:
+        loaded["optimizer"] = fill_optimizer_state(template, loaded["optimizer"])
+    same_layout = loaded.get("layout") == parallel_layout()
+    rank_file = step_dir / _RANK_STATE_DIR / f"rank_{dist.get_rank() if same_layout else 0:05d}.pt"
+    with files.reading(rank_file):
+        loaded["rank_state"] = torch.load(rank_file, weights_only=True)
+    return loaded
+
+
+def _apply(loaded: dict, step_dir: Path, model_chunks, optimizer, scheduler) -> Tuple[int, Dict[str, Any]]:
+    try:
+        _apply_state(loaded, model_chunks, optimizer, scheduler)
+    except Exception as exc:
+        raise RuntimeError(f"could not apply checkpoint {step_dir}: {type(exc).__name__}: {exc}") from exc
     saved_layout, layout = loaded.get("layout"), parallel_layout()
     if saved_layout == layout:
         restore_rng_state(loaded["rank_state"]["rng"])
@@ -229,8 +261,16 @@ def _apply(loaded: dict, step_dir: Path, model_chunks, optimizer, scheduler) -> 
     return int(loaded["iteration"]), loaded["rank_state"]["extra"]
 
 
-def _load_rank_state(step_dir: Path, rank: int) -> dict:
-    return torch.load(step_dir / _RANK_STATE_DIR / f"rank_{rank:05d}.pt", weights_only=True)
+def _apply_state(loaded: dict, model_chunks, optimizer, scheduler) -> None:
+    for key, chunk in zip(model_keys(model_chunks), unwrap_model(list(model_chunks))):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if optimizer is not None and loaded["optimizer_step"]["step"] > 0:  # else: saved before any step
+        optimizer.load_state_dict(loaded["optimizer"])
+        set_optimizer_step(optimizer, loaded["optimizer_step"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 main copies (bf16 training) follow the loaded weights
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
 
 
 def _warn(message: str) -> None:

@@ -11,19 +11,25 @@ A save writes into `<step>.partial`, adds the completion record once every rank 
 the directory to its final name, and only then replaces `latest`. A crash at any point therefore
 leaves `latest` naming the previous complete checkpoint. On load, the step dir `latest` names is
 checked against its completion record (missing or truncated files, unreadable metadata); a step dir
-that fails is reported and the next older valid one is used. This module only touches files; it runs
-on one rank (rank 0) and knows nothing of torch.distributed.
+that fails is reported and the next older valid one is used. While a checkpoint is read, `reading()`
+tells a file's own failure (an OS error, a torch file that is no archive) from every other error: only
+the former is damage an older checkpoint can stand in for (`UnreadableFile`); the latter (a code,
+config or layout error) must surface, not cost the steps since the older checkpoint. This module only
+touches files and knows nothing of torch.distributed; `check_step_dir` runs on rank 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Tuple, Union
 
 from pretrain.atomic_io import atomic_write_text, fsync_path
 
@@ -136,10 +142,10 @@ def check_step_dir(step_dir: PathLike, read_metadata: bool = True) -> Optional[s
         return "the directory does not exist"
     try:
         record = json.loads((step_dir / COMPLETE).read_text(encoding="utf-8"))
-        files = record["files"]
+        files = {str(name): int(size) for name, size in record["files"].items()}
     except FileNotFoundError:
         return f"no completion record ({COMPLETE}): the save did not finish"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"unreadable completion record {COMPLETE}: {exc}"
     for name, size in files.items():
         path = step_dir / name
@@ -150,14 +156,53 @@ def check_step_dir(step_dir: PathLike, read_metadata: bool = True) -> Optional[s
             return f"file {name} has {actual} bytes, the completion record says {size} (truncated or overwritten)"
     if not read_metadata:
         return None
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
         json.loads((step_dir / "metadata.json").read_text(encoding="utf-8"))
-        from torch.distributed.checkpoint import FileSystemReader
-
-        FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any failure to read the metadata makes the step dir unusable
+        FileSystemReader(str(step_dir)).read_metadata()  # `.metadata`, a pickle
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
         return f"unreadable checkpoint metadata: {type(exc).__name__}: {exc}"
     return None
+
+
+class UnreadableFile(Exception):
+    """A checkpoint file could not be read (an OS error, or its bytes are not what was written)."""
+
+
+def caused_by_os_error(exc: BaseException) -> bool:
+    """Whether an OSError is among `exc`'s causes, including the per-rank failures that
+    torch.distributed.checkpoint's `CheckpointException` collects."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # CheckpointException: (exc, traceback)
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
+
+
+@contextlib.contextmanager
+def reading(path: PathLike) -> Iterator[None]:
+    """Raise `UnreadableFile` naming `path` when what runs inside fails because of the file: an OS error,
+    or (`*.pt`) a file that is no zip archive, as every `torch.save` output is. Other errors pass
+    through unchanged: a file that reads but does not fit the model is no damage on disk."""
+    path = Path(path)
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        damaged = path.suffix == ".pt" and path.is_file() and not zipfile.is_zipfile(path)
+        if damaged or caused_by_os_error(exc):
+            raise UnreadableFile(f"{path} is unreadable ({type(exc).__name__}: {exc})") from exc
+        raise
 
 
 def read_latest(save_dir: PathLike) -> Tuple[Optional[int], Optional[str]]:

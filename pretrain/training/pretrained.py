@@ -2,8 +2,9 @@
 
 `checkpoint.pretrained` names the weights a fresh run starts from (iteration 0, new optimizer,
 scheduler and data order): a training checkpoint directory of ours (its newest valid step dir),
-one step dir, or a weights-only checkpoint written by `glm5-convert hf-to-checkpoint` from a
-Hugging Face GLM-5 directory. dist_checkpointing reshards the weights to this run's TP / PP / EP.
+one step dir, or a weights-only checkpoint written by `glm5-convert hf-to-checkpoint`
+(`pretrain/convert/training_checkpoint.py`) from a Hugging Face GLM-5 directory.
+dist_checkpointing reshards the weights to this run's TP / PP / EP.
 
 Parameters of the DSA lightning indexer that the source lacks (a dense MLA model, or a model
 trained without DSA) keep their fresh initialization; any other missing tensor is an error. The
@@ -13,8 +14,6 @@ so a restarted stage resumes instead of starting over.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import List, Sequence
 
@@ -74,26 +73,3 @@ def load_pretrained_weights(path: str, model_chunks: Sequence[torch.nn.Module]) 
                                f"{result.unexpected_keys[:5]}")
     dist.barrier()
     return fresh
-
-
-def hf_to_checkpoint(hf_dir: str, out_dir: str, **overrides) -> str:
-    """A Hugging Face GLM-5 directory -> a weights-only checkpoint `checkpoint.pretrained` can read
-    at any parallel layout (one process; the directory appears only when complete)."""
-    import json
-
-    from pretrain.config.loader import save_config
-    from pretrain.convert import load_hf_model
-
-    out = Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"{out_dir} exists; choose a new directory")
-    cfg, model = load_hf_model(hf_dir, **overrides)
-    staging = out.with_name(out.name + files.PARTIAL_SUFFIX)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    state = {"model": model.sharded_state_dict(metadata=dict(SHARDED_STATE_METADATA))}
-    dist_checkpointing.save(state, str(staging), content_metadata=dict(SHARDED_STATE_METADATA))
-    save_config(cfg, staging / "config.yaml")
-    (staging / WEIGHTS_MARKER).write_text(json.dumps({"source": os.path.abspath(hf_dir)}) + "\n")
-    os.replace(staging, out)
-    return str(out)

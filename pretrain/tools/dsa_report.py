@@ -1,6 +1,6 @@
 """Summary of a DSA continued-pretraining run (launch/dsa_continued_pretraining.sh).
 
-    python -m pretrain.dsa_report RUN_DIR [--out-prefix PATH]
+    python -m pretrain.tools.dsa_report RUN_DIR [--out-prefix PATH]
 
 Reads RUN_DIR/{warmup,sparse,dense}/metrics.jsonl and writes RUN_DIR/dsa_report.md (a table: the
 warm-up's indexer KL and top-k recall at its start and end; the LM loss of the sparse stage against
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from pretrain.plot import read_metrics, series
+from pretrain.tools.plot import read_metrics, series
 
 
 def _mean(values: List[float]) -> float:

@@ -1,7 +1,7 @@
 """Summarize a run directory: loss at the start and end, validation loss, throughput, memory,
 the newest checkpoint, and (with matplotlib) a plot of the curves.
 
-    python -m pretrain.report RUN_DIR
+    python -m pretrain.tools.report RUN_DIR
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def summarize(run_dir: str) -> str:
         lines.append(f"  {skipped} steps skipped (non-finite loss or gradient)")
     plot = os.path.join(run_dir, "curves.png")
     try:
-        from pretrain.plot import main as plot_main
+        from pretrain.tools.plot import main as plot_main
 
         plot_main([run_dir, "--out", plot])
         lines.append(f"  curves: {plot}")

@@ -1,6 +1,6 @@
 """Loss and throughput curves of one or more runs, from their metrics.jsonl, to a PNG.
 
-    python -m pretrain.plot RUN_DIR [RUN_DIR ...] [--out plot.png] [--smooth N]
+    python -m pretrain.tools.plot RUN_DIR [RUN_DIR ...] [--out plot.png] [--smooth N]
 
 Top panel: the LM loss against the step (solid), each MTP depth's loss (dashed, same colour) and
 the validation loss (dots) when logged; bottom panel: tokens/s against the step. `--smooth N`
@@ -64,7 +64,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, smooth_window: int = 1) -> Pa
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("pretrain.plot needs matplotlib: pip install matplotlib") from None
+        raise SystemExit("pretrain.tools.plot needs matplotlib: pip install matplotlib") from None
 
     runs: Dict[str, List[dict]] = {}
     for run_dir in run_dirs:
