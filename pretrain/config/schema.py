@@ -139,7 +139,7 @@ class ModelConfig:
     dsa_indexer_loss_coeff: float = 0.0
     """> 0 trains the indexer (KL to the main attention)."""
     dsa_indexer_use_sparse_loss: bool = False
-    """KL over the selected keys only (needs dsa_sparse_attention)."""
+    """KL over the indexer's selected top-k keys (true) or over every visible key (false; dense attention only)."""
     dsa_sparse_attention: bool = False
     """Ours: attend only to the indexer's top-k keys."""
     dsa_indexer_types: Optional[List[Literal["full", "shared"]]] = None
