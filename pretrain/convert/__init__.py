@@ -4,6 +4,8 @@
 * `import_hf(hf_dir, out_dir)` / `export_hf(ckpt_dir, out_dir)`: streaming conversion between an
   HF directory and our model checkpoint directory (config.yaml, hf_config.json and sharded
   safetensors under megatron-core parameter names), one tensor in memory at a time.
+* `training_checkpoint.hf_to_checkpoint(hf_dir, out_dir)`: HF directory -> a weights-only training
+  checkpoint (dist_checkpointing) that `checkpoint.pretrained` reads at any parallel layout.
 """
 
 from __future__ import annotations
