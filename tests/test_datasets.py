@@ -294,7 +294,8 @@ def _two_ranks_body(rank, world_size, cfg, tokenizer):
 
 
 def test_two_ranks_build_one_cache_and_read_their_slices(tmp_path, sources, blend_train):
-    distributed = pytest.importorskip("tests.distributed")
+    from tests import distributed
+
     cfg = make_cfg(tmp_path, ["0.3", sources["a"], "0.7", sources["b"]], split="1,0,0", reset_position_ids=True)
     results = distributed.run_ranks(_two_ranks_body, 2, cfg, StandInTokenizer(), timeout=120)
     # step 2 of 2 ranks x 2 samples: global samples 8..11; rank 0 has 8, 9 and rank 1 has 10, 11

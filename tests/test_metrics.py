@@ -104,7 +104,6 @@ def test_grouped_keys_and_line_format():
 
 
 def test_tensorboard_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = make_cfg(tmp_path, tensorboard_dir=str(tmp_path / "tb"))
