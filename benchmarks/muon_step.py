@@ -128,7 +128,7 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
     opt, step = statistics.median(opt_ms[warmup:]), statistics.median(step_ms[warmup:])
     result = {"variant": name, "world_size": world, "step_ms": step, "optimizer_step_ms": opt,
               "optimizer_share": opt / step, "peak_mem_gib": peak, "grad_storage_gib": grads,
-              "tokens_per_s": trainer.tokens_per_step / step * 1e3}
+              "tokens_per_s": trainer.timer.tokens_per_step / step * 1e3}
     if name.startswith("muon") and world == 1:
         result["newton_schulz"] = newton_schulz_bench(trainer)
     del trainer

@@ -65,10 +65,12 @@ def _step_with_capture(rank, world_size, args):
 
     from pretrain.config import load_config
     from pretrain.model.dsa_attention import DSACoreAttention
-    from pretrain.training.loop import Trainer, _unwrap
+    from pretrain.training.loop import Trainer
 
     trainer = Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), args))
-    model = _unwrap(trainer.model[0])
+    model = trainer.model[0]
+    while hasattr(model, "module"):  # DDP, Float16Module
+        model = model.module
     logits, routers, indexer = [], [], []
     model.output_layer.register_forward_hook(lambda m, i, out: logits.append(out[0].detach().double()))
     for module in model.modules():
