@@ -44,6 +44,7 @@ class _Group:
         self.device: List[Optional[torch.Tensor]] = []
         self.saved_to_host: Optional[torch.cuda.Event] = None
         self.back_on_device: Optional[torch.cuda.Event] = None
+        self.open = False  # the layer's forward is running
         self.fetched = False  # the copy back to the device was issued
         self.in_backward = False  # its backward has begun (the default stream waited for the copy)
 
@@ -80,9 +81,16 @@ class ActivationOffloader:
         linked = last is not None and not last.fetched and (index is None or last.index == index - 1)
         group = _Group(index, prev=last if linked else None)
         self._last = group
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group),
-                                                      functools.partial(self._unpack, group)):
-            yield
+        group.open = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group),
+                                                          functools.partial(self._unpack, group)):
+                yield
+        finally:
+            # The forward may itself run a backward over what it saved (autograd.grad inside an autograd
+            # Function): the device tensors stay until the forward ends, then only the host copies do.
+            group.open = False
+            group.device = [None] * len(group.device)
         if self.cuda and group.host:
             group.saved_to_host = torch.cuda.Event()
             group.saved_to_host.record(self.d2h)
@@ -109,7 +117,7 @@ class ActivationOffloader:
             host = torch.empty(t.shape, dtype=t.dtype)
             host.copy_(t)
         group.host.append(host)
-        group.device.append(None)
+        group.device.append(t)  # until the layer's forward ends (see `layer`)
         self.offloaded_bytes += t.numel() * t.element_size()
         return ("host", len(group.host) - 1, t.device)
 
@@ -117,6 +125,8 @@ class ActivationOffloader:
         if handle[0] == "keep":
             return handle[1]
         _, index, device = handle
+        if group.open:  # a backward nested in the layer's forward (e.g. the indexer loss's own gradient)
+            return group.device[index]
         if not group.in_backward:  # this layer's backward begins
             group.in_backward = True
             if not group.fetched:
@@ -127,12 +137,9 @@ class ActivationOffloader:
             group.prev = None  # no chain keeps finished groups (and their host buffers) alive
             if self.cuda:
                 torch.cuda.current_stream().wait_event(group.back_on_device)
-        tensor = group.device[index]
-        if tensor is None:
-            raise RuntimeError("an offloaded activation was unpacked twice (backward with retain_graph=True "
-                               "is not supported with activation offloading)")
-        group.device[index] = group.host[index] = None  # autograd holds it now; freed after its use
-        return tensor
+        # A custom backward may read its saved tensors more than once, so the group keeps the device
+        # copy; it is freed with the group, when autograd has run (and dropped) this layer's nodes.
+        return group.device[index]
 
     def _fetch(self, group: _Group, device: torch.device) -> None:
         group.fetched = True
@@ -172,3 +179,67 @@ def offload_layers(layers, offloader: ActivationOffloader) -> list:
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
     return handles
+
+
+_BLOCK = "megatron.core.transformer.transformer_block"  # full recompute of decoder layers
+_MTP = "megatron.core.transformer.multi_token_prediction"  # full recompute of the MTP layer
+_ROUTED: dict = {}  # module name -> its own `tensor_parallel`
+
+
+class _RoutedTensorParallel:
+    """megatron's `tensor_parallel` namespace as one module sees it, with `checkpoint` replaced."""
+
+    def __init__(self, original, checkpoint):
+        self._original, self.checkpoint = original, checkpoint
+
+    def __getattr__(self, name):
+        return getattr(self._original, name)
+
+
+def route_recompute_units(wrap, modules=(_BLOCK, _MTP)) -> None:
+    """Route the recompute units of `modules` (their `tensor_parallel.checkpoint` calls: full recompute)
+    through `wrap(original_checkpoint) -> checkpoint`; `wrap=None` restores megatron's everywhere.
+    Only these modules see the change; every other user of `tensor_parallel` keeps megatron's."""
+    import importlib
+
+    for name in list(_ROUTED) if wrap is None else modules:
+        module = importlib.import_module(name)
+        original = _ROUTED.setdefault(name, module.tensor_parallel)
+        module.tensor_parallel = original if wrap is None else _RoutedTensorParallel(original, wrap(original.checkpoint))
+
+
+_PROCESS_OFFLOADER: Optional[ActivationOffloader] = None
+MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors stay: their copies would cost more than they free
+
+
+def enable_torch_offload(model: torch.nn.Module, layers) -> ActivationOffloader:
+    """Offload what `layers` save (one group per layer), and, under full recompute, each recompute
+    unit's saved inputs (one group per unit: the inputs are what full recompute keeps). One offloader
+    per process serves every model chunk (virtual pipeline stages)."""
+    global _PROCESS_OFFLOADER
+    if _PROCESS_OFFLOADER is None:
+        _PROCESS_OFFLOADER = ActivationOffloader(MIN_OFFLOAD_BYTES)
+    offloader = _PROCESS_OFFLOADER
+    offloader.exclude_parameters([model])
+    offload_layers(layers, offloader)
+
+    def wrap(checkpoint):
+        def offloaded(function, distribute_saved_activations, *args):
+            with offloader.layer():
+                return checkpoint(function, distribute_saved_activations, *args)
+        return offloaded
+
+    route_recompute_units(wrap)
+    return offloader
+
+
+def reset_activation_offload() -> None:
+    """Forget the process's offloader and restore megatron's recompute units (tests, rebuilt models)."""
+    global _PROCESS_OFFLOADER
+    _PROCESS_OFFLOADER = None
+    route_recompute_units(None)
+
+
+def process_offloader() -> Optional[ActivationOffloader]:
+    """The offloader the models of this process use, if activation offloading is on."""
+    return _PROCESS_OFFLOADER

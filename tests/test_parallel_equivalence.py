@@ -238,7 +238,7 @@ def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
         destroy_parallel()
 
 
-def _parallel_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
+def parallel_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
     """Build this rank's model, load its shard of `ref_state`, forward + backward its data.
 
     With `ddp`, the model is wrapped in megatron's DistributedDataParallel and the gradients are
@@ -293,8 +293,8 @@ def rank_parallel(rank: int, world_size: int, layouts: List[str], tokens: torch.
             # other seeds than the reference's: every value must come from ref_state
             initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)
             results[layout] = {
-                "local": _parallel_step(cfg, tokens, ref_state, ddp=False),
-                "ddp": _parallel_step(cfg, tokens, ref_state, ddp=True),
+                "local": parallel_step(cfg, tokens, ref_state, ddp=False),
+                "ddp": parallel_step(cfg, tokens, ref_state, ddp=True),
             }
         return results
     finally:

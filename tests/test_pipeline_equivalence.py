@@ -63,7 +63,7 @@ def _global_names(model) -> Dict[str, str]:
     return names
 
 
-def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
+def pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
     """This stage with the reference weights; forward + backward of `tokens` through the 1F1B schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -112,8 +112,8 @@ def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: d
     cfg = pp2_config()
     try:
         initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)  # other seeds: values come from ref_state
-        return {"local": _pipeline_step(cfg, tokens, ref_state, ddp=False),
-                "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True)}
+        return {"local": pipeline_step(cfg, tokens, ref_state, ddp=False),
+                "ddp": pipeline_step(cfg, tokens, ref_state, ddp=True)}
     finally:
         destroy_parallel()
 
@@ -126,7 +126,7 @@ def runs() -> dict:
     return {"reference": reference, "stages": stages}
 
 
-def _compare(reference: dict, stage_grads: List[Dict[str, torch.Tensor]], combine_embedding: bool) -> float:
+def compare_stage_grads(reference: dict, stage_grads: List[Dict[str, torch.Tensor]], combine_embedding: bool) -> float:
     """Every stage's gradient against the reference's; with `combine_embedding`, the embedding's as
     the sum over the stages holding it. Returns the worst relative error; asserts the stages together
     hold every reference parameter."""
@@ -171,11 +171,11 @@ def test_pp2_loss_matches_single_rank(runs):
 
 
 def test_pp2_gradients_match_single_rank(runs):
-    worst = _compare(runs["reference"], [s["local"]["grads"] for s in runs["stages"]], combine_embedding=True)
+    worst = compare_stage_grads(runs["reference"], [s["local"]["grads"] for s in runs["stages"]], combine_embedding=True)
     print(f"\nPP=2: worst relative max-abs error {worst:.2e}")
 
 
 def test_pp2_megatron_ddp_gradients_match_single_rank(runs):
     """After DDP + finalize_model_grads each stage holds the reference gradient, the embedding included."""
-    worst = _compare(runs["reference"], [s["ddp"]["grads"] for s in runs["stages"]], combine_embedding=False)
+    worst = compare_stage_grads(runs["reference"], [s["ddp"]["grads"] for s in runs["stages"]], combine_embedding=False)
     print(f"\nPP=2 through megatron DDP: worst relative max-abs error {worst:.2e}")

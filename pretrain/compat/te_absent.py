@@ -6,6 +6,7 @@ True on the CPU machines and on GPU machines without TE, and the default backend
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from pretrain.compat.registry import Workaround
@@ -29,6 +30,34 @@ def patch_mla_have_te() -> None:
 
     if not te_available():
         multi_latent_attention.HAVE_TE = False
+
+
+class _NoFP8:
+    """Stands in for TE's FP8GlobalStateManager: FP8 is never on without TE."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
+def patch_checkpoint_without_output_fp8() -> None:
+    """Selective recompute of norms and activations without TE: FP8 reads as off."""
+    # `CheckpointWithoutOutput.__init__(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True for
+    # the default False, so its forward asks TE's FP8GlobalStateManager, a name that exists only when
+    # TE imported: every `recompute_modules` entry built on it (layernorm, moe_act, mla_up_proj) raises
+    # NameError. A stand-in that answers "FP8 off" takes the non-FP8 branch, which is the right one.
+    # The same branch enters TE's `activation_recompute_forward` and `fp8_autocast` contexts, which
+    # do nothing when FP8 is off: plain null contexts.
+    from megatron.core.tensor_parallel import random
+
+    if not hasattr(random, "FP8GlobalStateManager"):
+        random.FP8GlobalStateManager = _NoFP8
+        random.activation_recompute_forward = lambda *args, **kwargs: contextlib.nullcontext()
+        random.fp8_autocast = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 _MOE_FUSED_NAMES = (
@@ -72,5 +101,14 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_hf_parity.py::test_logits_match_transformers",
         install=patch_moe_fused_names,
+    ),
+    Workaround(
+        name="patch_checkpoint_without_output_fp8",
+        target="megatron.core.tensor_parallel.random (FP8GlobalStateManager, activation_recompute_forward, fp8_autocast)",
+        reason="CheckpointWithoutOutput reads fp8=False as True and calls TE's FP8 manager: selective "
+               "recompute of norms raises NameError without TE",
+        upstream="open",
+        test="tests/test_memory_features.py::test_each_feature_leaves_losses_and_every_gradient_unchanged",
+        install=patch_checkpoint_without_output_fp8,
     ),
 ]

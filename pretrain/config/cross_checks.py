@@ -39,6 +39,11 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
             "an MoE model with parallel.tensor_model_parallel_size > 1 needs "
             "parallel.sequence_parallel=true (megatron-core's MoE layer trains only that way)",
         )
+    require(
+        m.output_loss_backend != "liger" or tp == 1,
+        "model.output_loss_backend=liger runs at parallel.tensor_model_parallel_size=1 only (Liger's kernel is not "
+        "vocab-parallel); use output_loss_backend=chunked with model.output_chunk_size under TP",
+    )
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     require(
         m.num_layers % (pp * vpp) == 0,

@@ -152,6 +152,21 @@ class ModelConfig:
     """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
     deterministic_mode: bool = False
     """Bitwise-reproducible kernels (DSA backward without atomics)."""
+    # --- long-context memory (GLM-5 report: recompute, activation offloading, chunked output) -
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recompute: "full" re-runs whole layers in backward, "selective" only recompute_modules; null: off."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With full: "uniform" (units of recompute_num_layers layers) or "block" (the first recompute_num_layers per stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With full: layers per recompute unit (uniform) or layers recomputed on each stage (block)."""
+    recompute_modules: Optional[List[Literal["core_attn", "mlp", "moe", "shared_experts", "layernorm"]]] = None
+    """With selective: the submodules recomputed in backward; null: ["core_attn"] (megatron's default)."""
+    activation_offload: bool = False
+    """Ours: each layer's saved activations wait in pinned host memory between forward and backward (torch-native)."""
+    output_loss_backend: Literal["unfused", "chunked", "liger"] = "unfused"
+    """Ours: output layer + loss: "unfused" (full logits), "chunked" (sequence chunks, any TP) or "liger" (TP = 1)."""
+    output_chunk_size: Optional[int] = None
+    """Ours: tokens per chunk of output_loss_backend "chunked" (required there); null: unchunked."""
     # --- implementation --------------------------------------------------------------------
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Linears and norms: "local" (torch-native, tested) or "transformer_engine" (untested here)."""

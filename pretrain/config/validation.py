@@ -10,6 +10,8 @@ so mistakes surface at load time instead of deep inside model construction on a 
 
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Any, Iterable, Optional
 
 from pretrain.config.cross_checks import (
@@ -93,6 +95,7 @@ def check_model(m: ModelConfig) -> None:
     _check_attention(m)
     _check_dsa(m)
     _check_moe(m)
+    _check_memory(m)
     require(
         m.mtp_num_layers is None or m.mtp_num_layers >= 0,
         f"model.mtp_num_layers is {m.mtp_num_layers}; use null or 0 for no MTP, or the number of depths (GLM-5: 3)",
@@ -165,6 +168,37 @@ def _check_dsa(m: ModelConfig) -> None:
             types[0] == "full",
             "model.dsa_indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of the previous full layer",
         )
+
+
+def _check_memory(m: ModelConfig) -> None:
+    full = m.recompute_granularity == "full"
+    require(
+        full == (m.recompute_method is not None) and full == (m.recompute_num_layers is not None),
+        "model.recompute_granularity=full needs model.recompute_method and model.recompute_num_layers (and only "
+        f"full takes them); got granularity={m.recompute_granularity}, method={m.recompute_method}, "
+        f"num_layers={m.recompute_num_layers}",
+    )
+    _positive(m, "model", "recompute_num_layers", optional=True)
+    require(
+        m.recompute_modules is None or m.recompute_granularity == "selective",
+        "model.recompute_modules needs model.recompute_granularity=selective",
+    )
+    require(
+        not (m.recompute_granularity and m.experimental_attention_variant == "dsa" and m.dsa_indexer_types
+             and "shared" in m.dsa_indexer_types),
+        "model.recompute_granularity with 'shared' model.dsa_indexer_types is not supported (a recomputed shared "
+        "layer would read another micro-batch's top-k); use all-'full' indexers or no recompute",
+    )
+    require(
+        m.output_loss_backend != "liger" or importlib.util.find_spec("liger_kernel") is not None,
+        "model.output_loss_backend=liger needs Liger kernels: pip install -e '.[liger]' (or use chunked)",
+    )
+    _positive(m, "model", "output_chunk_size", optional=True)
+    require(
+        (m.output_loss_backend == "chunked") == (m.output_chunk_size is not None),
+        "model.output_loss_backend=chunked needs model.output_chunk_size (tokens per chunk), which only chunked reads; "
+        f"got output_loss_backend={m.output_loss_backend}, output_chunk_size={m.output_chunk_size}",
+    )
 
 
 def _check_moe(m: ModelConfig) -> None:

@@ -33,6 +33,9 @@ class GLM5TransformerConfig(MLATransformerConfig):
     dsa_indexer_hadamard: bool = False
     dsa_chunk_size: Optional[int] = None
     dsa_kernel_backend: str = "auto"
+    activation_offload: bool = False
+    output_loss_backend: str = "unfused"
+    output_chunk_size: Optional[int] = None
 
 
 # ModelConfig keys that are not TransformerConfig fields (consumed by the builder itself).
@@ -124,4 +127,15 @@ def build_model(
     # Torch-native norms are created on the CPU; megatron's parallel layers are already on the GPU.
     if torch.cuda.is_available() and not any(p.is_meta for p in model.parameters()):
         model.cuda(torch.cuda.current_device())
+    if model_cfg.activation_offload:
+        _enable_activation_offload(model)
     return model
+
+
+def _enable_activation_offload(model: GLM5Model) -> None:
+    """GLM-5's activation offloading: every transformer layer (decoder and MTP) of this chunk."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from parallel.activation_offload import enable_torch_offload
+
+    enable_torch_offload(model, [m for m in model.modules() if isinstance(m, TransformerLayer)])

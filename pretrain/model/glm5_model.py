@@ -14,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from pretrain.compat import MTPLogitsWithoutLabels, gpt_model_mtp_block_class
 from pretrain.model.dsa import link_shared_indexers
 from pretrain.model.mtp import SharedDepthMTPBlock
+from pretrain.model.output_loss import head_loss
 
 
 class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
@@ -30,6 +31,66 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
             super().__init__(*args, **kwargs)
         if getattr(self, "decoder", None) is not None:
             link_shared_indexers(self.decoder)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
+                     attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,
+                     runtime_gather_output=None, extra_block_kwargs=None, inference_context=None):
+        """megatron-core's `_postprocess` with the output layer and loss fused (`model.output_loss_backend`).
+
+        Same MTP arithmetic as megatron-core 0.16.1 (labels and mask rolled per depth, each depth's
+        masked loss sum / tokens x mtp_loss_scaling_factor / depths through `MTPLossAutoScaler`), but no
+        depth and no main head ever materializes [tokens, vocab] logits."""
+        args = (hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin)
+        kwargs = dict(mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
+                      attention_mask=attention_mask, inference_params=inference_params,
+                      packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                      runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
+                      inference_context=inference_context)
+        backend = self.config.output_loss_backend
+        if labels is None or backend == "unfused" or inference_context is not None:
+            return super()._postprocess(*args, **kwargs)
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.multi_token_prediction import (
+            MTPLossAutoScaler,
+            MTPLossLoggingHelper,
+            roll_tensor,
+        )
+
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if mtp_in_postprocess:
+            hidden_states = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                                     attention_mask=attention_mask, inference_params=inference_params,
+                                     rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                                     sequence_len_offset=sequence_len_offset, embedding=self.embedding,
+                                     **(extra_block_kwargs or {}))
+        if not self.post_process:
+            return hidden_states
+        chunk = self.config.output_chunk_size
+        if self.config.mtp_num_layers:
+            depths = self.config.mtp_num_layers
+            states = torch.chunk(hidden_states, 1 + depths, dim=0)
+            hidden_states = states[0]
+            mtp_labels = labels.clone()
+            mtp_mask = torch.ones_like(mtp_labels) if loss_mask is None else loss_mask
+            for depth in range(depths):
+                mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=self.cp_group,
+                                            packed_seq_params=packed_seq_params)
+                mtp_mask, num_tokens = roll_tensor(mtp_mask, shifts=-1, dims=-1, cp_group=self.cp_group,
+                                                   packed_seq_params=packed_seq_params)
+                depth_sum, _ = head_loss(self.output_layer, states[depth + 1], mtp_labels, mtp_mask, backend, chunk,
+                                         weight)
+                if self.training:
+                    MTPLossLoggingHelper.save_loss_to_tracker(
+                        depth_sum / num_tokens, depth, depths,
+                        avg_group=ps.get_data_parallel_group(with_context_parallel=True))
+                scale = self.config.mtp_loss_scaling_factor / depths
+                hidden_states = MTPLossAutoScaler.apply(
+                    hidden_states, scale * depth_sum if self.config.calculate_per_token_loss
+                    else scale * depth_sum / num_tokens)
+        _, per_token = head_loss(self.output_layer, hidden_states, labels, loss_mask, backend, chunk, weight)
+        return per_token
 
     def output_logits(self, hidden_states: torch.Tensor, runtime_gather_output=None) -> torch.Tensor:
         """Final hidden states [s, b, h] (after the final norm) -> logits [b, s, v]."""

@@ -131,3 +131,38 @@ def liger_linear_cross_entropy(hidden, weight, labels, loss_weights) -> torch.Te
     out = LigerFusedLinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, masked, None,
                                                      None, -100, 0.0, 0.0, "sum")
     return out[0] if isinstance(out, tuple) else out
+
+
+def head_loss(output_layer, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+              backend: str, chunk_size: Optional[int], weight: Optional[torch.Tensor] = None):
+    """The output layer and cross-entropy fused: (sum_i m_i loss_i, per-token losses [b, s] carrying its gradient).
+
+    `output_layer` is megatron's ColumnParallelLinear (its weight, or `weight` when tied); `hidden` [s, b, h]
+    as the output layer would see it. Its input preparation is the layer's own: the sequence-parallel
+    all-gather (reduce-scatter in backward) or the copy to the TP region (all-reduce of dh in backward)."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    weight = output_layer.weight if weight is None else weight
+    group = output_layer.tp_group
+    tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if output_layer.sequence_parallel and tp > 1:
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=group)
+    elif tp > 1:
+        hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
+    s, b, h = hidden.shape
+    mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+    rows_y, rows_m = labels.t().reshape(-1), mask.t().reshape(-1)  # s-major rows, as hidden's
+    x = hidden.reshape(s * b, h)
+    if backend == "chunked":
+        rank = dist.get_rank(group) if tp > 1 else 0
+        loss_sum, per_token = chunked_linear_cross_entropy(x, weight, rows_y, rows_m, chunk_size,
+                                                           rank * weight.shape[0], group if tp > 1 else None)
+    elif backend == "liger":
+        loss_sum, per_token = liger_linear_cross_entropy(x, weight, rows_y, rows_m), None
+    else:
+        raise ValueError(f"head_loss backend must be chunked or liger, got {backend!r}")
+    out = per_token_view(loss_sum, per_token, rows_m)
+    return loss_sum, out.view(s, b).t()

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -93,10 +94,16 @@ class DSAMLASelfAttention(MLASelfAttention):
 
         rope, segment_ids = self._rope(s, packed_seq_params, q.device)
         q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
-        out = self.core_attention(
-            q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight,
-            x=hidden_states, qr=q_c, attention_mask=attention_mask, segment_ids=segment_ids, rope=rope,
-        )
+
+        def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
+            return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
+                                       segment_ids=segment_ids, rope=rope)
+
+        inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
+        if self.checkpoint_core_attention and self.training:  # recompute_modules: core_attn (megatron's rule)
+            out = tensor_parallel.checkpoint(core, False, *inputs)
+        else:
+            out = core(*inputs)
         output, bias = self.linear_proj(out)
         return output, bias
 
