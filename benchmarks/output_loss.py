@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args()
+    from parallel.initialize import ensure_single_rank
+
+    ensure_single_rank()  # megatron's vocab-parallel cross-entropy asks for its (one-rank) TP group
     backends = {"unfused": _unfused, "liger": _liger}
     backends.update({f"chunked-{n}": _chunked(int(n)) for n in args.chunks.split(",")})
     results = {"gpu": torch.cuda.get_device_name(), "tokens": args.tokens, "rows": []}

@@ -64,7 +64,7 @@ def _step_with_capture(rank, world_size, args):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from pretrain.config import load_config
-    from pretrain.model.dsa_attention import DSACoreAttention
+    from pretrain.model.dsa import DSACoreAttention
     from pretrain.training.loop import Trainer
 
     trainer = Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), args))

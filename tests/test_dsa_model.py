@@ -389,7 +389,7 @@ def _tp_step(model, batch: torch.Tensor):
 def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torch.Tensor) -> dict:
     from parallel.initialize import destroy_parallel, initialize_parallel
     from pretrain.model.builder import build_model
-    from tests.test_parallel_equivalence import SEED, _grads, _state
+    from tests.test_parallel_equivalence import SEED, grads_of, state_of
 
     out = {}
     try:
@@ -409,9 +409,9 @@ def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torc
                 for name, buf in model.named_buffers():
                     if name.endswith("expert_bias"):
                         buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
-            state = _state(model)
+            state = state_of(model)
             loss, recorded = _tp_step(model, batch)
-            out[case] = {"state": state, "loss": loss, "indexer_loss": recorded, "grads": _grads(model)}
+            out[case] = {"state": state, "loss": loss, "indexer_loss": recorded, "grads": grads_of(model)}
         return out
     finally:
         destroy_parallel()
@@ -420,26 +420,26 @@ def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torc
 def rank_dsa_parallel(rank: int, world_size: int, cases: List[str], batch: torch.Tensor, states: dict) -> dict:
     from parallel.initialize import destroy_parallel, initialize_parallel
     from pretrain.model.builder import build_model
-    from tests.test_parallel_equivalence import SEED, _coords, _grads, _meta, shard_like
+    from tests.test_parallel_equivalence import SEED, grads_of, param_meta, rank_coords, shard_like
 
     out = {}
     try:
         for case in cases:
             cfg = _tp_config(case, parallel=True)
             initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)
-            coords = dict(_coords(), num_experts=cfg.model.num_moe_experts)
+            coords = dict(rank_coords(), num_experts=cfg.model.num_moe_experts)
             model = build_model(cfg)
-            meta = {n: _meta(p) for n, p in model.named_parameters()}
+            meta = {n: param_meta(p) for n, p in model.named_parameters()}
             ref_state = states[case]
             with torch.no_grad():
                 tensors = dict(model.named_parameters())
                 tensors.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
                 assert set(tensors) == set(ref_state), set(tensors) ^ set(ref_state)
                 for name, t in tensors.items():
-                    t.copy_(shard_like(name, ref_state[name], meta.get(name, _meta(t)), coords))
+                    t.copy_(shard_like(name, ref_state[name], meta.get(name, param_meta(t)), coords))
             loss, recorded = _tp_step(model, batch)
             out[case] = {"coords": coords, "meta": meta, "loss": loss, "indexer_loss": recorded,
-                         "grads": _grads(model), "sp": cfg.parallel.sequence_parallel}
+                         "grads": grads_of(model), "sp": cfg.parallel.sequence_parallel}
         return out
     finally:
         destroy_parallel()

@@ -266,13 +266,13 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     keeps fp32 main weights and gradients only for owned parameters, and resumes from its own
     checkpoint."""
     from tests.distributed import run_ranks
-    from tests.test_zero2 import _save_initial, _train
+    from tests.test_zero2 import save_initial, train_ranks
 
     def run(name, world, *extra):
-        return run_ranks(_train, world, [*BF16, f"logging.run_dir={tmp_path / name}", *extra])
+        return run_ranks(train_ranks, world, [*BF16, f"logging.run_dir={tmp_path / name}", *extra])
 
     init, ckpt = tmp_path / "init", tmp_path / "ckpt"
-    run_ranks(_save_initial, 1, [*BF16, f"logging.run_dir={tmp_path / 'i'}", f"checkpoint.save={init}"])
+    run_ranks(save_initial, 1, [*BF16, f"logging.run_dir={tmp_path / 'i'}", f"checkpoint.save={init}"])
     start = [f"checkpoint.load={init}", "train.train_iters=6"]
     zero = "optimizer.use_distributed_optimizer=true"
     ddp = run("ddp", 2, *start)
@@ -335,8 +335,8 @@ def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
         activation_offload.reset_activation_offload()
         torch.manual_seed(0)
         model = build_model(load_config("configs/models/glm5-tiny.yaml", base + extra))
-        state = state or {k: v.clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(state)
+        state = state or {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        model.load_state_dict(state, strict=False)
         if name in ("plain", "offload"):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -185,13 +185,13 @@ def param_meta(param: torch.nn.Parameter) -> dict:
     }
 
 
-def _state(model) -> Dict[str, torch.Tensor]:
+def state_of(model) -> Dict[str, torch.Tensor]:
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
     state.update({n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return state
 
 
-def _grads(model) -> Dict[str, torch.Tensor]:
+def grads_of(model) -> Dict[str, torch.Tensor]:
     return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -220,7 +220,7 @@ def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
             for name, b in model.named_buffers():
                 if name.endswith("expert_bias"):
                     b.copy_(0.05 * torch.randn(b.shape, generator=gen))
-        state = _state(model)
+        state = state_of(model)
         loss = _forward_backward(model, tokens)
         # The same step without the MoE aux loss, to show its share of the router gradients.
         no_aux = build_model(replace(cfg, model=replace(cfg.model, moe_aux_loss_coeff=0.0)))
@@ -229,7 +229,7 @@ def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
         return {
             "state": state,
             "loss": loss,
-            "grads": _grads(model),
+            "grads": grads_of(model),
             "router_grads_without_aux": {
                 n: p.grad.detach().clone() for n, p in no_aux.named_parameters() if n.endswith("router.weight")
             },
@@ -278,7 +278,7 @@ def parallel_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict
         grads = {n: p.main_grad.detach().clone() if p.requires_grad else None for n, p in model.named_parameters()}
     else:
         loss = _forward_backward(model, local_tokens)
-        grads = _grads(model)
+        grads = grads_of(model)
     return {"coords": coords, "meta": meta, "shapes": shapes, "loss": loss, "grads": grads}
 
 

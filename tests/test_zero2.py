@@ -32,14 +32,14 @@ ZERO = ["optimizer.use_distributed_optimizer=true"]
 STEPS = 10
 
 
-def _save_initial(rank, world_size, overrides):
+def save_initial(rank, world_size, overrides):
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
 
     Trainer(load_config(TINY, overrides)).save()
 
 
-def _train(rank, world_size, overrides):
+def train_ranks(rank, world_size, overrides):
     """Train; return the final parameters by name (this rank's shards) and the gradient bookkeeping."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
@@ -89,9 +89,9 @@ def zero_runs(stdlib_data, tmp_path_factory):
     base = [f"train.train_iters={STEPS}", "train.eval_interval=null", "optimizer.lr_warmup_iters=1",
             "train.micro_batch_size=2", "train.global_batch_size=8", *MUON]
     init = root / "init"
-    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, root / "r0", *base, f"checkpoint.save={init}"))
+    run_ranks(save_initial, 1, tiny_overrides(stdlib_data, root / "r0", *base, f"checkpoint.save={init}"))
     start = [*base, f"checkpoint.load={init}"]
-    runs = {"single": run_ranks(_train, 1, tiny_overrides(stdlib_data, root / "single", *start))}
+    runs = {"single": run_ranks(train_ranks, 1, tiny_overrides(stdlib_data, root / "single", *start))}
     layouts = {
         "dp2_step": (2, ["optimizer.zero2_grad_reduce=step"]),
         "dp4": (4, []),
@@ -100,7 +100,7 @@ def zero_runs(stdlib_data, tmp_path_factory):
         "ep2_dp4": (4, ["parallel.expert_model_parallel_size=2"]),
     }
     for name, (world, extra) in layouts.items():
-        runs[name] = run_ranks(_train, world, tiny_overrides(stdlib_data, root / name, *start, *ZERO, *extra))
+        runs[name] = run_ranks(train_ranks, world, tiny_overrides(stdlib_data, root / name, *start, *ZERO, *extra))
     return root, runs
 
 
@@ -171,7 +171,7 @@ def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, t
                           "optimizer.lr_warmup_iters=0",
                           "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]",
                           "train.micro_batch_size=1", "train.global_batch_size=4")
-    ranks = run_ranks(_train, 4, over)
+    ranks = run_ranks(train_ranks, 4, over)
     total = ranks[0]["total"]
     shares = [r["grad_bytes"] / (4 * total) for r in ranks]  # allocated fp32 gradient storage
     assert sum(shares) == pytest.approx(1.0)
@@ -204,16 +204,16 @@ def test_checkpoint_resumes_exactly_across_dp_sizes(stdlib_data, tmp_path):
     base = ["train.eval_interval=null", "optimizer.lr_warmup_iters=1", "optimizer.lr_decay_iters=4",
             "train.micro_batch_size=2", *MUON]
     init, ckpt = tmp_path / "init", tmp_path / "ckpt"
-    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "i", *base, "train.train_iters=4",
+    run_ranks(save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "i", *base, "train.train_iters=4",
                                                f"checkpoint.save={init}"))
     start = [*base, f"checkpoint.load={init}"]
-    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "full", *start, "train.train_iters=4"))
-    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "a", *start, *ZERO, "train.train_iters=2",
+    run_ranks(train_ranks, 1, tiny_overrides(stdlib_data, tmp_path / "full", *start, "train.train_iters=4"))
+    run_ranks(train_ranks, 2, tiny_overrides(stdlib_data, tmp_path / "a", *start, *ZERO, "train.train_iters=2",
                                         f"checkpoint.save={ckpt}"))
     full = read_metrics(tmp_path / "full")
     resumed = [*base, "train.train_iters=4", f"checkpoint.load={ckpt}"]
     for name, world, extra in [("dp2", 2, ZERO), ("dp4", 4, ZERO), ("dp1", 1, [])]:
-        ranks = run_ranks(_train, world, tiny_overrides(stdlib_data, tmp_path / name, *resumed, *extra))
+        ranks = run_ranks(train_ranks, world, tiny_overrides(stdlib_data, tmp_path / name, *resumed, *extra))
         rows = read_metrics(tmp_path / name)
         assert [r["step"] for r in rows] == [3, 4], name
         for x, y in zip(full[2:], rows):

@@ -143,6 +143,7 @@ class DSACoreAttention(SDPACoreAttention):
         self.indexer = LightningIndexer(config) if self.index_type == "full" else None
         self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
         self.last_indices: Optional[torch.Tensor] = None
+        self.shared_by_others = False  # set by link_shared_indexers
         self.backend = None  # ReferenceBackend or TritonBackend, set by the first sparse call
         pg_collection = kwargs.get("pg_collection")
         self.tp_group = pg_collection.tp if pg_collection is not None else None
@@ -175,7 +176,8 @@ class DSACoreAttention(SDPACoreAttention):
             backend = self._backend(q_nope.device)
             if self.indexer is not None:
                 indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
-                self.last_indices = indices
+                # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
+                self.last_indices = indices if self.shared_by_others else None
             else:
                 indices = self._shared_indices(b, s)
             q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
@@ -250,3 +252,5 @@ def link_shared_indexers(module: torch.nn.Module) -> None:
                 last = sub
             else:
                 sub.__dict__["index_source"] = last
+                if last is not None:
+                    last.shared_by_others = True
