@@ -368,4 +368,7 @@ def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
     assert host_syncs(profiles["offload"]) <= host_syncs(profiles["plain"])
     # and its copies run on streams of their own, next to the compute stream(s)
     side = streams(profiles["offload"], copies=True) - streams(profiles["plain"], copies=True)
-    assert side and not side & streams(profiles["offload"], copies=False), side
+    kernels = [e.device_resource_id for e in profiles["plain"] if e.device_type == torch.autograd.DeviceType.CUDA
+               and "Memcpy" not in e.name]
+    compute = max(set(kernels), key=kernels.count)  # the default stream, where the model's kernels run
+    assert side and compute not in side, (side, compute)
