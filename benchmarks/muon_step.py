@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from pretrain.training.metrics import allocated_grad_bytes
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 ZERO2 = ["optimizer.use_distributed_optimizer=true"]
@@ -43,23 +45,6 @@ VARIANTS = {
     "muon_zero2_step": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "optimizer.zero2_grad_reduce=step"],
 }
-
-
-def allocated_grad_bytes(chunks) -> int:
-    """Bytes of the distinct storages behind every gradient tensor allocated on this rank now."""
-    tensors = []
-    for chunk in chunks:
-        for p in chunk.module.parameters():
-            tensors += [getattr(p, "main_grad", None), p.grad]
-        if isinstance(getattr(chunk, "buffers", None), list):  # megatron DDP (nn.Module.buffers otherwise)
-            tensors += [buf.grad_data for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
-        for b in getattr(chunk, "buckets", []):  # ZeRO-2: owned accumulation, local and in-flight buffers
-            tensors += [b.grad, b.local, b.comm]
-    storages = {}
-    for t in tensors:
-        if t is not None and t.untyped_storage().nbytes():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 class GradMemoryProbe:
@@ -168,6 +153,8 @@ def newton_schulz_bench(trainer) -> dict:
     _sync()
     ms = (time.perf_counter() - t0) * 1e3
     return {"calls": len(batches), "ms": ms, "tflops": flops / ms / 1e9}
+
+
 
 
 def main():

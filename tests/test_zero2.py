@@ -18,6 +18,8 @@ import contextlib
 import itertools
 
 import pytest
+
+from pretrain.training.metrics import allocated_grad_bytes
 import torch
 
 from tests.distributed import run_ranks
@@ -54,7 +56,7 @@ def train_ranks(rank, world_size, overrides):
     original = trainer.optimizer.step
 
     def step():  # every gradient has arrived and been reduced: the most gradient memory of the step
-        grad_bytes.append(_allocated_grad_bytes(trainer.model))
+        grad_bytes.append(allocated_grad_bytes(trainer.model))
         return original()
 
     trainer.optimizer.step = step
@@ -222,25 +224,6 @@ def test_checkpoint_resumes_exactly_across_dp_sizes(stdlib_data, tmp_path):
         if name == "dp4":  # each rank loaded the state of what it owns now, and only that
             assert all(r["loaded"]["momentum"] > 0 for r in ranks)
             assert all(r["loaded"]["state_params"] == r["loaded"]["owned_in_optimizer"] for r in ranks)
-
-
-def _allocated_grad_bytes(chunks) -> int:
-    """Bytes of the distinct storages behind every gradient tensor allocated on this rank: each
-    parameter's `.main_grad` and `.grad`, megatron DDP's buffers, ZeRO-2's bucket buffers (owned
-    accumulation, local and in-flight reduce buffers). Measured, not derived from the ownership map."""
-    tensors = []
-    for chunk in chunks:
-        for p in chunk.module.parameters():
-            tensors += [getattr(p, "main_grad", None), p.grad]
-        if isinstance(getattr(chunk, "buffers", None), list):  # megatron DDP (nn.Module.buffers otherwise)
-            tensors += [buf.grad_data for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
-        for b in getattr(chunk, "buckets", []):
-            tensors += [b.grad, b.local, b.comm]
-    storages = {}
-    for t in tensors:
-        if t is not None and t.untyped_storage().nbytes():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 def _state_summary(trainer):

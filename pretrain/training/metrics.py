@@ -309,3 +309,22 @@ def memory_stats(reset_peak: bool = False) -> Dict[str, float]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak_bytes = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
     return {"mem_peak_gb": peak_bytes / _GIB, "mem_reserved_gb": peak_bytes / _GIB}
+
+
+def allocated_grad_bytes(chunks) -> int:
+    """Bytes of the distinct storages behind every gradient tensor allocated on this rank now: each
+    parameter's `.main_grad` and `.grad`, megatron DDP's buffers, ZeRO-2's bucket buffers. Measured from
+    the tensors, not derived from any ownership map."""
+    tensors = []
+    for chunk in chunks:
+        for p in chunk.module.parameters():
+            tensors += [getattr(p, "main_grad", None), p.grad]
+        if isinstance(getattr(chunk, "buffers", None), list):  # megatron DDP (nn.Module.buffers otherwise)
+            tensors += [buf.grad_data for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
+        for b in getattr(chunk, "buckets", []):  # ZeRO-2: owned accumulation, local and in-flight buffers
+            tensors += [b.grad, b.local, b.comm]
+    storages = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
