@@ -28,8 +28,10 @@ setup(
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
         # the DSA kernels; CUDA builds of torch ship it, the CPU tests run it in its interpreter
         "kernels": ["triton==3.6.0"],
+        "liger": ["liger-kernel==0.8.5"],  # model.output_loss_backend=liger
+        "deepspeed": ["deepspeed>=0.19"],  # model.activation_offload_backend=deepspeed
         "dev": ["pytest>=8", "pytest-timeout", "transformers==5.23.0", "matplotlib", "tensorboard", "triton==3.6.0",
-                "pyarrow"],
+                "pyarrow", "liger-kernel==0.8.5", "deepspeed>=0.19"],
     },
     entry_points={
         "console_scripts": [

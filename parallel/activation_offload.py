@@ -238,6 +238,9 @@ def reset_activation_offload() -> None:
     global _PROCESS_OFFLOADER
     _PROCESS_OFFLOADER = None
     route_recompute_units(None)
+    from parallel.deepspeed_offload import reset_deepspeed_offload
+
+    reset_deepspeed_offload()
 
 
 def process_offloader() -> Optional[ActivationOffloader]:

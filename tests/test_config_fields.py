@@ -70,6 +70,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "model.recompute_method": {"uniform", "block", None},
         "model.recompute_modules": {"core_attn", "mlp", "moe", "shared_experts", "layernorm", None},
         "model.output_loss_backend": {"unfused", "chunked", "liger"},
+        "model.activation_offload_backend": {"torch", "deepspeed"},
         "train.trainable_params": {"all", "dsa_indexer"},
         "optimizer.optimizer": {"adam", "muon"},
         "optimizer.muon_ns_dtype": {"bfloat16", "float32"},

@@ -44,6 +44,7 @@ def selective(*modules: str) -> List[str]:
 
 
 OFFLOAD = ["model.activation_offload=true"]
+DEEPSPEED = OFFLOAD + ["model.activation_offload_backend=deepspeed"]
 CHUNKED = ["model.output_loss_backend=chunked", "model.output_chunk_size=5"]  # 32 rows: chunks of 5 and a 2
 LIGER = ["model.output_loss_backend=liger"]
 COMBINED = FULL + OFFLOAD + CHUNKED
@@ -56,11 +57,13 @@ VARIANTS = {
         "selective moe": selective("moe"), "selective mlp": selective("mlp"),
         "selective shared_experts": selective("shared_experts"), "selective layernorm": selective("layernorm"),
         "offload": OFFLOAD, "offload + full": OFFLOAD + FULL, "offload + selective": OFFLOAD + selective("core_attn"),
+        "deepspeed offload + full": DEEPSPEED + FULL,
         "chunked": CHUNKED, "liger": LIGER, "combined": COMBINED,
     },
     "warmup": {"full uniform": FULL, "selective core_attn": selective("core_attn"), "offload": OFFLOAD,
                "chunked": CHUNKED, "combined": COMBINED},
     "sparse": {"full uniform": FULL, "selective core_attn": selective("core_attn"), "offload": OFFLOAD,
+               "deepspeed offload + full": DEEPSPEED + FULL,
                "chunked": CHUNKED, "combined": COMBINED},
 }
 BASES = {"pretraining": [], "warmup": WARMUP, "sparse": SPARSE}
@@ -85,6 +88,30 @@ def _forward_backward(model, tokens):
     return loss.detach(), saved[0], head_calls[0]
 
 
+def deepspeed_on_cpu() -> List[int]:
+    """Let DeepSpeed's CPU checkpointing run on a CPU-only host, counting the bytes it keeps on the host.
+
+    DeepSpeed assumes activations live on an accelerator: its host copy `t.to("cpu")` of a CPU tensor
+    is the tensor itself, which it then empties. A device-to-host copy is a new tensor; here, a clone is."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds
+
+    copy_to_device, keep_on_host, kept = ds.copy_to_device, ds.get_cpu_activations_for_backward, [0]
+
+    def copying(item, device, criterion_func):
+        if isinstance(item, (tuple, list)):
+            return type(item)(copying(v, device, criterion_func) for v in item)
+        if torch.is_tensor(item) and criterion_func(item):
+            return item.detach().clone()
+        return copy_to_device(item, device, criterion_func)
+
+    def counting(args, inputs):
+        kept[0] += sum(t.numel() * t.element_size() for t in inputs if torch.is_tensor(t) and t.is_floating_point())
+        return keep_on_host(args, inputs)
+
+    ds.copy_to_device, ds.get_cpu_activations_for_backward = copying, counting
+    return kept
+
+
 def rank_variants(rank: int, world_size: int, base: str, tokens: torch.Tensor) -> Dict[str, dict]:
     """The plain run and each variant from the same weights, one process."""
     from parallel import activation_offload
@@ -95,6 +122,7 @@ def rank_variants(rank: int, world_size: int, base: str, tokens: torch.Tensor) -
 
     patch_triton_interpreter()  # Liger's kernels run in Triton's interpreter here
     activation_offload.MIN_OFFLOAD_BYTES = 1024  # the tiny model's activations are small
+    deepspeed_kept = deepspeed_on_cpu()
     results, state = {}, None
     try:
         for name, extra in {"plain": [], **VARIANTS[base]}.items():
@@ -107,10 +135,14 @@ def rank_variants(rank: int, world_size: int, base: str, tokens: torch.Tensor) -
             model.load_state_dict(state)
             loss, saved, head_calls = _forward_backward(model, tokens)
             off = activation_offload.process_offloader()
+            if cfg.model.activation_offload_backend == "deepspeed":
+                off = None
+                ds_kept, deepspeed_kept[0] = deepspeed_kept[0], 0
             results[name] = {
                 "loss": loss, "saved": saved, "head_calls": head_calls,
                 "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
                 "offloaded": off.offloaded_bytes if off else 0, "prefetched": off.prefetched_groups if off else 0,
+                "deepspeed_kept": ds_kept if cfg.model.activation_offload_backend == "deepspeed" else 0,
             }
         return results
     finally:
@@ -152,7 +184,9 @@ def test_each_feature_does_its_job(runs):
         if name == "plain":
             continue
         extra = VARIANTS[base][name]
-        if "model.activation_offload=true" in extra:
+        if "model.activation_offload_backend=deepspeed" in extra:
+            assert res["deepspeed_kept"] > 0 and res["saved"] < plain["saved"], name  # unit inputs via the host
+        elif "model.activation_offload=true" in extra:
             assert res["offloaded"] > 0 and res["prefetched"] > 0, name
         elif any(e.startswith("model.recompute_granularity") for e in extra):
             assert res["saved"] < plain["saved"], (name, res["saved"], plain["saved"])
@@ -223,7 +257,9 @@ def test_pp2_with_memory_features_matches_single_rank(reference):
         compare_stage_grads(ref, [s[name]["grads"] for s in stages], combine_embedding=True)
 
 
-def test_bad_memory_settings_fail_at_config_time():
+def test_bad_memory_settings_fail_at_config_time(monkeypatch):
+    import sys
+
     from pretrain.config import ConfigError, load_config
 
     cases = {
@@ -232,8 +268,17 @@ def test_bad_memory_settings_fail_at_config_time():
         "recompute_method and model.recompute_num_layers": ["model.recompute_granularity=full"],
         "recompute_modules needs": ["model.recompute_modules=[core_attn]"],
         "runs at parallel.tensor_model_parallel_size=1 only": LIGER + LAYOUTS["tp2"],
+        "deepspeed offloads the inputs of full-recompute units": DEEPSPEED,
+        "deepspeed restores DeepSpeed's RNG tracker": DEEPSPEED + FULL + ["model.attention_dropout=0.1"],
     }
     for message, overrides in cases.items():
         with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as err:
             load_config(TINY, BASE_OVERRIDES + overrides)
+        assert "\n" not in str(err.value)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as on a machine without DeepSpeed
+    for backend, package in {"deepspeed": DEEPSPEED + FULL, "liger": LIGER}.items():
+        if backend == "liger":
+            monkeypatch.setitem(sys.modules, "liger_kernel", None)
+        with pytest.raises(ConfigError, match=f"needs .*pip install -e '\\.\\[{backend}\\]'") as err:
+            load_config(TINY, BASE_OVERRIDES + package)
         assert "\n" not in str(err.value)

@@ -162,7 +162,9 @@ class ModelConfig:
     recompute_modules: Optional[List[Literal["core_attn", "mlp", "moe", "shared_experts", "layernorm"]]] = None
     """With selective: the submodules recomputed in backward; null: ["core_attn"] (megatron's default)."""
     activation_offload: bool = False
-    """Ours: each layer's saved activations wait in pinned host memory between forward and backward (torch-native)."""
+    """Ours: each layer's saved activations wait in pinned host memory between forward and backward."""
+    activation_offload_backend: Literal["torch", "deepspeed"] = "torch"
+    """Ours: "torch" (saved-tensor hooks, any recompute) or "deepspeed" (checkpoint_in_cpu; needs recompute full)."""
     output_loss_backend: Literal["unfused", "chunked", "liger"] = "unfused"
     """Ours: output layer + loss: "unfused" (full logits), "chunked" (sequence chunks, any TP) or "liger" (TP = 1)."""
     output_chunk_size: Optional[int] = None
@@ -326,6 +328,8 @@ class LoggingConfig:
     """First profiled step (with profile_step_end)."""
     profile_step_end: Optional[int] = None
     """Step after the last profiled one."""
+    profile_memory: bool = False
+    """Ours: the profile window also records CUDA allocations: a memory snapshot and a report of the peak."""
 
 
 @dataclass

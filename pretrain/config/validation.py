@@ -189,6 +189,22 @@ def _check_memory(m: ModelConfig) -> None:
         "model.recompute_granularity with 'shared' model.dsa_indexer_types is not supported (a recomputed shared "
         "layer would read another micro-batch's top-k); use all-'full' indexers or no recompute",
     )
+    deepspeed = m.activation_offload_backend == "deepspeed"
+    require(
+        not deepspeed or (m.activation_offload and m.recompute_granularity == "full"),
+        "model.activation_offload_backend=deepspeed offloads the inputs of full-recompute units: it needs "
+        f"model.activation_offload=true and model.recompute_granularity=full (got {m.activation_offload}, "
+        f"{m.recompute_granularity})",
+    )
+    require(
+        not deepspeed or importlib.util.find_spec("deepspeed") is not None,
+        "model.activation_offload_backend=deepspeed needs DeepSpeed: pip install -e '.[deepspeed]' (or use torch)",
+    )
+    require(
+        not deepspeed or (m.hidden_dropout == 0 and m.attention_dropout == 0),
+        "model.activation_offload_backend=deepspeed restores DeepSpeed's RNG tracker, not megatron's: set "
+        "model.hidden_dropout and model.attention_dropout to 0, or use the torch backend",
+    )
     require(
         m.output_loss_backend != "liger" or importlib.util.find_spec("liger_kernel") is not None,
         "model.output_loss_backend=liger needs Liger kernels: pip install -e '.[liger]' (or use chunked)",
@@ -339,3 +355,8 @@ def check_logging(lg: LoggingConfig) -> None:
             f"logging.profile_step_start ({show(start)}) and logging.profile_step_end ({show(end)}) must be set together "
             "with 0 <= start < end; set both to null to disable profiling",
         )
+    require(
+        not lg.profile_memory or start is not None,
+        "logging.profile_memory records allocations over the profile window: set logging.profile_step_start and "
+        "logging.profile_step_end too",
+    )

@@ -47,6 +47,7 @@ _BUILDER_KEYS = {
     "moe_token_dispatcher_type",
     "params_dtype",
     "transformer_impl",
+    "activation_offload_backend",
 }
 
 
@@ -128,14 +129,20 @@ def build_model(
     if torch.cuda.is_available() and not any(p.is_meta for p in model.parameters()):
         model.cuda(torch.cuda.current_device())
     if model_cfg.activation_offload:
-        _enable_activation_offload(model)
+        _enable_activation_offload(model, model_cfg.activation_offload_backend)
     return model
 
 
-def _enable_activation_offload(model: GLM5Model) -> None:
+def _enable_activation_offload(model: GLM5Model, backend: str) -> None:
     """GLM-5's activation offloading: every transformer layer (decoder and MTP) of this chunk."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from parallel.activation_offload import enable_torch_offload
+
+    if backend == "deepspeed":
+        from parallel.deepspeed_offload import enable_deepspeed_offload
+
+        enable_deepspeed_offload(model)
+        return
 
     enable_torch_offload(model, [m for m in model.modules() if isinstance(m, TransformerLayer)])

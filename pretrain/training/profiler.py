@@ -11,6 +11,10 @@ The window records CPU and (when present) CUDA activity of the steps start..end 
 https://ui.perfetto.dev) and a table of the most expensive operators to
 `<logging.run_dir>/profile/`. Only rank 0 profiles unless `all_ranks=True`: every profiled rank
 writes its own files, named by rank.
+
+With `logging.profile_memory: true` the window also records every CUDA allocation with its stack
+(`torch.cuda.memory._record_memory_history`) and writes the snapshot (`memory_<name>.pickle`, for
+pytorch.org/memory_viz or `python -m pretrain.tools.memory_report`) and the peak report beside it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ class ProfilerWindow:
         self._first: Optional[int] = None
         self._last: Optional[int] = None
         self.trace_path: Optional[Path] = None
+        self.profile_memory = bool(getattr(log, "profile_memory", False)) and self.enabled
+        if self.profile_memory and not torch.cuda.is_available():
+            print("profiler: logging.profile_memory records CUDA allocations; this run has no GPU, so it is off",
+                  flush=True)
+            self.profile_memory = False
+        self._baseline_bytes = 0
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -69,6 +79,10 @@ class ProfilerWindow:
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
         self._profiler.start()
         self._first = step
+        if self.profile_memory:
+            torch.cuda.synchronize()
+            self._baseline_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
 
     def _export(self) -> None:
         if self._profiler is None:
@@ -83,6 +97,25 @@ class ProfilerWindow:
         table = profiler.key_averages().table(sort_by=sort_by, row_limit=40)
         (self.out_dir / f"ops_{name}.txt").write_text(table + "\n", encoding="utf-8")
         print(f"profiler: steps {self._first}-{self._last} written to {self.trace_path}", flush=True)
+        if self.profile_memory:
+            self._export_memory(name)
+
+    def _export_memory(self, name: str) -> None:
+        import pickle
+
+        from pretrain.training.memory_snapshot import format_report, peak_breakdown
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        snapshot["baseline_bytes"] = self._baseline_bytes
+        path = self.out_dir / f"memory_{name}.pickle"
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+        device = torch.cuda.current_device()
+        peak, sites = peak_breakdown(snapshot["device_traces"][device], self._baseline_bytes)
+        report = format_report(peak, sites, self._baseline_bytes)
+        (self.out_dir / f"memory_{name}.txt").write_text(report + "\n", encoding="utf-8")
+        print(f"profiler: memory snapshot {path}\n{report}", flush=True)
 
     def close(self) -> None:
         """Export a window that the run left before its last step (no-op otherwise)."""
