@@ -28,6 +28,9 @@ from typing import Iterator, List, Optional, Set
 
 import torch
 
+from parallel.deepspeed_offload import reset_deepspeed_offload
+from parallel.recompute_units import route_recompute_units
+
 
 def in_backward() -> bool:
     """True while autograd runs a backward pass (e.g. a recomputed forward inside it)."""
@@ -181,33 +184,6 @@ def offload_layers(layers, offloader: ActivationOffloader) -> list:
     return handles
 
 
-_BLOCK = "megatron.core.transformer.transformer_block"  # full recompute of decoder layers
-_MTP = "megatron.core.transformer.multi_token_prediction"  # full recompute of the MTP layer
-_ROUTED: dict = {}  # module name -> its own `tensor_parallel`
-
-
-class _RoutedTensorParallel:
-    """megatron's `tensor_parallel` namespace as one module sees it, with `checkpoint` replaced."""
-
-    def __init__(self, original, checkpoint):
-        self._original, self.checkpoint = original, checkpoint
-
-    def __getattr__(self, name):
-        return getattr(self._original, name)
-
-
-def route_recompute_units(wrap, modules=(_BLOCK, _MTP)) -> None:
-    """Route the recompute units of `modules` (their `tensor_parallel.checkpoint` calls: full recompute)
-    through `wrap(original_checkpoint) -> checkpoint`; `wrap=None` restores megatron's everywhere.
-    Only these modules see the change; every other user of `tensor_parallel` keeps megatron's."""
-    import importlib
-
-    for name in list(_ROUTED) if wrap is None else modules:
-        module = importlib.import_module(name)
-        original = _ROUTED.setdefault(name, module.tensor_parallel)
-        module.tensor_parallel = original if wrap is None else _RoutedTensorParallel(original, wrap(original.checkpoint))
-
-
 _PROCESS_OFFLOADER: Optional[ActivationOffloader] = None
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors stay: their copies would cost more than they free
 
@@ -238,8 +214,6 @@ def reset_activation_offload() -> None:
     global _PROCESS_OFFLOADER
     _PROCESS_OFFLOADER = None
     route_recompute_units(None)
-    from parallel.deepspeed_offload import reset_deepspeed_offload
-
     reset_deepspeed_offload()
 
 

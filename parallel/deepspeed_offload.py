@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from parallel.activation_offload import route_recompute_units
+from parallel.recompute_units import route_recompute_units
 
 log = logging.getLogger(__name__)
 
