@@ -36,6 +36,10 @@ FEATURES = {
                   "model.output_loss_backend=liger"],
     "full": FULL + ["model.output_loss_backend=liger"],
     "full+offload": FULL + ["model.output_loss_backend=liger", "model.activation_offload=true"],
+    "full+offload-ds": FULL + ["model.output_loss_backend=liger", "model.activation_offload=true",
+                               "model.activation_offload_backend=deepspeed"],
+    "selective+offload": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,moe]",
+                          "model.output_loss_backend=liger", "model.activation_offload=true"],
     "offload": ["model.output_loss_backend=liger", "model.activation_offload=true"],
 }
 

@@ -310,7 +310,7 @@ def _metrics(run_dir):
 @pytest.mark.gpu
 def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
     """glm5-tiny at 2 x 2048 tokens in bf16 (DSA sparse on the Triton kernels): full recompute, activation
-    offloading and the fused output loss (chunked, Liger) give the plain step's loss and gradients within
+    offloading (both backends) and the fused output loss (chunked, Liger) give the plain step's loss and gradients within
     bf16 tolerance; the offloader's copies run on its side streams, and the step issues no host sync."""
     from parallel import activation_offload
     from parallel.initialize import ensure_single_rank
@@ -325,6 +325,7 @@ def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
     variants = {"plain": [], "liger": ["model.output_loss_backend=liger"],
                 "combined": full + ["model.activation_offload=true", "model.output_loss_backend=chunked",
                                     "model.output_chunk_size=1000"],
+                "deepspeed": full + ["model.activation_offload=true", "model.activation_offload_backend=deepspeed"],
                 "offload": ["model.activation_offload=true"]}
     ids = torch.randint(0, 8192, (2, 2049), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     inputs, labels = ids[:, :-1], ids[:, 1:]

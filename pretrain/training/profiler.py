@@ -82,7 +82,7 @@ class ProfilerWindow:
         if self.profile_memory:
             torch.cuda.synchronize()
             self._baseline_bytes = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
 
     def _export(self) -> None:
         if self._profiler is None:
