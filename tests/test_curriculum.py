@@ -72,15 +72,18 @@ def test_tiny_plan_runs_every_stage_from_the_previous_one(uninterrupted):
     assert all(f"| {name} |" in table for name in STAGES) and paths["plot"].stat().st_size > 10_000
 
 
-def _optimizer_tensors(rank, world_size, config_path, save_dir):
-    """The optimizer state of a stage just after its start (no step taken), keyed like the checkpoint."""
+def _optimizer_tensors(rank, world_size, config_path, save_dir, step_dir):
+    """(the optimizer state of a stage just after its start (no step taken), keyed like the checkpoint;
+    every tensor of the checkpoint `step_dir` as read from disk by megatron's plain reader)."""
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from pretrain.config import load_config
     from pretrain.training.checkpoint_state import model_sharded_state, optimizer_sharded_state
     from pretrain.training.loop import Trainer
 
-    trainer = Trainer(load_config(config_path, [f"checkpoint.save={save_dir}"]))
+    # its own save dir and run dir: the stage's checkpoints and metrics stay untouched
+    trainer = Trainer(load_config(config_path, [f"checkpoint.save={save_dir}/ckpt", f"logging.run_dir={save_dir}"]))
     _, tensors = optimizer_sharded_state(trainer.optimizer, dict(model_sharded_state(trainer.model)), is_loading=False)
     out = {}
 
@@ -92,15 +95,13 @@ def _optimizer_tensors(rank, world_size, config_path, save_dir):
             out[value.key] = value.data.detach().clone().cpu()
 
     walk(tensors)
-    return out
+    return out, dist_checkpointing.load_plain_tensors(step_dir)
 
 
 def test_carried_optimizer_state_is_the_previous_stages_last(uninterrupted, tmp_path):
-    from megatron.core import dist_checkpointing
-
     run_dir, _ = uninterrupted
-    saved = dist_checkpointing.load_plain_tensors(str(run_dir / "ctx256" / "checkpoints" / "iter_0000004"))
-    started = run_ranks(_optimizer_tensors, 1, str(run_dir / "ctx512" / "config.yaml"), str(tmp_path / "fresh"))[0]
+    started, saved = run_ranks(_optimizer_tensors, 1, str(run_dir / "ctx512" / "config.yaml"), str(tmp_path / "fresh"),
+                               str(run_dir / "ctx256" / "checkpoints" / "iter_0000004"))[0]
     moments = [k for k in started if "exp_avg" in k]
     assert moments and set(started) <= set(saved)
     for key in started:
