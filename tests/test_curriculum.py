@@ -207,6 +207,7 @@ def test_shipped_small_plans_validate():
     assert [s.seq_length for s in proxy.stages] == [4096, 32768, 131072, 202752]
     tiny = load_plan(str(TINY))
     assert [s.seq_length for s in tiny.stages] == [256, 512, 1024, 1024, 1024]
+    assert all(s.cfg.model.transformer_impl == "local" for s in proxy.stages + tiny.stages)
 
 
 def test_glm5_744b_plan_follows_the_report():
