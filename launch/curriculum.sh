@@ -8,7 +8,8 @@
 #   SBATCH_ARGS="--nodes 4 --gpus-per-node 8" bash launch/curriculum.sh --slurm --plan PLAN
 #   bash launch/curriculum.sh --validate-only --plan PLAN                             # build every stage's config
 #
-# KEY=VALUE sets a plan key (run_dir, name, optimizer_state, pretrained); section.key=value applies
+# KEY=VALUE sets a plan key (run_dir, name, optimizer_state, pretrained,
+# prune_checkpoints); section.key=value applies
 # to every stage's config. Each stage runs `launch/train.sh` (torchrun; environment as there:
 # NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, RDZV_ENDPOINT, MAX_RESTARTS). With --slurm the
 # plan is checked here, then one Slurm job (launch/curriculum.sbatch) runs the whole plan, each

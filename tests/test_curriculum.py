@@ -248,3 +248,20 @@ def test_glm5_744b_plan_follows_the_report():
     assert all(s.cfg.model.rotary_base == 1e6 for s in plan.stages[2:])
     assert sum(s.trained_tokens for s in plan.stages[:2]) == pytest.approx(27e12, rel=1e-4)
     assert all(not s.cfg.model.dsa_sparse_attention and s.cfg.model.dsa_indexer_loss_coeff == 0 for s in plan.stages[:5])
+
+
+def test_pruning_deletes_a_stages_checkpoints_only_once_the_next_stage_finished(tmp_path):
+    from pretrain.curriculum.runner import DONE_FILE, prune_finished_checkpoints
+
+    plan = load_plan(write_plan(tmp_path, [stage("a"), stage("b"), stage("c")], prune_checkpoints=True))
+    for s in plan.stages:
+        Path(s.checkpoints).mkdir(parents=True)
+    (plan.stages[0].directory / DONE_FILE).write_text(json.dumps({"train_iters": 4}))
+    assert prune_finished_checkpoints(plan, log=lambda _: None) == []  # b, which starts from a, has not finished
+    (plan.stages[1].directory / DONE_FILE).write_text(json.dumps({"train_iters": 4}))
+    (plan.stages[2].directory / DONE_FILE).write_text(json.dumps({"train_iters": 4}))
+    assert prune_finished_checkpoints(plan, log=lambda _: None) == [plan.stages[0].checkpoints,
+                                                                    plan.stages[1].checkpoints]
+    assert [Path(s.checkpoints).exists() for s in plan.stages] == [False, False, True]  # the last stage's stay
+    with pytest.raises(PlanError, match="prune_checkpoints must be true or false"):
+        load_plan(write_plan(tmp_path, [stage()], prune_checkpoints="yes"))

@@ -3,7 +3,7 @@
     python -m pretrain.curriculum --plan configs/curriculum/tiny.yaml [--launcher torchrun|srun|inline]
         [--validate-only] [run_dir=DIR] [optimizer_state=carry] [section.key=value ...]
 
-`KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained);
+`KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
 same command again to resume), 2 a bad plan (one line, before anything runs).
 """

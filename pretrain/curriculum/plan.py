@@ -4,6 +4,7 @@
     run_dir: runs/curriculum-tiny           # stage s writes <run_dir>/<s>/ (metrics, checkpoints, config.yaml)
     optimizer_state: fresh                  # or carry: each stage continues the previous stage's optimizer state
     pretrained: null                        # weights the first stage starts from (null: fresh initialization)
+    prune_checkpoints: false                # true: delete a stage's checkpoints once the stage after it has finished
     defaults:                               # config keys for every stage, nested by section like a config file
       train: {micro_batch_size: 1}
     stages:
@@ -46,7 +47,7 @@ from pretrain.config import ConfigError, load_config
 from pretrain.config.schema import SECTIONS, GLM5Config
 
 OptimizerState = Literal["fresh", "carry"]
-PLAN_KEYS = ("name", "run_dir", "optimizer_state", "pretrained", "defaults", "stages")
+PLAN_KEYS = ("name", "run_dir", "optimizer_state", "pretrained", "prune_checkpoints", "defaults", "stages")
 STAGE_KEYS = ("name", "config", "seq_length", "tokens", "batch_tokens", "optimizer_state", "overrides")
 # Keys the runner sets for every stage; a plan or override that sets them is refused.
 RUNNER_KEYS = ("data.seq_length", "train.train_iters", "train.global_batch_size", "checkpoint.save",
@@ -97,6 +98,7 @@ class Plan:
     run_dir: Path
     optimizer_state: OptimizerState
     pretrained: Optional[str]
+    prune_checkpoints: bool = False
     stages: List[Stage] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -147,7 +149,9 @@ def load_plan(path: str, overrides: Sequence[str] = ()) -> Plan:
     plan = Plan(path=str(path), name=str(doc.get("name") or Path(path).stem),
                 run_dir=Path(_required(doc, "run_dir", f"plan {path}", str)),
                 optimizer_state=_optimizer_state(doc.get("optimizer_state", "fresh"), f"plan {path}"),
-                pretrained=doc.get("pretrained"))
+                pretrained=doc.get("pretrained"), prune_checkpoints=doc.get("prune_checkpoints", False))
+    if not isinstance(plan.prune_checkpoints, bool):
+        raise PlanError(f"plan {path}: prune_checkpoints must be true or false, got {plan.prune_checkpoints!r}")
     defaults = _dotted(doc.get("defaults") or {}, f"plan {path}: defaults")
     _check_owned(defaults, f"plan {path}: defaults")
     seen = set()

@@ -13,7 +13,9 @@ A stage that exits successfully with its last checkpoint at its last step gets
 `<run_dir>/<stage>/stage_complete.json`; a restarted plan skips those stages. The first unfinished
 stage then resumes from its own checkpoints (the loop prefers `checkpoint.save` over
 `checkpoint.pretrained`), continuing the same losses as an uninterrupted run, and later stages
-start from its final weights. `<run_dir>/plan.json` records the stages for the report
+start from its final weights. With `prune_checkpoints: true` a stage's checkpoints are deleted once
+the stage after it has finished (nothing needs them then; the last stage's stay), so the disk holds
+at most two stages' checkpoints. `<run_dir>/plan.json` records the stages for the report
 (`python -m pretrain.tools.plan_report RUN_DIR`).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -86,6 +89,17 @@ def _last_checkpoint(stage: Stage) -> Optional[int]:
     return candidates[0].iteration if candidates else None
 
 
+def prune_finished_checkpoints(plan: Plan, log: Callable[[str], None] = print) -> List[str]:
+    """Delete the checkpoints of every stage whose next stage has finished; return the folders deleted."""
+    deleted = []
+    for stage, after in zip(plan.stages, plan.stages[1:]):
+        if finished_iterations(after) is not None and Path(stage.checkpoints).exists():
+            shutil.rmtree(stage.checkpoints)
+            log(f"deleted the checkpoints of stage {stage.name} ({stage.checkpoints}): stage {after.name} has finished")
+            deleted.append(stage.checkpoints)
+    return deleted
+
+
 def run_plan(plan: Plan, launcher: Launcher = "torchrun", log: Callable[[str], None] = print) -> None:
     """Train the plan's unfinished stages in order. Raises StageFailed when a stage's run fails."""
     if launcher not in LAUNCHERS:
@@ -120,4 +134,6 @@ def run_plan(plan: Plan, launcher: Launcher = "torchrun", log: Callable[[str], N
         record = {"train_iters": stage.train_iters, "tokens": stage.trained_tokens, "seconds": time.time() - began,
                   "launcher": launcher}
         atomic_write_text(stage.directory / DONE_FILE, json.dumps(record) + "\n")
+        if plan.prune_checkpoints and int(os.environ.get("NODE_RANK", "0")) == 0:
+            prune_finished_checkpoints(plan, log)
     log(f"plan {plan.name} finished: {len(plan.stages)} stages in {plan.run_dir}")
