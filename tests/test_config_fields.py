@@ -133,7 +133,8 @@ def test_context_parallelism_is_refused_at_config_time(extra):
 
 
 def test_shipped_configs_use_the_torch_native_backend():
-    shipped = sorted((ROOT / "configs").rglob("*.yaml"))
+    # configs/curriculum/ holds plans, not configs: their stages are checked in tests/test_curriculum.py
+    shipped = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "curriculum" not in p.parts)
     assert len(shipped) > 10
     for path in shipped:
         assert load_config(path).model.transformer_impl == "local", path.name

@@ -310,6 +310,8 @@ class CheckpointConfig:
     """Ours: resume from save when it holds a checkpoint."""
     pretrained: Optional[str] = None
     """Ours: weights a fresh run starts from (ours or `glm5-convert hf-to-checkpoint` output)."""
+    pretrained_optimizer: bool = False
+    """Ours: also take optimizer state (moments, Muon momentum) from checkpoint.pretrained; step count and data restart."""
 
 
 @dataclass

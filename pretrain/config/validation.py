@@ -344,6 +344,11 @@ def check_train(t: TrainConfig) -> None:
 def check_checkpoint(c: CheckpointConfig) -> None:
     _positive(c, "checkpoint", "save_interval", optional=True)
     _positive(c, "checkpoint", "keep_last")
+    require(
+        not c.pretrained_optimizer or bool(c.pretrained),
+        "checkpoint.pretrained_optimizer=true needs checkpoint.pretrained (the checkpoint whose optimizer state "
+        "to take); set checkpoint.pretrained or checkpoint.pretrained_optimizer=false",
+    )
 
 
 def check_logging(lg: LoggingConfig) -> None:

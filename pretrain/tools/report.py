@@ -2,6 +2,7 @@
 the newest checkpoint, and (with matplotlib) a plot of the curves.
 
     python -m pretrain.tools.report RUN_DIR
+    python -m pretrain.tools.report --plan RUN_DIR     # a curriculum plan's run_dir (pretrain.tools.plan_report)
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def summarize(run_dir: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
+    parser.add_argument("--plan", action="store_true", help="RUN_DIR is a curriculum plan's run_dir")
     args = parser.parse_args(argv)
+    if args.plan:
+        from pretrain.tools.plan_report import main as plan_main
+
+        return plan_main([args.run_dir])
     try:
         print(summarize(args.run_dir))
     except FileNotFoundError as err:

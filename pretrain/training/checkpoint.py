@@ -64,7 +64,8 @@ from pretrain.training.checkpoint_state import (
     set_optimizer_step,
 )
 
-__all__ = ["CheckpointWarning", "save_checkpoint", "load_checkpoint", "capture_rng_state", "parallel_layout"]
+__all__ = ["CheckpointWarning", "save_checkpoint", "load_checkpoint", "load_weights_and_optimizer",
+           "capture_rng_state", "parallel_layout"]
 _WRITER_THREADS = 2  # files written per rank, in parallel
 _RANK_STATE_DIR = "rank_state"
 
@@ -172,6 +173,24 @@ def load_checkpoint(
         failures.append(f"{path}: {unreadable}")
         _warn(f"could not read checkpoint {path} ({unreadable}); falling back to an older one")
     raise RuntimeError(f"no usable checkpoint in {load_dir}: " + "; ".join(problems + failures))
+
+
+def load_weights_and_optimizer(step_dir: str, model_chunks: Sequence[torch.nn.Module], optimizer) -> None:
+    """Model weights and optimizer state (moments, Muon momentum, fp32 main weights, the Adam step) of
+    one step dir, without its iteration, scheduler, RNG streams or data position. Collective.
+
+    For a run that continues another run's optimizer from iteration 0 with its own schedule and data
+    (`checkpoint.pretrained_optimizer`, e.g. the next stage of a context curriculum). The optimizer
+    must hold the same parameters as the one that saved it (the same trainable set).
+    """
+    loaded, unreadable = _load_all_ranks(step_dir, model_chunks, optimizer)
+    if loaded is None:
+        raise RuntimeError(f"could not read checkpoint {step_dir}: {unreadable}")
+    try:
+        _apply_state(loaded, model_chunks, optimizer, None)
+    except Exception as exc:
+        raise RuntimeError(f"could not apply checkpoint {step_dir}: {type(exc).__name__}: {exc}") from exc
+    dist.barrier()
 
 
 _READ_OK, _READ_UNREADABLE, _READ_FAILED = 0, 1, 2

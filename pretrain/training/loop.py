@@ -127,7 +127,12 @@ class Trainer:
                 if restored is not None:
                     break
         if restored is None:
-            if c.pretrained:
+            if c.pretrained and c.pretrained_optimizer:
+                from pretrain.training.pretrained import load_pretrained_with_optimizer
+
+                source = load_pretrained_with_optimizer(c.pretrained, self.model, self.optimizer)
+                self._log(f"started from the weights and optimizer state of {source}")
+            elif c.pretrained:
                 from pretrain.training.pretrained import load_pretrained_weights
 
                 fresh = load_pretrained_weights(c.pretrained, self.model)

@@ -10,6 +10,10 @@ Parameters of the DSA lightning indexer that the source lacks (a dense MLA model
 trained without DSA) keep their fresh initialization; any other missing tensor is an error. The
 run's own checkpoints (`checkpoint.save`, then `checkpoint.load`) take precedence when they exist,
 so a restarted stage resumes instead of starting over.
+
+`checkpoint.pretrained_optimizer: true` also takes the optimizer state from the training checkpoint
+(`load_pretrained_with_optimizer`): a context-curriculum stage that continues the previous stage's
+Adam moments / Muon momentum under its own LR schedule. Weights-only checkpoints have none.
 """
 
 from __future__ import annotations
@@ -73,3 +77,16 @@ def load_pretrained_weights(path: str, model_chunks: Sequence[torch.nn.Module]) 
                                f"{result.unexpected_keys[:5]}")
     dist.barrier()
     return fresh
+
+
+def load_pretrained_with_optimizer(path: str, model_chunks: Sequence[torch.nn.Module], optimizer) -> str:
+    """Load model weights and optimizer state from the training checkpoint `path` (collective);
+    return the step dir read. Every parameter must be present (no fresh DSA indexer here)."""
+    source = resolve_weights_dir(path)
+    if (Path(source) / WEIGHTS_MARKER).is_file():
+        raise RuntimeError(f"checkpoint.pretrained_optimizer=true but {path} holds weights only (no optimizer "
+                           "state); set checkpoint.pretrained_optimizer=false")
+    from pretrain.training.checkpoint import load_weights_and_optimizer
+
+    load_weights_and_optimizer(source, model_chunks, optimizer)
+    return source

@@ -1,0 +1,45 @@
+"""Run or check a curriculum plan.
+
+    python -m pretrain.curriculum --plan configs/curriculum/tiny.yaml [--launcher torchrun|srun|inline]
+        [--validate-only] [run_dir=DIR] [optimizer_state=carry] [section.key=value ...]
+
+`KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
+`section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
+same command again to resume), 2 a bad plan (one line, before anything runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pretrain.curriculum.plan import PlanError, load_plan
+from pretrain.curriculum.runner import LAUNCHERS, StageFailed, run_plan
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", required=True, help="plan YAML (configs/curriculum/*.yaml)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
+                        help="torchrun: launch/train.sh per stage (default); srun: the same under srun "
+                             "(inside a Slurm job); inline: in this process, one rank")
+    parser.add_argument("--validate-only", action="store_true", help="build every stage's config, print the plan")
+    parser.add_argument("overrides", nargs="*", help="plan keys KEY=VALUE or section.key=value for every stage")
+    args = parser.parse_args(argv)
+    try:
+        plan = load_plan(args.plan, args.overrides)
+        print(plan.summary(), flush=True)
+        if args.validate_only:
+            return 0
+        run_plan(plan, args.launcher, log=lambda line: print(line, flush=True))
+    except PlanError as err:
+        print(f"plan error: {err}", file=sys.stderr)
+        return 2
+    except StageFailed as err:
+        print(f"curriculum stopped: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
