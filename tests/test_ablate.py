@@ -1,0 +1,103 @@
+"""The ablation runner end to end on the CPU smoke sweep, and its refusals of bad sweep files."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.ablate.__main__ import main
+from pretrain.ablate.sweep import SweepError, load_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs/ablations/smoke.yaml"
+
+
+def _losses(run_dir: Path):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["loss"] for r in rows]
+
+
+def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys):
+    out = tmp_path / "smoke"
+    assert main([str(SMOKE), "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    muon, adamw = out / "muon/seed1234", out / "adamw/seed1234"
+    reference = {"muon": _losses(muon), "adamw": _losses(adamw)}
+    assert len(reference["muon"]) == 6 and reference["muon"] != reference["adamw"]
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["variant"]: r for r in results["variants"]}
+    assert list(rows) == ["muon", "adamw"]
+    # The table's numbers are the runs' own: final loss = the last logged loss, average over the last 3.
+    for name, losses in reference.items():
+        metrics = rows[name]["metrics"]
+        assert metrics["final_loss"]["mean"] == losses[-1]
+        assert metrics["avg_loss"]["mean"] == pytest.approx(sum(losses[-3:]) / 3)
+        assert metrics["valid_loss"]["mean"] is not None and metrics["tokens_per_sec"]["mean"] > 0
+        assert rows[name]["flags"] == []  # same model, same FLOPs
+    assert "| muon |" in (out / "results.md").read_text() and "| muon |" in printed
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Interrupt adamw after its step-3 checkpoint: drop the final one, as a killed run leaves it.
+    ckpt = adamw / "checkpoints"
+    shutil.rmtree(ckpt / "iter_0000006")
+    (ckpt / "latest").write_text(json.dumps({"step_dir": "iter_0000003", "iteration": 3}))
+    assert main([str(SMOKE), "--output-dir", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "muon/seed1234: finished (6 iterations), skipped" in printed
+    assert "adamw/seed1234: resumes from iteration 3" in printed
+    assert printed.count("-m pretrain.train") == 1
+
+    assert main([str(SMOKE), "--output-dir", str(out)]) == 0
+    assert "resumed from" in (adamw / "train.log").read_text()
+    assert _losses(adamw) == reference["adamw"]  # exact resume: the same losses as the uninterrupted run
+    assert _losses(muon) == reference["muon"]
+
+
+def _sweep(tmp_path, body: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {ROOT / 'configs/models/glm5-tiny.yaml'}\noutput_dir: runs/x\ntokens: 1024\n"
+                    f"seeds: [1]\n{body}")
+    return path
+
+
+@pytest.mark.parametrize("body, message", [
+    ("variants:\n  - {name: a, overrides: [model.num_layerz=2]}\n", "unknown key model.num_layerz"),
+    ("variants:\n  - {name: a}\n  - {name: a}\n", "variant name 'a' appears twice"),
+    ("variants:\n  - {name: a, base: nope.yaml}\n", "base config not found"),
+    ("variants:\n  - {name: a, overrides: [train.seed=3]}\n", "set by the sweep runner"),
+    ("variants:\n  - {name: a, overrides: ['checkpoint.pretrained={checkpoint:b}']}\n  - {name: b}\n",
+     "must name an earlier variant"),
+    ("variants:\n  - {name: a, overides: []}\n", "unknown key 'overides' in variant a"),
+    ("report: {evals: {bleu: []}}\nvariants:\n  - {name: a}\n", "unknown evaluation 'bleu'"),
+])
+def test_bad_sweep_files_fail_before_any_run_with_one_line(tmp_path, capsys, body, message):
+    path = _sweep(tmp_path, body)
+    with pytest.raises(SweepError, match=message.replace("(", r"\(")):
+        load_sweep(path, tmp_path / "out")
+    assert main([str(path), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and err.startswith("sweep error:") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_reports_a_bad_sweep_in_one_line(tmp_path):
+    path = _sweep(tmp_path, "variants:\n  - {name: a, overrides: [model.hidden_sise=8]}\n")
+    proc = subprocess.run([sys.executable, "-m", "pretrain.ablate", str(path), "--output-dir", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "sweep error: variant a (seed 1): unknown key model.hidden_sise" in proc.stderr
+
+
+def test_token_budget_sets_iterations_and_dependencies_point_at_the_same_seed(tmp_path):
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense, tokens: 3000}\n"
+                            "  - {name: cont, overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n")
+    sweep = load_sweep(path, tmp_path / "out")
+    dense, cont = sweep.runs
+    assert dense.train_iters == 3  # ceil(3000 / (8 x 128)) with glm5-tiny's batch and sequence
+    assert cont.train_iters == 1 and cont.depends_on == "dense"
+    assert f"checkpoint.pretrained={tmp_path / 'out/dense/seed1/checkpoints'}" in cont.overrides
