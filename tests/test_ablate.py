@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from data_pipeline.indexed import DatasetWriter
+from data_pipeline.retrieval_probe import filler_tokens, make_probe
 from pretrain.ablate.__main__ import main
+from pretrain.eval import mtp_accept, retrieval
 from pretrain.ablate.sweep import SweepError, load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +59,28 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
     assert "resumed from" in (adamw / "train.log").read_text()
     assert _losses(adamw) == reference["adamw"]  # exact resume: the same losses as the uninterrupted run
     assert _losses(muon) == reference["muon"]
+
+    # The evaluations on a finished run's checkpoint, through their command lines, land in the table.
+    prefix = str(tmp_path / "heldout")
+    with DatasetWriter(prefix, np.uint16) as writer:
+        for doc in range(3):
+            writer.add_document(np.random.default_rng(doc).integers(0, 8192, 40).astype(np.uint16))
+        writer.close({})
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "2",
+                            "--samples", "2", "--prompt-tokens", "16", "--new-tokens", "4",
+                            "--json", str(muon / "eval_mtp_accept.json")]) == 0
+    probes = tmp_path / "probes.jsonl"
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731  (any ids below the vocabulary do)
+    probes.write_text("".join(json.dumps(p) + "\n" for p in make_probe(encode, filler_tokens(encode, None, 200),
+                                                                       [48, 64], samples=2)))
+    assert retrieval.main(["--checkpoint", str(muon / "checkpoints"), "--probes", str(probes),
+                           "--json", str(muon / "eval_retrieval.json")]) == 0
+    assert main([str(SMOKE), "--output-dir", str(out), "--report"]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["variants"]}
+    accept = rows["muon"]["metrics"]["accept_len@2"]["mean"]
+    assert 1.0 <= accept <= 3.0 and 1.0 <= rows["muon"]["metrics"]["accept_len@1"]["mean"] <= 2.0
+    assert rows["muon"]["metrics"]["retrieval@64"]["mean"] in (0.0, 0.5, 1.0)
+    assert "accept_len@2" in (out / "results.md").read_text()
 
 
 def _sweep(tmp_path, body: str) -> Path:
