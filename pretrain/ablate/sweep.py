@@ -138,6 +138,15 @@ def _unknown(keys, allowed, where: str) -> None:
         raise SweepError(f"unknown key {extra[0]!r} in {where}; allowed: {', '.join(sorted(allowed))}")
 
 
+def is_sweep_file(path) -> bool:
+    """True for a sweep file (it lists `variants`), as opposed to a training config."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and "variants" in doc
+
+
 def load_sweep(path, output_dir: Optional[Path] = None) -> Sweep:
     """Read and validate a sweep file; every run's config is built (and checked) here."""
     path = Path(path)
