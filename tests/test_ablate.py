@@ -13,7 +13,7 @@ from data_pipeline.indexed import DatasetWriter
 from data_pipeline.retrieval_probe import filler_tokens, make_probe
 from pretrain.ablate.__main__ import main
 from pretrain.eval import mtp_accept, retrieval
-from pretrain.ablate.sweep import SweepError, load_sweep
+from pretrain.ablate.sweep import SweepError, is_sweep_file, load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/ablations/smoke.yaml"
@@ -127,3 +127,16 @@ def test_token_budget_sets_iterations_and_dependencies_point_at_the_same_seed(tm
     assert dense.train_iters == 3  # ceil(3000 / (8 x 128)) with glm5-tiny's batch and sequence
     assert cont.train_iters == 1 and cont.depends_on == "dense"
     assert f"checkpoint.pretrained={tmp_path / 'out/dense/seed1/checkpoints'}" in cont.overrides
+
+
+SWEEPS = [p for p in sorted((ROOT / "configs/ablations").glob("*.yaml")) if is_sweep_file(p)]
+
+
+def test_the_shipped_sweeps_are_found():
+    assert {p.stem for p in SWEEPS} == {"attention", "dsa", "mtp", "optimizer", "smoke"}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_shipped_sweeps_build_every_run_config(path):
+    sweep = load_sweep(path)  # builds and validates every variant x seed config
+    assert sweep.runs and all(r.train_iters >= 6 for r in sweep.runs)

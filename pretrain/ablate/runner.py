@@ -68,7 +68,7 @@ def eval_commands(sweep: Sweep, run: Run) -> Dict[str, List[str]]:
     if not variant.report:
         return {}
     out = {}
-    for name, args in sweep.evals.items():
+    for name, args in (sweep.evals if variant.evals is None else variant.evals).items():
         result = run.run_dir / EVAL_FILE.format(name=name)
         if not result.is_file():
             out[name] = [python(), "-m", f"pretrain.eval.{name}", "--checkpoint", rel(run.checkpoint_dir),

@@ -18,7 +18,9 @@
         report: false                       # trained (others start from it), left out of the table
       - name: dsa
         base: ../dsa/other.yaml             # a variant may name its own base
-        tokens: 100_000_000                 # and its own budget
+        tokens: 100_000_000                 # and its own budget,
+        seeds: [1234]                       # seeds (a subset of the sweep's)
+        evals: {}                           # and evaluations (replacing report.evals)
         overrides: ["checkpoint.pretrained={checkpoint:dense-pretrain}"]
 
 `{checkpoint:NAME}` stands for the checkpoint directory of variant NAME's run with the same seed;
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("torchrun", "python")
 EVALS = ("mtp_accept", "retrieval")
 _SWEEP_KEYS = {"base", "output_dir", "tokens", "seeds", "launcher", "nproc_per_node", "overrides", "report", "variants"}
-_VARIANT_KEYS = {"name", "base", "overrides", "tokens", "report"}
+_VARIANT_KEYS = {"name", "base", "overrides", "tokens", "report", "seeds", "evals"}
 _REPORT_KEYS = {"average_last", "evals"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _CHECKPOINT_REF = re.compile(r"\{checkpoint:([^}]*)\}")
@@ -81,6 +83,8 @@ class Variant:
     base: Path
     overrides: List[str]
     tokens: int
+    seeds: List[int]
+    evals: Optional[Dict[str, List[str]]] = None  # None: the sweep's report.evals
     report: bool = True
 
 
@@ -171,10 +175,6 @@ def load_sweep(path, output_dir: Optional[Path] = None) -> Sweep:
     report = doc.get("report") or {}
     _require(isinstance(report, dict), "report must be a mapping")
     _unknown(report, _REPORT_KEYS, "report")
-    evals = report.get("evals") or {}
-    _require(isinstance(evals, dict), "report.evals must map an evaluation name to its arguments")
-    for name in evals:
-        _require(name in EVALS, f"unknown evaluation {name!r} in report.evals; allowed: {', '.join(EVALS)}")
     common = _strings(doc.get("overrides"), "overrides")
     sweep = Sweep(
         path=path,
@@ -182,15 +182,23 @@ def load_sweep(path, output_dir: Optional[Path] = None) -> Sweep:
         seeds=list(seeds),
         launcher=launcher,
         nproc_per_node=nproc,
-        variants=_variants(doc, path, common),
+        variants=_variants(doc, path, common, seeds),
         average_last=_int(report.get("average_last", 10), "report.average_last"),
-        evals={name: _strings(args, f"report.evals.{name}") for name, args in evals.items()},
+        evals=_evals(report.get("evals"), "report.evals"),
     )
-    sweep.runs = [_make_run(sweep, v, seed) for seed in sweep.seeds for v in sweep.variants]
+    sweep.runs = [_make_run(sweep, v, seed) for seed in sweep.seeds for v in sweep.variants if seed in v.seeds]
     return sweep
 
 
-def _variants(doc: dict, path: Path, common: List[str]) -> List[Variant]:
+def _evals(raw, where: str) -> Dict[str, List[str]]:
+    raw = raw or {}
+    _require(isinstance(raw, dict), f"{where} must map an evaluation name to its arguments")
+    for name in raw:
+        _require(name in EVALS, f"unknown evaluation {name!r} in {where}; allowed: {', '.join(EVALS)}")
+    return {name: _strings(args, f"{where}.{name}") for name, args in raw.items()}
+
+
+def _variants(doc: dict, path: Path, common: List[str], sweep_seeds: List[int]) -> List[Variant]:
     raw = doc["variants"]
     _require(isinstance(raw, list) and raw, "variants must be a non-empty list")
     seen, out = set(), []
@@ -211,7 +219,15 @@ def _variants(doc: dict, path: Path, common: List[str]) -> List[Variant]:
                 _require(ref in seen and ref != name,
                          f"variant {name}: {{checkpoint:{ref}}} must name an earlier variant")
         tokens = _int(item.get("tokens", doc["tokens"]), f"variant {name} tokens")
-        out.append(Variant(name, base, overrides, tokens, bool(item.get("report", True))))
+        seeds = item.get("seeds", sweep_seeds)
+        _require(isinstance(seeds, list) and seeds and set(seeds) <= set(sweep_seeds),
+                 f"variant {name}: seeds must be a non-empty subset of the sweep's seeds {sweep_seeds}")
+        for ref in {r for o in overrides for r in _CHECKPOINT_REF.findall(o)}:
+            source = next(v for v in out if v.name == ref)
+            _require(set(seeds) <= set(source.seeds), f"variant {name}: seeds {seeds} must be among those of {ref}, "
+                     f"whose checkpoints it starts from ({source.seeds})")
+        evals = _evals(item["evals"], f"variant {name} evals") if "evals" in item else None
+        out.append(Variant(name, base, overrides, tokens, seeds, evals, bool(item.get("report", True))))
     return out
 
 
