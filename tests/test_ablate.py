@@ -140,3 +140,24 @@ def test_the_shipped_sweeps_are_found():
 def test_shipped_sweeps_build_every_run_config(path):
     sweep = load_sweep(path)  # builds and validates every variant x seed config
     assert sweep.runs and all(r.train_iters >= 6 for r in sweep.runs)
+
+
+def test_dry_runs_print_the_launch_commands(tmp_path, capsys):
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nnproc_per_node: 2\nseeds: [1, 2]\nvariants:\n"
+                            "  - {name: dense, seeds: [1]}\n"
+                            "  - {name: cont, seeds: [1], overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n"
+                            "  - {name: other}\n")
+    path.write_text(path.read_text().replace("seeds: [1]\nvariants", "variants", 1))
+    out = str(tmp_path / "out")
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "dense", "other"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert lines == ["NPROC_PER_NODE=2 bash launch/train.sh --config configs/models/glm5-tiny.yaml "
+                     f"optimizer.lr_warmup_iters=0 train.seed={seed} train.train_iters=1 "
+                     f"logging.run_dir={out}/{name}/seed{seed} checkpoint.save={out}/{name}/seed{seed}/checkpoints "
+                     "checkpoint.auto_resume=true" for name, seed in (("dense", 1), ("other", 1), ("other", 2))]
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "cont"]) == 2
+    assert "cont/seed1 starts from dense/seed1, which is not finished" in capsys.readouterr().err
+    assert main([str(path), "--output-dir", out, "--dry-run", "--slurm"]) == 0
+    sbatch = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch")]
+    assert len(sbatch) == 4 and all("--gpus-per-node=2" in s and " launch/slurm.sbatch --config" in s for s in sbatch)
+    assert "'--dependency=afterok:<job id of dense/seed1>'" in sbatch[1] and "dependency" not in sbatch[0]

@@ -158,5 +158,6 @@ def run_slurm(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
             return 1
         jobs[run.name] = result.stdout.strip().split(";")[0]
         say(f"# {run.name}: job {jobs[run.name]}")
-    say(f"# when the jobs are done: python -m pretrain.ablate {rel(sweep.path)} --report")
+    say(f"# when the jobs are done: python -m pretrain.ablate {rel(sweep.path)} --report --output-dir "
+        f"{rel(sweep.output_dir)}")
     return 0
