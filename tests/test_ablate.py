@@ -69,6 +69,8 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
     assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "2",
                             "--samples", "2", "--prompt-tokens", "16", "--new-tokens", "4",
                             "--json", str(muon / "eval_mtp_accept.json")]) == 0
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "mtp_accept: --draft-tokens must be in 1..3 (the model's MTP depths), got 4"
     probes = tmp_path / "probes.jsonl"
     encode = lambda s: [ord(c) for c in s]  # noqa: E731  (any ids below the vocabulary do)
     probes.write_text("".join(json.dumps(p) + "\n" for p in make_probe(encode, filler_tokens(encode, None, 200),

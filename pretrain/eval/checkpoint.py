@@ -20,18 +20,27 @@ from pretrain.config import load_config
 from pretrain.config.schema import GLM5Config, ParallelConfig
 
 
-def load_for_eval(checkpoint: str, overrides: Sequence[str] = ()) -> Tuple[GLM5Config, torch.nn.Module]:
-    from parallel.initialize import ensure_single_rank
-    from pretrain import compat
-    from pretrain.model.builder import build_model
-    from pretrain.training.pretrained import load_pretrained_weights, resolve_weights_dir
+def checkpoint_config(checkpoint: str, overrides: Sequence[str] = ()) -> Tuple[Path, GLM5Config]:
+    """(step dir, the config it was saved with, single-rank): cheap, so arguments can be checked first."""
+    from pretrain.training.pretrained import resolve_weights_dir
 
+    if not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} is not a directory")
     step_dir = Path(resolve_weights_dir(checkpoint))
     config = step_dir / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{step_dir} has no config.yaml (not a training checkpoint of this project)")
     cfg = load_config(config, list(overrides))
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig())
+    return step_dir, dataclasses.replace(cfg, parallel=ParallelConfig())
+
+
+def load_for_eval(checkpoint: str, overrides: Sequence[str] = ()) -> Tuple[GLM5Config, torch.nn.Module]:
+    from parallel.initialize import ensure_single_rank
+    from pretrain import compat
+    from pretrain.model.builder import build_model
+    from pretrain.training.pretrained import load_pretrained_weights
+
+    step_dir, cfg = checkpoint_config(checkpoint, overrides)
     compat.install()
     ensure_single_rank(cfg.train.seed)
     model = build_model(cfg)

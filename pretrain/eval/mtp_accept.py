@@ -102,10 +102,16 @@ def main(argv=None) -> int:
     for name in ("samples", "prompt_tokens", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    from pretrain.eval.checkpoint import default_data_prefix, device_of, held_out_documents, load_for_eval
+    from pretrain.eval.checkpoint import (
+        checkpoint_config,
+        default_data_prefix,
+        device_of,
+        held_out_documents,
+        load_for_eval,
+    )
 
     try:
-        cfg, model = load_for_eval(args.checkpoint)
+        _, cfg = checkpoint_config(args.checkpoint)
         depths = cfg.model.mtp_num_layers or 0
         drafts = depths if args.draft_tokens is None else args.draft_tokens
         if depths == 0:
@@ -117,6 +123,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"mtp_accept: {err}", file=sys.stderr)
         return 2
+    cfg, model = load_for_eval(args.checkpoint)
     device = device_of(model)
     prompts = [torch.as_tensor(d[: args.prompt_tokens], device=device) for d in docs]
     print(f"{len(prompts)} prompts of {args.prompt_tokens} tokens from {prefix}, {args.new_tokens} new tokens each")

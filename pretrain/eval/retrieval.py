@@ -66,10 +66,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from data_pipeline.retrieval_probe import filler_tokens, make_probe
     from data_pipeline.tokenizer import load_tokenizer
-    from pretrain.eval.checkpoint import default_data_prefix, device_of, load_for_eval
+    from pretrain.eval.checkpoint import checkpoint_config, default_data_prefix, device_of, load_for_eval
 
     try:
-        cfg, model = load_for_eval(args.checkpoint)
+        _, cfg = checkpoint_config(args.checkpoint)
         if args.probes:
             probes = [json.loads(line) for line in args.probes.read_text().splitlines() if line.strip()]
         else:
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"retrieval: {err}", file=sys.stderr)
         return 2
+    cfg, model = load_for_eval(args.checkpoint)
     longest = max(int(p["length"]) for p in probes)
     if longest > cfg.data.seq_length:
         warnings.warn(f"probes up to {longest} tokens, longer than the trained data.seq_length={cfg.data.seq_length}",
