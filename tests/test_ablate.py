@@ -157,6 +157,8 @@ def test_dry_runs_print_the_launch_commands(tmp_path, capsys):
                      f"optimizer.lr_warmup_iters=0 train.seed={seed} train.train_iters=1 "
                      f"logging.run_dir={out}/{name}/seed{seed} checkpoint.save={out}/{name}/seed{seed}/checkpoints "
                      "checkpoint.auto_resume=true" for name, seed in (("dense", 1), ("other", 1), ("other", 2))]
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "other", "--seeds", "2"]) == 0
+    assert capsys.readouterr().out.count("launch/train.sh") == 1
     assert main([str(path), "--output-dir", out, "--dry-run", "--only", "cont"]) == 2
     assert "cont/seed1 starts from dense/seed1, which is not finished" in capsys.readouterr().err
     assert main([str(path), "--output-dir", out, "--dry-run", "--slurm"]) == 0

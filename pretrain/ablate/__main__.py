@@ -1,9 +1,10 @@
 """Run an ablation sweep, then write its table (Markdown, JSON) and loss curves (PNG).
 
-    python -m pretrain.ablate SWEEP.yaml [--dry-run] [--only NAME ...] [--slurm] [--report]
+    python -m pretrain.ablate SWEEP.yaml [--dry-run] [--only NAME ...] [--seeds N ...] [--slurm] [--report]
 
 --dry-run      print the commands that would run (finished runs are listed as skipped), run nothing
 --only NAME    only these variants (a variant that starts from another's checkpoint needs it finished)
+--seeds N      only these seeds (say, one seed first, the second later)
 --slurm        submit one sbatch job per unfinished run (launch/slurm.sbatch) instead of running here
 --report       only collect the table and plot from what has run
 --output-dir   put the runs somewhere else than the sweep's output_dir
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--only", nargs="+", default=[], metavar="NAME")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[], metavar="N")
     parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--output-dir", type=Path, default=None)
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, args.output_dir)
-        runs = select(sweep, args.only)
+        runs = select(sweep, args.only, args.seeds)
         if not args.report:
             rc = (run_slurm if args.slurm else run_local)(sweep, runs, args.dry_run)
             if rc or args.dry_run or args.slurm:

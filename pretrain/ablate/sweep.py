@@ -259,9 +259,11 @@ def _make_run(sweep: Sweep, variant: Variant, seed: int) -> Run:
     return Run(variant.name, seed, run_dir, variant.base, run_overrides, iters, depends)
 
 
-def select(sweep: Sweep, only: Sequence[str]) -> List[Run]:
-    """The runs of the variants named in `only` (all when empty), in sweep order."""
+def select(sweep: Sweep, only: Sequence[str], seeds: Sequence[int] = ()) -> List[Run]:
+    """The runs of the variants named in `only` and the seeds in `seeds` (all when empty), in sweep order."""
     names = [v.name for v in sweep.variants]
     for name in only:
         _require(name in names, f"--only {name}: no such variant; variants: {', '.join(names)}")
-    return [r for r in sweep.runs if not only or r.variant in only]
+    for seed in seeds:
+        _require(seed in sweep.seeds, f"--seeds {seed}: not a seed of this sweep ({sweep.seeds})")
+    return [r for r in sweep.runs if (not only or r.variant in only) and (not seeds or r.seed in seeds)]
