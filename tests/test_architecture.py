@@ -8,7 +8,7 @@ Layers, lowest first; a module may import its own layer and the layers below it,
     3  pretrain.optim                                          (Muon, roles, ZeRO-2, builder)
     4  pretrain.training                                       (the loop, checkpoints, metrics)
     5  pretrain.convert                                        (Hugging Face <-> ours)
-    6  pretrain.tools, pretrain.train, pretrain.curriculum, benchmarks   (entry points)
+    6  pretrain.tools, pretrain.train, pretrain.curriculum, pretrain.ablate, pretrain.eval, benchmarks   (entry points)
 
 Imports inside functions count too: a lazy import that runs back up is still a dependency. The
 import graph is read from the source with `ast`, so nothing is imported to check it.
@@ -29,7 +29,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pretrain.optim",),
     ("pretrain.training",),
     ("pretrain.convert",),
-    ("pretrain.tools", "pretrain.train", "pretrain.curriculum", "benchmarks"),
+    ("pretrain.tools", "pretrain.train", "pretrain.curriculum", "pretrain.ablate", "pretrain.eval", "benchmarks"),
 ]
 
 

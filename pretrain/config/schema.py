@@ -69,6 +69,8 @@ class ModelConfig:
     """GQA only: key/value heads."""
     kv_channels: Optional[int] = None
     """GQA only: head dim."""
+    window_size: Optional[List[int]] = None
+    """Sliding-window attention [left, 0]: a query sees itself and the `left` keys before it; null: full causal."""
     rope_type: Literal["rope", "yarn"] = "rope"
     """Rotary embedding kind; GLM-5 uses plain rope."""
     rotary_base: float = 1_000_000.0

@@ -103,7 +103,21 @@ def check_model(m: ModelConfig) -> None:
     _at_least(m, "model", ["mtp_loss_scaling_factor"], 0)
 
 
+def _check_window(m: ModelConfig) -> None:
+    if m.window_size is None:
+        return
+    require(
+        len(m.window_size) == 2 and m.window_size[0] >= 1 and m.window_size[1] == 0,
+        f"model.window_size is {m.window_size}; write [left, 0] with left >= 1 (a causal window of left + 1 keys)",
+    )
+    require(
+        m.experimental_attention_variant is None,
+        "model.window_size needs model.experimental_attention_variant=null (DSA layers choose their keys by top-k)",
+    )
+
+
 def _check_attention(m: ModelConfig) -> None:
+    _check_window(m)
     if m.multi_latent_attention:
         _positive(m, "model", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
         _positive(m, "model", "q_lora_rank", optional=True)

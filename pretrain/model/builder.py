@@ -70,6 +70,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5Tran
         kwargs["moe_token_dispatcher_type"] = compat.token_dispatcher_for_device(model.moe_token_dispatcher_type)
     if not model.mtp_num_layers:
         kwargs["mtp_num_layers"] = None
+    if model.window_size is not None:
+        kwargs["window_size"] = tuple(model.window_size)  # megatron's type
     if model.experimental_attention_variant is None:
         for key in [k for k in kwargs if k.startswith("dsa_")]:
             kwargs.pop(key)

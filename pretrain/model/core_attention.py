@@ -6,7 +6,8 @@ heads than Q (GQA). On GPU, SDPA dispatches to cuDNN / flash kernels; on CPU to 
 It needs no Transformer Engine, unlike megatron-core 0.16.1's MLA path.
 
 DSA layers use `pretrain.model.dsa.DSACoreAttention`, which builds on this class for
-their dense attention.
+their dense attention. `model.window_size` makes it sliding-window attention
+(`pretrain.model.sliding_window`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from pretrain.model.sliding_window import combine, sliding_window_mask
 
 
 # cuDNN first on GPU: on Hopper it is the fastest SDPA kernel at MLA's head dims (qk 256, v 256).
@@ -51,6 +54,7 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else k_channels**-0.5
+        self.window_size = getattr(config, "window_size", None)
 
     def forward(
         self,
@@ -77,6 +81,9 @@ class SDPACoreAttention(MegatronModule):
             attn_mask = ~attention_mask
         elif mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):
             is_causal = q.shape[2] > 1 or k.shape[2] == 1
+        if self.window_size is not None:  # the window is causal too (right = 0), so it replaces is_causal
+            window = sliding_window_mask(q.shape[2], k.shape[2], self.window_size, q.device)
+            attn_mask, is_causal = combine(window, attention_mask), False
         backends = _GPU_BACKENDS if q.is_cuda else [SDPBackend.MATH]
         with sdpa_kernel(backends, set_priority=True):
             out = F.scaled_dot_product_attention(

@@ -111,7 +111,10 @@ def _layer_flops(m, seq_length: int, moe: bool, dsa_sparse: bool, dsa_indexer: b
         out["attention_sparse"] = x3 * per_key * keys
     else:
         dqk, dv = _attention_head_dims(m)
-        out["attention_core"] = x3 * 2 * heads * (dqk + dv) * dense_keys_per_query(seq_length, causal)
+        window = getattr(m, "window_size", None)  # sliding window: the keys inside it (left + 1 at most)
+        keys = sparse_keys_per_query(seq_length, window[0] + 1, causal) if window else dense_keys_per_query(
+            seq_length, causal)
+        out["attention_core"] = x3 * 2 * heads * (dqk + dv) * keys
     if dsa_indexer:
         n_i, d_i = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
         q_in = m.q_lora_rank or h

@@ -1,0 +1,57 @@
+"""Run an ablation sweep, then write its table (Markdown, JSON) and loss curves (PNG).
+
+    python -m pretrain.ablate SWEEP.yaml [--dry-run] [--only NAME ...] [--seeds N ...] [--slurm] [--report]
+
+--dry-run      print the commands that would run (finished runs are listed as skipped), run nothing
+--only NAME    only these variants (a variant that starts from another's checkpoint needs it finished)
+--seeds N      only these seeds (say, one seed first, the second later)
+--slurm        submit one sbatch job per unfinished run (launch/slurm.sbatch) instead of running here
+--report       only collect the table and plot from what has run
+--output-dir   put the runs somewhere else than the sweep's output_dir
+
+Results: <output_dir>/results.md, results.json, loss_curves.png. A bad sweep file stops with one
+line before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pretrain.ablate.runner import run_local, run_slurm
+from pretrain.ablate.sweep import SweepError, load_sweep, rel, select
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.ablate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[], metavar="N")
+    parser.add_argument("--slurm", action="store_true")
+    parser.add_argument("--report", action="store_true")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--smooth", type=int, default=1, metavar="N", help="moving average of the plotted curves")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep, args.output_dir)
+        runs = select(sweep, args.only, args.seeds)
+        if not args.report:
+            rc = (run_slurm if args.slurm else run_local)(sweep, runs, args.dry_run)
+            if rc or args.dry_run or args.slurm:
+                return rc
+    except SweepError as err:
+        print(f"sweep error: {err}", file=sys.stderr)
+        return 2
+    from pretrain.ablate.report import write_report
+
+    paths = write_report(sweep, args.smooth)
+    print(paths["markdown"].read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(rel(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

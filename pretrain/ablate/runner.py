@@ -1,0 +1,163 @@
+"""Run a sweep's training runs (and their evaluations) through the normal training entry.
+
+Each run is one command: `bash launch/train.sh --config BASE OVERRIDES...` (torchrun), or
+`python -m pretrain.train ...` (one process), or with `--slurm` one `sbatch launch/slurm.sbatch ...`
+job per run (a run that starts from another's checkpoint waits for it with `--dependency=afterok`).
+Commands run from the repository root, one after another; a run's output goes to `<run_dir>/train.log`.
+
+A run is finished when its checkpoint directory's `latest` marker names its last iteration (the
+trainer always saves at the end); a run with an earlier checkpoint is started again with the same
+command, and the trainer resumes it exactly (`checkpoint.auto_resume`: model, optimizer, LR
+schedule, RNG and data position). So a re-invoked sweep skips finished runs and resumes the others.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from pretrain.ablate.sweep import ROOT, Run, Sweep, SweepError, rel
+from pretrain.training.checkpoint_files import read_latest
+
+EVAL_FILE = "eval_{name}.json"  # in the run dir, written by `python -m pretrain.eval.<name> --json`
+
+
+def finished_iteration(run: Run) -> Optional[int]:
+    """The iteration of the run's newest complete checkpoint, or None."""
+    iteration, _ = read_latest(run.checkpoint_dir)
+    return iteration
+
+
+def is_finished(run: Run) -> bool:
+    iteration = finished_iteration(run)
+    return iteration is not None and iteration >= run.train_iters
+
+
+def python() -> str:
+    """`python` when that is the running interpreter (readable commands), else its full path."""
+    found = shutil.which("python")
+    return "python" if found and os.path.realpath(found) == os.path.realpath(sys.executable) else sys.executable
+
+
+def train_command(sweep: Sweep, run: Run) -> List[str]:
+    config = ["--config", rel(run.config_path), *run.overrides]
+    if sweep.launcher == "python":
+        return [python(), "-m", "pretrain.train", *config]
+    env = [f"NPROC_PER_NODE={sweep.nproc_per_node}"] if sweep.nproc_per_node else []
+    return [*env, "bash", "launch/train.sh", *config]
+
+
+def sbatch_command(sweep: Sweep, run: Run, dependency: Optional[str]) -> List[str]:
+    cmd = ["sbatch", "--parsable", "--nodes=1", f"--job-name=ablate-{run.variant}-s{run.seed}",
+           f"--output={rel(run.run_dir)}/slurm-%j.out"]
+    if sweep.nproc_per_node:
+        cmd.append(f"--gpus-per-node={sweep.nproc_per_node}")
+    if dependency:
+        cmd.append(f"--dependency=afterok:{dependency}")
+    return cmd + ["launch/slurm.sbatch", "--config", rel(run.config_path), *run.overrides]
+
+
+def eval_commands(sweep: Sweep, run: Run) -> Dict[str, List[str]]:
+    """Evaluation name -> command, for the evaluations whose result file is missing."""
+    variant = next(v for v in sweep.variants if v.name == run.variant)
+    if not variant.report:
+        return {}
+    out = {}
+    for name, args in (sweep.evals if variant.evals is None else variant.evals).items():
+        result = run.run_dir / EVAL_FILE.format(name=name)
+        if not result.is_file():
+            out[name] = [python(), "-m", f"pretrain.eval.{name}", "--checkpoint", rel(run.checkpoint_dir),
+                         "--json", rel(result), *args]
+    return out
+
+
+def _shell(cmd: List[str]) -> str:
+    env = []
+    while cmd and "=" in cmd[0] and not cmd[0].startswith("-"):
+        env.append(cmd[0])
+        cmd = cmd[1:]
+    return " ".join(env + [shlex.join(cmd)])
+
+
+def _execute(cmd: List[str], log: Path) -> int:
+    env = dict(os.environ)
+    while cmd and "=" in cmd[0] and not cmd[0].startswith("-"):
+        key, _, value = cmd[0].partition("=")
+        env[key] = value
+        cmd = cmd[1:]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as out:
+        out.write(f"$ {_shell(cmd)}\n")
+        out.flush()
+        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+
+
+def _check_dependency(sweep: Sweep, run: Run, selected: List[Run]) -> None:
+    if run.depends_on is None:
+        return
+    dep = next(r for r in sweep.runs if r.variant == run.depends_on and r.seed == run.seed)
+    if dep not in selected and not is_finished(dep):
+        raise SweepError(f"{run.name} starts from {dep.name}, which is not finished and not selected (add "
+                         f"--only {dep.variant})")
+
+
+def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
+    """Train (then evaluate) each run in turn; returns the number of runs that failed (0 or 1)."""
+    for run in runs:
+        _check_dependency(sweep, run, runs)
+    for run in runs:
+        done = finished_iteration(run)
+        if done is not None and done >= run.train_iters:
+            say(f"# {run.name}: finished ({run.train_iters} iterations), skipped")
+        else:
+            note = f"resumes from iteration {done}" if done is not None else f"{run.train_iters} iterations"
+            cmd = train_command(sweep, run)
+            say(f"# {run.name}: {note}; log {rel(run.run_dir / 'train.log')}")
+            say(_shell(cmd))
+            if not dry_run:
+                rc = _execute(cmd, run.run_dir / "train.log")
+                if rc != 0 or not is_finished(run):
+                    say(f"sweep stopped: {run.name} exited with code {rc} before its last checkpoint; see "
+                        f"{rel(run.run_dir / 'train.log')}")
+                    return 1
+        for name, cmd in eval_commands(sweep, run).items():
+            say(_shell(cmd))
+            if not dry_run and _execute(cmd, run.run_dir / f"eval_{name}.log") != 0:
+                say(f"sweep stopped: evaluation {name} of {run.name} failed; see "
+                    f"{rel(run.run_dir / f'eval_{name}.log')}")
+                return 1
+    return 0
+
+
+def run_slurm(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
+    """Submit one job per unfinished run; dependent runs wait for their source run's job."""
+    for run in runs:
+        _check_dependency(sweep, run, runs)
+    jobs: Dict[str, str] = {}
+    for run in runs:
+        if is_finished(run):
+            say(f"# {run.name}: finished, skipped")
+            continue
+        dep = None
+        if run.depends_on is not None:
+            dep = jobs.get(f"{run.depends_on}/seed{run.seed}")
+        cmd = sbatch_command(sweep, run, dep)
+        say(_shell(cmd))
+        if dry_run:
+            jobs[run.name] = f"<job id of {run.name}>"
+            continue
+        run.run_dir.mkdir(parents=True, exist_ok=True)  # sbatch --output needs it
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if result.returncode != 0:
+            say(f"sbatch failed for {run.name}: {result.stderr.strip()}")
+            return 1
+        jobs[run.name] = result.stdout.strip().split(";")[0]
+        say(f"# {run.name}: job {jobs[run.name]}")
+    say(f"# when the jobs are done: python -m pretrain.ablate {rel(sweep.path)} --report --output-dir "
+        f"{rel(sweep.output_dir)}")
+    return 0

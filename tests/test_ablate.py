@@ -1,0 +1,167 @@
+"""The ablation runner end to end on the CPU smoke sweep, and its refusals of bad sweep files."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.indexed import DatasetWriter
+from data_pipeline.retrieval_probe import filler_tokens, make_probe
+from pretrain.ablate.__main__ import main
+from pretrain.eval import mtp_accept, retrieval
+from pretrain.ablate.sweep import SweepError, is_sweep_file, load_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs/ablations/smoke.yaml"
+
+
+def _losses(run_dir: Path):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["loss"] for r in rows]
+
+
+def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys):
+    out = tmp_path / "smoke"
+    assert main([str(SMOKE), "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    muon, adamw = out / "muon/seed1234", out / "adamw/seed1234"
+    reference = {"muon": _losses(muon), "adamw": _losses(adamw)}
+    assert len(reference["muon"]) == 6 and reference["muon"] != reference["adamw"]
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["variant"]: r for r in results["variants"]}
+    assert list(rows) == ["muon", "adamw"]
+    # The table's numbers are the runs' own: final loss = the last logged loss, average over the last 3.
+    for name, losses in reference.items():
+        metrics = rows[name]["metrics"]
+        assert metrics["final_loss"]["mean"] == losses[-1]
+        assert metrics["avg_loss"]["mean"] == pytest.approx(sum(losses[-3:]) / 3)
+        assert metrics["valid_loss"]["mean"] is not None and metrics["tokens_per_sec"]["mean"] > 0
+        assert rows[name]["flags"] == []  # same model, same FLOPs
+    assert "| muon |" in (out / "results.md").read_text() and "| muon |" in printed
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Interrupt adamw after its step-3 checkpoint: drop the final one, as a killed run leaves it.
+    ckpt = adamw / "checkpoints"
+    shutil.rmtree(ckpt / "iter_0000006")
+    (ckpt / "latest").write_text(json.dumps({"step_dir": "iter_0000003", "iteration": 3}))
+    assert main([str(SMOKE), "--output-dir", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "muon/seed1234: finished (6 iterations), skipped" in printed
+    assert "adamw/seed1234: resumes from iteration 3" in printed
+    assert printed.count("-m pretrain.train") == 1
+
+    assert main([str(SMOKE), "--output-dir", str(out)]) == 0
+    assert "resumed from" in (adamw / "train.log").read_text()
+    assert _losses(adamw) == reference["adamw"]  # exact resume: the same losses as the uninterrupted run
+    assert _losses(muon) == reference["muon"]
+
+    # The evaluations on a finished run's checkpoint, through their command lines, land in the table.
+    prefix = str(tmp_path / "heldout")
+    with DatasetWriter(prefix, np.uint16) as writer:
+        for doc in range(3):
+            writer.add_document(np.random.default_rng(doc).integers(0, 8192, 40).astype(np.uint16))
+        writer.close({})
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "2",
+                            "--samples", "2", "--prompt-tokens", "16", "--new-tokens", "4",
+                            "--json", str(muon / "eval_mtp_accept.json")]) == 0
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "mtp_accept: --draft-tokens must be in 1..3 (the model's MTP depths), got 4"
+    probes = tmp_path / "probes.jsonl"
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731  (any ids below the vocabulary do)
+    probes.write_text("".join(json.dumps(p) + "\n" for p in make_probe(encode, filler_tokens(encode, None, 200),
+                                                                       [48, 64], samples=2)))
+    assert retrieval.main(["--checkpoint", str(muon / "checkpoints"), "--probes", str(probes),
+                           "--json", str(muon / "eval_retrieval.json")]) == 0
+    assert main([str(SMOKE), "--output-dir", str(out), "--report"]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["variants"]}
+    accept = rows["muon"]["metrics"]["accept_len@2"]["mean"]
+    assert 1.0 <= accept <= 3.0 and 1.0 <= rows["muon"]["metrics"]["accept_len@1"]["mean"] <= 2.0
+    assert rows["muon"]["metrics"]["retrieval@64"]["mean"] in (0.0, 0.5, 1.0)
+    assert "accept_len@2" in (out / "results.md").read_text()
+
+
+def _sweep(tmp_path, body: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {ROOT / 'configs/models/glm5-tiny.yaml'}\noutput_dir: runs/x\ntokens: 1024\n"
+                    f"seeds: [1]\n{body}")
+    return path
+
+
+@pytest.mark.parametrize("body, message", [
+    ("variants:\n  - {name: a, overrides: [model.num_layerz=2]}\n", "unknown key model.num_layerz"),
+    ("variants:\n  - {name: a}\n  - {name: a}\n", "variant name 'a' appears twice"),
+    ("variants:\n  - {name: a, base: nope.yaml}\n", "base config not found"),
+    ("variants:\n  - {name: a, overrides: [train.seed=3]}\n", "set by the sweep runner"),
+    ("variants:\n  - {name: a, overrides: ['checkpoint.pretrained={checkpoint:b}']}\n  - {name: b}\n",
+     "must name an earlier variant"),
+    ("variants:\n  - {name: a, overides: []}\n", "unknown key 'overides' in variant a"),
+    ("report: {evals: {bleu: []}}\nvariants:\n  - {name: a}\n", "unknown evaluation 'bleu'"),
+])
+def test_bad_sweep_files_fail_before_any_run_with_one_line(tmp_path, capsys, body, message):
+    path = _sweep(tmp_path, body)
+    with pytest.raises(SweepError, match=message.replace("(", r"\(")):
+        load_sweep(path, tmp_path / "out")
+    assert main([str(path), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and err.startswith("sweep error:") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_reports_a_bad_sweep_in_one_line(tmp_path):
+    path = _sweep(tmp_path, "variants:\n  - {name: a, overrides: [model.hidden_sise=8]}\n")
+    proc = subprocess.run([sys.executable, "-m", "pretrain.ablate", str(path), "--output-dir", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "sweep error: variant a (seed 1): unknown key model.hidden_sise" in proc.stderr
+
+
+def test_token_budget_sets_iterations_and_dependencies_point_at_the_same_seed(tmp_path):
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense, tokens: 3000}\n"
+                            "  - {name: cont, overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n")
+    sweep = load_sweep(path, tmp_path / "out")
+    dense, cont = sweep.runs
+    assert dense.train_iters == 3  # ceil(3000 / (8 x 128)) with glm5-tiny's batch and sequence
+    assert cont.train_iters == 1 and cont.depends_on == "dense"
+    assert f"checkpoint.pretrained={tmp_path / 'out/dense/seed1/checkpoints'}" in cont.overrides
+
+
+SWEEPS = [p for p in sorted((ROOT / "configs/ablations").glob("*.yaml")) if is_sweep_file(p)]
+
+
+def test_the_shipped_sweeps_are_found():
+    assert {p.stem for p in SWEEPS} == {"attention", "dsa", "mtp", "optimizer", "smoke"}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_shipped_sweeps_build_every_run_config(path):
+    sweep = load_sweep(path)  # builds and validates every variant x seed config
+    assert sweep.runs and all(r.train_iters >= 6 for r in sweep.runs)
+
+
+def test_dry_runs_print_the_launch_commands(tmp_path, capsys):
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nnproc_per_node: 2\nseeds: [1, 2]\nvariants:\n"
+                            "  - {name: dense, seeds: [1]}\n"
+                            "  - {name: cont, seeds: [1], overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n"
+                            "  - {name: other}\n")
+    path.write_text(path.read_text().replace("seeds: [1]\nvariants", "variants", 1))
+    out = str(tmp_path / "out")
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "dense", "other"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert lines == ["NPROC_PER_NODE=2 bash launch/train.sh --config configs/models/glm5-tiny.yaml "
+                     f"optimizer.lr_warmup_iters=0 train.seed={seed} train.train_iters=1 "
+                     f"logging.run_dir={out}/{name}/seed{seed} checkpoint.save={out}/{name}/seed{seed}/checkpoints "
+                     "checkpoint.auto_resume=true" for name, seed in (("dense", 1), ("other", 1), ("other", 2))]
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "other", "--seeds", "2"]) == 0
+    assert capsys.readouterr().out.count("launch/train.sh") == 1
+    assert main([str(path), "--output-dir", out, "--dry-run", "--only", "cont"]) == 2
+    assert "cont/seed1 starts from dense/seed1, which is not finished" in capsys.readouterr().err
+    assert main([str(path), "--output-dir", out, "--dry-run", "--slurm"]) == 0
+    sbatch = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch")]
+    assert len(sbatch) == 4 and all("--gpus-per-node=2" in s and " launch/slurm.sbatch --config" in s for s in sbatch)
+    assert "'--dependency=afterok:<job id of dense/seed1>'" in sbatch[1] and "dependency" not in sbatch[0]

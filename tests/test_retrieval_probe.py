@@ -1,0 +1,102 @@
+"""The retrieval probe's generator (data_pipeline.retrieval_probe) and evaluator (pretrain.eval.retrieval)."""
+
+import random
+import re
+
+import pytest
+import torch
+
+from data_pipeline.retrieval_probe import filler_tokens, make_probe, make_sample
+from pretrain.eval.retrieval import accuracy_by_length
+
+
+def chars(text):
+    return [ord(c) for c in text]
+
+
+def text(ids):
+    return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("kind, pairs", [("kv", 1), ("kv", 3), ("passkey", 1)])
+def test_probe_format(kind, pairs):
+    filler = filler_tokens(chars, None, 5000)
+    for probe in make_probe(chars, filler, [300, 700], samples=5, seed=1, kind=kind, pairs=pairs):
+        prompt, answer = probe["prompt"], probe["answer"]
+        assert len(prompt) + len(answer) == probe["length"]
+        body, value, key = text(prompt), probe["value"], probe["key"]
+        assert re.fullmatch(r"\d{5}", value)
+        if kind == "kv":
+            assert text(answer) == f'{value}"' and body.endswith(f'\nassert {key} == "')
+            needle = f'\n{key} = "{value}"\n'
+            assert len(set(re.findall(r'\nkey_[a-z]{4} = "', body))) == pairs  # distinct distractor keys
+        else:
+            assert text(answer) == f"{value}\n" and body.endswith("\nassert passkey == ")
+            needle = f"\npasskey = {value}  # remember the passkey\n"
+        assert body[probe["needle_at"]:].startswith(needle) and body.count(needle) == 1
+        assert probe["depth"] == probe["needle_at"] / len(prompt)
+    depths = [p["depth"] for p in make_probe(chars, filler, [700], samples=20, seed=2)]
+    assert min(depths) < 0.3 and max(depths) > 0.7  # needles spread over the context
+
+
+def test_answer_tokens_follow_the_joint_tokenization():
+    """A tokenizer that merges a quote with the next digit: the answer starts with the merged token."""
+
+    def merging(s):
+        out, i = [], 0
+        while i < len(s):
+            if s[i] == '"' and i + 1 < len(s) and s[i + 1].isdigit():
+                out.append(1000 + int(s[i + 1]))
+                i += 2
+            else:
+                out.append(ord(s[i]))
+                i += 1
+        return out
+
+    probe = make_sample(merging, filler_tokens(merging, None, 2000), 400, random.Random(0))
+    key, value = probe["key"], probe["value"]
+    tail = f'\nassert {key} == "{value}"'
+    assert probe["prompt"][-len(merging(f"\nassert {key} == ")):] == merging(f"\nassert {key} == ")
+    assert (probe["prompt"] + probe["answer"])[-len(merging(tail)):] == merging(tail)
+    assert probe["answer"][0] == 1000 + int(value[0])
+
+
+def test_generator_refuses_lengths_it_cannot_fill():
+    with pytest.raises(ValueError, match="too short"):
+        make_sample(chars, chars("x" * 100), 10, random.Random(0))
+    with pytest.raises(ValueError, match="filler has 50 tokens"):
+        make_sample(chars, chars("x" * 50), 200, random.Random(0))
+
+
+def windowed_oracle(window: int):
+    """Reads only the last `window` tokens; answers the queried key's value when it sees its needle."""
+
+    def logits(tokens):
+        ids = tokens.tolist()
+        body = text(ids)
+        start = body.rfind(' == "') + len(' == "')  # first answer position
+        key = re.findall(r"assert (key_[a-z]{4}) == \"", body)[-1]
+        found = re.search(rf'{key} = "(\d+)"', text(ids[-window:]))
+        answer = (found.group(1) if found else "00000") + '"'
+        out = torch.zeros(len(ids), 128)
+        for j, ch in enumerate(answer):
+            if start - 1 + j < len(ids):
+                out[start - 1 + j, ord(ch)] = 1.0
+        return out
+
+    return logits
+
+
+def test_accuracy_per_length_against_an_oracle_with_a_known_window():
+    filler = filler_tokens(chars, None, 5000)
+    probes = make_probe(chars, filler, [200, 400, 800], samples=12, seed=3, pairs=2)
+    window = 300
+    expected = {}
+    for length in (200, 400, 800):
+        mine = [p for p in probes if p["length"] == length]
+        # The model's input is the prompt plus all but the last answer token; the needle's key starts
+        # one token after needle_at (the needle begins with a newline).
+        seen = [p["needle_at"] + 1 >= len(p["prompt"]) + len(p["answer"]) - 1 - window for p in mine]
+        expected[length] = sum(seen) / len(seen)
+    assert expected[200] == 1.0 and 0.0 < expected[400] < 1.0  # the probe set exercises both outcomes
+    assert accuracy_by_length(windowed_oracle(window), probes) == pytest.approx(expected)
