@@ -112,7 +112,7 @@ class VisibleKeys:
             visible = visible & ~self.attention_mask[:, 0, r0:r1, :]
         if self.segment_ids is not None:
             seg = self.segment_ids
-            visible = visible & (seg[:, None, :] == seg[:, r0:r1, None])
+            visible = visible & (seg[:, None, :] == seg[:, q, None])
         return visible
 
     def ranges(self, chunk: int = 1024):
