@@ -1,5 +1,5 @@
 """The rules that sit on config fields (schema.py): `Literal` choices, one-line docstrings, and the
-one-field refusals (context parallelism until it exists; the torch-native backend by default)."""
+one-field rules (context parallelism accepted for every attention variant; the torch-native backend by default)."""
 
 from __future__ import annotations
 
