@@ -14,7 +14,8 @@ packed documents (a block-diagonal document mask and a loss mask with holes, so 
 different numbers of loss tokens), and the MTP layer (2 depths, rolled labels crossing chunk
 boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs) and PP = 2 x CP = 2; then a short training run with Muon + ZeRO-2 over
-DP = 2 x CP = 2 matches one rank, and its checkpoint resumes under CP = 1.
+DP = 2 x CP = 2 matches one rank for 2 steps, its step-1 checkpoint resumes under CP = 1, and the
+one-rank step-1 checkpoint resumes under CP = 2, both ending with the uninterrupted run's weights.
 """
 
 from __future__ import annotations
@@ -342,26 +343,37 @@ def _metrics(run_dir: Path) -> List[dict]:
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
-    import json
-    import shutil
-
     root = tmp_path_factory.mktemp("cp_training")
     init = root / "init"
     ((_, single),) = run_ranks(rank_train, 1, [
         ["save-initial", f"checkpoint.save={init}", f"logging.run_dir={root / 'init_run'}"],
-        [f"checkpoint.load={init}", f"logging.run_dir={root / 'single'}"],
+        [f"checkpoint.load={init}", f"checkpoint.save={root / 'single_ckpt'}", "checkpoint.save_interval=1",
+         f"logging.run_dir={root / 'single'}"],
     ], env=RANK_ENV)
-    zero = run_ranks(rank_train, 4, [[
-        "parallel.context_parallel_size=2", "optimizer.use_distributed_optimizer=true", f"checkpoint.load={init}",
-        f"checkpoint.save={root / 'zero_ckpt'}", "checkpoint.save_interval=1", f"logging.run_dir={root / 'zero'}",
-    ]], env=RANK_ENV)
+    _step1_only(root / "single_ckpt", root / "single_step1")
+    zero, back = zip(*run_ranks(rank_train, 4, [
+        [*ZERO2_CP2, f"checkpoint.load={init}", f"checkpoint.save={root / 'zero_ckpt'}", "checkpoint.save_interval=1",
+         f"logging.run_dir={root / 'zero'}"],
+        # the one-rank checkpoint after step 1, resumed under CP = 2 for step 2
+        [*ZERO2_CP2, f"checkpoint.load={root / 'single_step1'}", f"logging.run_dir={root / 'back'}"],
+    ], env=RANK_ENV))
     # The CP = 2 checkpoint after step 1, resumed on one rank (CP = 1, no ZeRO) for step 2.
-    step1 = root / "step1"
-    shutil.copytree(root / "zero_ckpt" / "iter_0000001", step1 / "iter_0000001")
-    (step1 / "latest").write_text(json.dumps({"step_dir": "iter_0000001", "iteration": 1}))
-    (resumed,) = run_ranks(rank_train, 1, [[f"checkpoint.load={step1}", f"logging.run_dir={root / 'resumed'}"]],
-                           env=RANK_ENV)
-    return {"root": root, "single": single, "zero": [r[0] for r in zero], "resumed": resumed[0]}
+    _step1_only(root / "zero_ckpt", root / "zero_step1")
+    (resumed,) = run_ranks(rank_train, 1, [[f"checkpoint.load={root / 'zero_step1'}",
+                                            f"logging.run_dir={root / 'resumed'}"]], env=RANK_ENV)
+    return {"root": root, "single": single, "zero": list(zero), "back": list(back), "resumed": resumed[0]}
+
+
+ZERO2_CP2 = ["parallel.context_parallel_size=2", "optimizer.use_distributed_optimizer=true"]
+
+
+def _step1_only(save_dir: Path, out: Path) -> None:
+    """A checkpoint directory holding only `save_dir`'s step-1 checkpoint (what a run stopped there left)."""
+    import json
+    import shutil
+
+    shutil.copytree(save_dir / "iter_0000001", out / "iter_0000001")
+    (out / "latest").write_text(json.dumps({"step_dir": "iter_0000001", "iteration": 1}))
 
 
 def _close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str) -> None:
@@ -387,9 +399,13 @@ def test_zero2_over_dp_x_cp_matches_single_rank(training):
         _close(params, training["single"], f"DP=2 x CP=2 ZeRO-2 rank {rank}")
 
 
-def test_cp2_checkpoint_resumes_under_cp1(training):
+@pytest.mark.parametrize("run", ["resumed", "back"])
+def test_checkpoint_resumes_across_cp_sizes(training, run):
+    """resumed: the CP=2 (ZeRO-2) checkpoint of step 1 trains step 2 on one rank; back: the one-rank
+    checkpoint of step 1 trains step 2 under DP=2 x CP=2. Both end where the uninterrupted run does."""
     root = training["root"]
-    ref, resumed = _metrics(root / "single"), _metrics(root / "resumed")
-    assert [r["step"] for r in resumed] == [STEPS]
-    assert resumed[0]["loss"] == pytest.approx(ref[-1]["loss"], rel=TOL)
-    _close(training["resumed"], training["single"], "CP=2 checkpoint resumed under CP=1")
+    ref, got = _metrics(root / "single"), _metrics(root / run)
+    assert [r["step"] for r in got] == [STEPS]
+    assert got[0]["loss"] == pytest.approx(ref[-1]["loss"], rel=TOL)
+    for rank, params in enumerate(training[run] if run == "back" else [training[run]]):
+        _close(params, training["single"], f"{run} rank {rank}")
