@@ -13,7 +13,8 @@ with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attenti
 packed documents (a block-diagonal document mask and a loss mask with holes, so the CP ranks hold
 different numbers of loss tokens), and the MTP layer (2 depths, rolled labels crossing chunk
 boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
-which the MoE layer needs) and PP = 2 x CP = 2. Training with ZeRO-2 over DP x CP and checkpoints
+which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
+batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
 """
 
@@ -55,8 +56,9 @@ LAYOUTS = {
     "tp2_cp2": ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
                 "parallel.sequence_parallel=true"],
     "pp2_cp2": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+    "ep2_cp2": ["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=2"],
 }
-RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup")]
+RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse")]
 
 
 def config(case: str, layout: str = None):
