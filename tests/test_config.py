@@ -231,7 +231,11 @@ BAD = [
     ("dsa-variant", ["model.experimental_attention_variant=gated_delta_net"], "model.experimental_attention_variant"),
     ("dsa-needs-mla", ["model.multi_latent_attention=false", "model.kv_channels=16"], "model.multi_latent_attention"),
     ("dsa-needs-q-lora", ["model.q_lora_rank=null"], "model.q_lora_rank"),
-    ("dsa-cp", ["parallel.context_parallel_size=2"], "parallel.context_parallel_size"),
+    ("cp-seq", ["parallel.context_parallel_size=3"], "data.seq_length (128) must be divisible by 2 x parallel"),
+    ("cp-mla-without-q-lora", ["model.experimental_attention_variant=null", "model.q_lora_rank=null",
+                               "parallel.context_parallel_size=2"], "parallel.context_parallel_size > 1 with MLA"),
+    ("cp-sp-seq", ["data.seq_length=12", "parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=4",
+                   "parallel.sequence_parallel=true"], "data.seq_length / parallel.context_parallel_size"),
     ("experts%ep", ["model.num_moe_experts=6", "parallel.expert_model_parallel_size=4"], "model.num_moe_experts"),
     ("topk>experts", ["model.moe_router_topk=9"], "model.moe_router_topk"),
     ("freq-length", ["model.moe_layer_freq=[0,1,1]"], "model.moe_layer_freq"),
@@ -291,6 +295,7 @@ def test_choice_error_lists_the_options():
         (4, ["parallel.expert_model_parallel_size=8"], "parallel.expert_model_parallel_size"),
         (8, ["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=8"],
          "parallel.expert_model_parallel_size"),  # 8 / PP 2 = 4 ranks per stage < EP 8
+        (2, ["parallel.context_parallel_size=4"], "parallel.context_parallel_size (4) is larger than the world"),
     ],
 )
 def test_world_size_rules(world_size, overrides, key):

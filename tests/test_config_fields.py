@@ -1,5 +1,5 @@
 """The rules that sit on config fields (schema.py): `Literal` choices, one-line docstrings, and the
-one-field refusals (context parallelism until it exists; the torch-native backend by default)."""
+one-field rules (context parallelism accepted for every attention variant; the torch-native backend by default)."""
 
 from __future__ import annotations
 
@@ -119,18 +119,17 @@ def test_every_field_has_a_one_line_docstring():
             j = next(j for j in range(i + 1, len(lines)) if lines[j].startswith('"""'))
             assert not any(line.startswith(starts) for line in lines[i + 1:j]), f"{name}.{key} has no docstring"
             assert ast.literal_eval(lines[j]) == docs[key], key
-    assert "context parallelism is not implemented" in field_docs(SECTIONS["parallel"])["context_parallel_size"]
     assert "parallel:\n  tensor_model_parallel_size: 1  # int" in reference()
 
 
-@pytest.mark.parametrize("extra", [[], ["model.experimental_attention_variant=null"]], ids=["dsa", "dense"])
-def test_context_parallelism_is_refused_at_config_time(extra):
-    """CP > 1 used to pass validation and preflight (without DSA) and crash in the model build."""
-    with pytest.raises(ConfigError) as e:
-        tiny(*extra, "parallel.context_parallel_size=2")
-    message = str(e.value)
-    assert "\n" not in message and message.startswith("parallel.context_parallel_size is 2;")
-    assert "not implemented" in message and "set parallel.context_parallel_size=1" in message
+@pytest.mark.parametrize("extra", [[], ["model.experimental_attention_variant=null"],
+                                   ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
+                                    "model.num_query_groups=2", "model.kv_channels=16"]], ids=["dsa", "mla", "gqa"])
+def test_context_parallelism_passes_validation(extra):
+    """CP = 2 is a valid layout for each attention variant (it used to be refused)."""
+    cfg = tiny(*extra, "parallel.context_parallel_size=2")
+    validate_config(cfg, world_size=2)
+    assert cfg.parallel.context_parallel_size == 2
 
 
 def test_shipped_configs_use_the_torch_native_backend():

@@ -67,18 +67,28 @@ def visibility(mode: str, b: int, s: int, t: int):
         doc = torch.tensor([0] * 5 + [1] * 13 + [2] * (s - 18))
         same = (doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
         keys = VisibleKeys(s, s, "cpu", attention_mask=(~same)[None, None].expand(b, 1, s, s))
+    elif mode == "cp":  # context parallelism: CP rank 1 of 2 holds chunks 1 and 2 of 4, keys are global
+        from parallel.context_parallel import local_positions
+
+        cu, pos = torch.tensor([0, 9, 15, 27, t]), local_positions(s, 2, 1)
+        seg = segment_ids_from_cu_seqlens(cu, t)
+        keys = VisibleKeys(s, t, "cpu", segment_ids=seg, query_positions=pos)
+        naive = (torch.arange(t)[None, :] <= pos[:, None]) & (seg[0][None, :] == seg[0][pos][:, None])
+        assert torch.equal(keys.rows(0, s)[0], naive)
     else:
         cu = torch.tensor([0, 9, 10, 30, s])
         keys = VisibleKeys(s, s, "cpu", segment_ids=segment_ids_from_cu_seqlens(cu, s))
     return keys, keys.rows(0, s).expand(b, -1, -1)
 
 
-@pytest.mark.parametrize("mode", ["causal", "mask", "segments"])
+@pytest.mark.parametrize("mode", ["causal", "mask", "segments", "cp"])
 def test_indexer_scores_and_exact_selection(kern, mode):
     ktop = kern["indexer_topk"]
     gen = torch.Generator().manual_seed(len(mode))
     b, s, h, d = 2, 37, 3, 16
-    t = s + 4 if mode == "causal" else s  # a key prefix: T > S
+    if mode == "cp":
+        s = 20
+    t = {"causal": s + 4, "cp": 2 * s}.get(mode, s)  # a key prefix, or every CP rank's keys: T > S
     q, k, w = torch.randn(b, s, h, d, generator=gen), torch.randn(b, t, d, generator=gen), torch.randn(b, s, h, generator=gen)
     k[:, 3::5] = 0.0  # keys scoring exactly 0 for every query: ties at the top-k boundary
     keys, vis = visibility(mode, b, s, t)

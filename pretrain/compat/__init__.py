@@ -37,6 +37,7 @@ import torch
 
 from pretrain.compat.cpu import install_cpu_support, token_dispatcher_for_device
 from pretrain.compat.datasets import rank_zero_without_process_group
+from pretrain.compat.dsa import dsa_config_check_without_cp
 from pretrain.compat.dist_checkpointing import patch_dist_checkpoint_writer
 from pretrain.compat.model import (
     MTPLogitsWithoutLabels,
@@ -117,6 +118,7 @@ __all__ = [
     "Workaround",
     "applies",
     "check_megatron_version",
+    "dsa_config_check_without_cp",
     "gpt_model_mtp_block_class",
     "grouped_gemm_check_skipped",
     "grouped_mm_available",

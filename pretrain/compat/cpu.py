@@ -110,11 +110,15 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
     """Maps literal `device="cuda"` requests (and `.cuda()`) to CPU.
 
     megatron's DDP buffers, schedules and loss reductions allocate with `device="cuda"` or call
-    `.cuda()`; this mode rewrites those calls so the same code runs on a CPU-only host.
+    `.cuda()`; this mode rewrites those calls so the same code runs on a CPU-only host. Pinned host
+    memory (`pin_memory=True`, e.g. the chunk indices of context parallelism's RoPE,
+    `get_pos_emb_on_this_cp_rank`) needs an accelerator: the request is dropped.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         dev = kwargs.get("device")
         if dev is not None and _is_cuda(dev):
             kwargs["device"] = "cpu"

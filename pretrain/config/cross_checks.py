@@ -75,6 +75,34 @@ def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
         )
 
 
+def check_context_parallel(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
+    """Context parallelism (`parallel.context_parallel`): 2 x cp equal chunks per sequence, and an
+    attention whose keys the layer all-gathers (MLA with a query latent, DSA, GQA)."""
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    require(
+        d.seq_length % (2 * cp) == 0,
+        f"data.seq_length ({d.seq_length}) must be divisible by 2 x parallel.context_parallel_size (2 x {cp}: "
+        "each CP rank holds two equal chunks); change the sequence length or the CP size",
+    )
+    require(
+        not p.sequence_parallel or (d.seq_length // cp) % p.tensor_model_parallel_size == 0,
+        f"data.seq_length / parallel.context_parallel_size ({d.seq_length} / {cp}) must be divisible by "
+        f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size}) with parallel.sequence_parallel=true",
+    )
+    require(
+        not m.multi_latent_attention or m.q_lora_rank is not None,
+        "parallel.context_parallel_size > 1 with MLA needs model.q_lora_rank (the latent attention layer that "
+        "gathers keys over CP projects queries through the query latent); set q_lora_rank or context_parallel_size=1",
+    )
+    require(
+        m.window_size is None,
+        "model.window_size (sliding-window attention) is not implemented with parallel.context_parallel_size > 1; "
+        "set one of them back (window_size=null or context_parallel_size=1)",
+    )
+
+
 def check_trainable(m: ModelConfig, t: TrainConfig) -> None:
     if t.trainable_params != "dsa_indexer":
         return
@@ -98,6 +126,8 @@ def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     require(world_size >= 1, f"world size is {world_size}; it must be >= 1")
+    require(cp <= world_size, f"parallel.context_parallel_size ({cp}) is larger than the world size ({world_size}); "
+                              "lower the CP size or launch more ranks")
     model_parallel = tp * pp * cp
     require(
         world_size % model_parallel == 0,

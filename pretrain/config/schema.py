@@ -189,7 +189,7 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved stages per PP rank; null: none."""
     context_parallel_size: int = 1
-    """CP: ranks that split each sequence; only 1 (context parallelism is not implemented yet)."""
+    """CP: ranks that split each sequence (2 x CP chunks); attention all-gathers the latent KV / indexer keys."""
     expert_model_parallel_size: int = 1
     """EP: ranks that split the routed experts."""
     expert_tensor_parallel_size: int = 1

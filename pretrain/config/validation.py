@@ -15,6 +15,7 @@ import importlib.util
 from typing import Any, Iterable, Optional
 
 from pretrain.config.cross_checks import (
+    check_context_parallel,
     check_model_parallel,
     check_schedule,
     check_sequence,
@@ -49,6 +50,7 @@ def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
     check_logging(cfg.logging)
     check_model_parallel(cfg.model, cfg.parallel)
     check_sequence(cfg.model, cfg.data, cfg.parallel)
+    check_context_parallel(cfg.model, cfg.data, cfg.parallel)
     check_schedule(cfg.optimizer, cfg.train)
     check_trainable(cfg.model, cfg.train)
     if world_size is not None:
@@ -260,14 +262,6 @@ def _check_moe(m: ModelConfig) -> None:
 def check_parallel(p: ParallelConfig) -> None:
     _positive(p, "parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size")
-    # Nothing here splits a sequence over ranks yet (the core attention, the DSA indexer, the data
-    # loader): refuse CP now rather than crash in the model build. When CP lands, its rules come with
-    # it: seq_length divisible by 2 x CP (causal load balancing), and no CP with DSA (megatron asserts it).
-    require(
-        p.context_parallel_size == 1,
-        f"parallel.context_parallel_size is {p.context_parallel_size}; context parallelism is not implemented in "
-        "this project yet: set parallel.context_parallel_size=1",
-    )
     if p.virtual_pipeline_model_parallel_size is not None:
         _positive(p, "parallel", "virtual_pipeline_model_parallel_size")
         require(

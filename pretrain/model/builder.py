@@ -37,6 +37,10 @@ class GLM5TransformerConfig(MLATransformerConfig):
     output_loss_backend: str = "unfused"
     output_chunk_size: Optional[int] = None
 
+    def __post_init__(self):
+        with compat.dsa_config_check_without_cp(self):  # our DSA layer supports CP; megatron's asserts
+            super().__post_init__()
+
 
 # ModelConfig keys that are not TransformerConfig fields (consumed by the builder itself).
 _BUILDER_KEYS = {

@@ -8,6 +8,10 @@ It needs no Transformer Engine, unlike megatron-core 0.16.1's MLA path.
 DSA layers use `pretrain.model.dsa.DSACoreAttention`, which builds on this class for
 their dense attention. `model.window_size` makes it sliding-window attention
 (`pretrain.model.sliding_window`).
+
+Context parallelism (`parallel.context_parallel`): the queries are this rank's tokens, K and V are
+all-gathered over the CP group into global order, and the mask is causal in global positions (and,
+with packed documents, the rows of the document mask that belong to this rank's queries).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from parallel.context_parallel import causal_visibility, cp_size_and_rank, gather_sequence, local_positions
 from pretrain.model.sliding_window import combine, sliding_window_mask
 
 
@@ -47,8 +52,7 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("SDPACoreAttention does not support context parallelism")
+        self.cp_group = cp_group_of(pg_collection) if config.context_parallel_size > 1 else None
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -73,6 +77,15 @@ class SDPACoreAttention(MegatronModule):
                 "document attention_mask instead"
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        cp_size, cp_rank = cp_size_and_rank(self.cp_group)
+        if cp_size > 1:
+            key, value = gather_sequence(key, 0, self.cp_group), gather_sequence(value, 0, self.cp_group)
+            visible = causal_visibility(local_positions(query.shape[0], cp_size, cp_rank, query.device), key.shape[0])
+            attention_mask = ~visible if attention_mask is None else attention_mask | ~visible
+        return self.attend(query, key, value, attention_mask, mask_type)
+
+    def attend(self, query, key, value, attention_mask, mask_type=None) -> torch.Tensor:
+        """query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv], mask True = masked -> [sq, b, np * hv]."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         attn_mask = None
         is_causal = False
@@ -98,3 +111,13 @@ class SDPACoreAttention(MegatronModule):
             )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def cp_group_of(pg_collection):
+    """The context-parallel group from megatron's process-group collection (or its parallel state)."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+    return group

@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from parallel.context_parallel import cp_size_and_rank, global_token_count
 from pretrain.compat import MTPLogitsWithoutLabels, gpt_model_mtp_block_class
 from pretrain.model.dsa import link_shared_indexers
 from pretrain.model.mtp import SharedDepthMTPBlock
@@ -40,7 +41,11 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
 
         Same MTP arithmetic as megatron-core 0.16.1 (labels and mask rolled per depth, each depth's
         masked loss sum / tokens x mtp_loss_scaling_factor / depths through `MTPLossAutoScaler`), but no
-        depth and no main head ever materializes [tokens, vocab] logits."""
+        depth and no main head ever materializes [tokens, vocab] logits. Under context parallelism (any
+        backend) the roll crosses chunk boundaries (megatron's `roll_tensor` exchanges the boundary
+        tokens between CP ranks) and each depth's loss is a token mean over the whole sequence: the
+        rank's sum x cp / the token count summed over CP (DDP averages over DP x CP), where megatron
+        would average the ranks' own means."""
         args = (hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin)
         kwargs = dict(mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
                       attention_mask=attention_mask, inference_params=inference_params,
@@ -48,7 +53,8 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
                       runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
                       inference_context=inference_context)
         backend = self.config.output_loss_backend
-        if labels is None or backend == "unfused" or inference_context is not None:
+        cp_size = cp_size_and_rank(self.cp_group)[0]
+        if labels is None or (backend == "unfused" and cp_size == 1) or inference_context is not None:
             return super()._postprocess(*args, **kwargs)
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.multi_token_prediction import (
@@ -79,8 +85,9 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
                                             packed_seq_params=packed_seq_params)
                 mtp_mask, num_tokens = roll_tensor(mtp_mask, shifts=-1, dims=-1, cp_group=self.cp_group,
                                                    packed_seq_params=packed_seq_params)
-                depth_sum, _ = head_loss(self.output_layer, states[depth + 1], mtp_labels, mtp_mask, backend, chunk,
-                                         weight)
+                depth_sum, _ = self._head_loss(states[depth + 1], mtp_labels, mtp_mask, backend, chunk, weight)
+                if cp_size > 1:
+                    depth_sum, num_tokens = depth_sum * cp_size, global_token_count(num_tokens, self.cp_group)
                 if self.training:
                     MTPLossLoggingHelper.save_loss_to_tracker(
                         depth_sum / num_tokens, depth, depths,
@@ -89,8 +96,17 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
                 hidden_states = MTPLossAutoScaler.apply(
                     hidden_states, scale * depth_sum if self.config.calculate_per_token_loss
                     else scale * depth_sum / num_tokens)
-        _, per_token = head_loss(self.output_layer, hidden_states, labels, loss_mask, backend, chunk, weight)
+        _, per_token = self._head_loss(hidden_states, labels, loss_mask, backend, chunk, weight)
         return per_token
+
+    def _head_loss(self, hidden, labels, loss_mask, backend: str, chunk, weight):
+        """(sum_i m_i loss_i, per-token losses [b, s]): fused (`head_loss`), or megatron's logits + CE."""
+        if backend != "unfused":
+            return head_loss(self.output_layer, hidden, labels, loss_mask, backend, chunk, weight)
+        logits, _ = self.output_layer(hidden, weight=weight)
+        per_token = self.compute_language_model_loss(labels, logits)
+        mask = torch.ones_like(per_token) if loss_mask is None else loss_mask
+        return (per_token * mask).sum(), per_token
 
     def output_logits(self, hidden_states: torch.Tensor, runtime_gather_output=None) -> torch.Tensor:
         """Final hidden states [s, b, h] (after the final norm) -> logits [b, s, v]."""

@@ -112,9 +112,11 @@ def latent_norm(norm_cls: type) -> type:
 def _attention_spec(config, backend) -> ModuleSpec:
     if config.multi_latent_attention:
         norm = latent_norm(backend.layer_norm(rms_norm=True))
-        dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
+        # DSA, and MLA under context parallelism, keep the keys as the latent (the layer all-gathers
+        # it over CP, not the up-projected K/V): `pretrain.model.dsa.layer`.
+        latent = getattr(config, "experimental_attention_variant", None) == "dsa" or config.context_parallel_size > 1
         return ModuleSpec(
-            module=DSAMLASelfAttention if dsa else MLASelfAttention,
+            module=DSAMLASelfAttention if latent else MLASelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=backend.column_parallel_linear(),
@@ -122,7 +124,7 @@ def _attention_spec(config, backend) -> ModuleSpec:
                 linear_q_up_proj=backend.column_parallel_linear(),
                 linear_kv_down_proj=backend.linear(),
                 linear_kv_up_proj=backend.column_parallel_linear(),
-                core_attention=DSACoreAttention if dsa else SDPACoreAttention,
+                core_attention=DSACoreAttention if latent else SDPACoreAttention,
                 linear_proj=backend.row_parallel_linear(),
                 q_layernorm=norm if config.q_lora_rank is not None else IdentityOp,
                 kv_layernorm=norm,

@@ -181,8 +181,9 @@ class Trainer:
 
     def _auxiliary_losses(self) -> Dict[str, float]:
         """This step's auxiliary losses (MTP depths, MoE balancing, DSA indexer, ...), for logging."""
-        groups = ReduceGroups(pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(),
-                              device=_device())
+        # Context-parallel ranks hold equal shares of each sequence: averaging over DP x CP is the token mean.
+        groups = ReduceGroups(pp=ps.get_pipeline_model_parallel_group(),
+                              dp=ps.get_data_parallel_group(with_context_parallel=True), device=_device())
         out: Dict[str, float] = {}
         for aux in self.aux_losses:
             out.update(aux.collect(groups))

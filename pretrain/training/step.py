@@ -14,6 +14,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from parallel.context_parallel import cp_size_and_rank, global_token_count, split_batch
+
 
 def _to_device(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     if not torch.cuda.is_available():
@@ -21,22 +23,34 @@ def _to_device(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per-token losses [b, s] -> (masked sum, token count, logging reduction)."""
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, cp_group=None) -> Tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-token losses [b, s] -> (masked sum, token count, logging reduction).
+
+    The schedule divides the sum by the count (calculate_per_token_loss=False). Under context
+    parallelism a rank holds 1/cp of the sequence's tokens and DDP averages gradients over the
+    DP x CP group, so the rank returns cp x its sum and the token count of the whole sequence: the
+    CP average of cp * sum_r / N is sum_r sum_r / N, the token mean (not the mean of the ranks'
+    means). The logged sum and count are the rank's own; the trainer sums them over all ranks."""
     mask = loss_mask.reshape(-1).float()
     total = (output.float().reshape(-1) * mask).sum()
     count = mask.sum()
-    # The schedule divides `total` by `count` (calculate_per_token_loss=False).
-    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
+    log = {"lm loss": torch.stack([total.detach(), count.detach()])}
+    cp_size = cp_size_and_rank(cp_group)[0]
+    if cp_size > 1:
+        return total * cp_size, global_token_count(count, cp_group).to(torch.int), log
+    return total, count.to(torch.int), log
 
 
 def forward_step(data_iterator, model):
-    """Stages that need data (first: tokens; last: labels and MTP's tokens) read a batch."""
+    """Stages that need data (first: tokens; last: labels and MTP's tokens) read a batch; under
+    context parallelism each rank keeps its two chunks of the sequence (`parallel.context_parallel`)."""
     unwrapped = model
     while hasattr(unwrapped, "module"):
         unwrapped = unwrapped.module
     needs_data = unwrapped.pre_process or unwrapped.post_process
     batch = _to_device(next(data_iterator)) if needs_data else {}
+    cp_group = getattr(getattr(unwrapped, "pg_collection", None), "cp", None)
+    batch = split_batch(batch, *cp_size_and_rank(cp_group))
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),
@@ -44,4 +58,4 @@ def forward_step(data_iterator, model):
         labels=batch.get("labels"),
         loss_mask=batch.get("loss_mask"),
     )
-    return output, partial(loss_func, batch.get("loss_mask"))
+    return output, partial(loss_func, batch.get("loss_mask"), cp_group=cp_group)

@@ -95,31 +95,35 @@ class VisibleKeys:
     (packed sequences given by cu_seqlens). Without either, plain causal.
     """
 
-    def __init__(self, s: int, t: int, device, attention_mask=None, segment_ids=None):
+    def __init__(self, s: int, t: int, device, attention_mask=None, segment_ids=None, query_positions=None):
         self.s, self.t, self.device = s, t, device
         self.attention_mask, self.segment_ids = attention_mask, segment_ids
+        # Key position of each query row: the last s of the t keys, or (context parallelism) the
+        # global positions of this rank's tokens (`parallel.context_parallel.local_positions`).
+        self.query_positions = (torch.arange(s, device=device) + (t - s) if query_positions is None
+                                else query_positions.to(device))
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """[b | 1, r1 - r0, t] bool, True = visible."""
-        q = torch.arange(r0, r1, device=self.device)
+        q = self.query_positions[r0:r1]
         k = torch.arange(self.t, device=self.device)
-        visible = (k[None, :] <= q[:, None] + (self.t - self.s)).unsqueeze(0)
+        visible = (k[None, :] <= q[:, None]).unsqueeze(0)
         if self.attention_mask is not None:
             visible = visible & ~self.attention_mask[:, 0, r0:r1, :]
         if self.segment_ids is not None:
             seg = self.segment_ids
-            visible = visible & (seg[:, None, :] == seg[:, r0:r1, None])
+            visible = visible & (seg[:, None, :] == seg[:, q, None])
         return visible
 
     def ranges(self, chunk: int = 1024):
         """(lo, hi) int32 [b | 1, s]: each query row's visible keys as one range [lo, hi) (what the
         Triton kernels take). Raises ValueError if a dense mask gives some row non-contiguous keys."""
-        causal_hi = torch.arange(self.s, device=self.device) + (self.t - self.s) + 1
+        causal_hi = self.query_positions + 1
         if self.attention_mask is None and self.segment_ids is None:
             return torch.zeros(1, self.s, dtype=torch.int32, device=self.device), causal_hi.clamp(max=self.t).int()[None]
-        if self.attention_mask is None:  # cu_seqlens segments (non-decreasing ids, s == t)
+        if self.attention_mask is None:  # cu_seqlens segments (non-decreasing ids over the t keys)
             seg = self.segment_ids.contiguous()
-            lo = torch.searchsorted(seg, seg[:, self.t - self.s:])
+            lo = torch.searchsorted(seg, seg[:, self.query_positions])
             return lo.int(), causal_hi.clamp(max=self.t).int()[None].expand(seg.shape[0], -1).contiguous()
         los, his = [], []
         keys = torch.arange(self.t, device=self.device)

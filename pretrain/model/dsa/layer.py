@@ -17,6 +17,13 @@ Tensor parallelism splits the attention heads; the indexer is replicated (every 
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
 sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences are
 respected through megatron's dense mask or through `packed_seq_params.cu_seqlens_q` (THD, b = 1).
+
+Context parallelism (`parallel.context_parallel`): each CP rank holds 2 chunks of the sequence; the
+layer all-gathers the normalized latent and the roped rope key (576 numbers per token at GLM-5's
+shapes) and the core attention the indexer keys (128), in global order, and the rank's queries
+attend to all keys under the causal mask of their global positions: dense, or top-k over the global
+key range. The gathers' backward reduce-scatters the gradients. The same classes carry plain MLA
+(no `dsa` variant: no indexer) under CP, where megatron's MLA would gather nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from parallel.context_parallel import cp_size_and_rank, gather_sequence, local_positions
 from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa.backend import select_backend
@@ -94,10 +102,16 @@ class DSAMLASelfAttention(MLASelfAttention):
 
         rope, segment_ids = self._rope(s, packed_seq_params, q.device)
         q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
+        positions = None
+        cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
+        if cp_size > 1:  # every rank's latent keys, in global order: one all-gather of c + d_rope per token
+            keys = gather_sequence(torch.cat([latent, k_pe[:, :, 0]], dim=-1), 0, self.pg_collection.cp)
+            latent, k_pe = keys[..., :cfg.kv_lora_rank], keys[..., cfg.kv_lora_rank:].unsqueeze(2)
+            positions = local_positions(s, cp_size, cp_rank, q.device)
 
         def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
             return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
-                                       segment_ids=segment_ids, rope=rope)
+                                       segment_ids=segment_ids, rope=rope, query_positions=positions)
 
         inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
         if self.checkpoint_core_attention and self.training:  # recompute_modules: core_attn (megatron's rule)
@@ -112,13 +126,18 @@ class DSAMLASelfAttention(MLASelfAttention):
         cfg = self.config
         thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd"
         segment_ids = None
+        cp_size = cp_size_and_rank(self.pg_collection.cp)[0]
+        if thd and cp_size > 1:
+            raise NotImplementedError("context parallelism takes packed documents as the dense document mask "
+                                      "(data.create_attention_mask=true), not as THD cu_seqlens")
         if thd:
             cu = packed_seq_params.cu_seqlens_q
             segment_ids = segment_ids_from_cu_seqlens(cu, s)
             positions = torch.arange(s, device=device) - cu.long().to(device)[segment_ids[0]]
             length = int(positions.max().item()) + 1
         else:
-            positions, length = None, s
+            # megatron's rotary modules take the global length and return this CP rank's positions
+            positions, length = None, s * cp_size
         if cfg.rope_type == "rope":
             freqs, mscale = self.rotary_pos_emb(length), 1.0
         else:
@@ -140,7 +159,9 @@ class DSACoreAttention(SDPACoreAttention):
         types = getattr(config, "dsa_indexer_types", None)
         # Decoder layers 1..num_layers follow dsa_indexer_types; the MTP layer always has its own.
         self.index_type = types[layer_number - 1] if types and layer_number <= config.num_layers else "full"
-        self.indexer = LightningIndexer(config) if self.index_type == "full" else None
+        # Plain MLA under context parallelism uses this slot too (latent keys), without an indexer.
+        dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
+        self.indexer = LightningIndexer(config) if self.index_type == "full" and dsa else None
         self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
         self.last_indices: Optional[torch.Tensor] = None
         self.shared_by_others = False  # set by link_shared_indexers
@@ -149,22 +170,25 @@ class DSACoreAttention(SDPACoreAttention):
         self.tp_group = pg_collection.tp if pg_collection is not None else None
 
     def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None, segment_ids=None,
-                rope=None):
-        """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [s, b, c], k_pe [s, b, 1, dr] (roped),
-        kv_up_weight [h * (dn + dv), c] -> [s, b, h * dv]."""
+                rope=None, query_positions=None):
+        """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
+        kv_up_weight [h * (dn + dv), c] -> [s, b, h * dv]. Without context parallelism t = s; with it the
+        keys are the whole sequence and `query_positions` [s] the global positions of the queries."""
         cfg = self.config
         s, b, h, dn = q_nope.shape
+        t = latent.shape[0]
         c, dv = latent.shape[-1], cfg.v_head_dim
         w = kv_up_weight.view(h, dn + dv, c)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask < 0
-        keys = VisibleKeys(s, s, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids)
+        keys = VisibleKeys(s, t, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids,
+                           query_positions=query_positions)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
         train_indexer = coeff > 0 and self.indexer is not None and torch.is_grad_enabled()
         # Query rows per chunk: row blocks over all keys ([rows, heads, s]: top-k, dense KL) and over the
         # selected keys ([rows, K, 576] gathered: sparse attention and KL) have different widths.
-        k_sel = min(cfg.dsa_indexer_topk, s)
-        chunk = cfg.dsa_chunk_size or default_chunk(max(h, cfg.dsa_indexer_n_heads) * s)
+        k_sel = min(cfg.dsa_indexer_topk or t, t)
+        chunk = cfg.dsa_chunk_size or default_chunk(max(h, cfg.dsa_indexer_n_heads or 0) * t)
         sparse_chunk = cfg.dsa_chunk_size or default_chunk(k_sel * (c + q_pe.shape[-1] + h))
         sparse, sparse_loss = cfg.dsa_sparse_attention, bool(getattr(cfg, "dsa_indexer_use_sparse_loss", False))
         if train_indexer and sparse and not sparse_loss:  # the config check refuses it first
@@ -191,13 +215,13 @@ class DSACoreAttention(SDPACoreAttention):
                 out = self._attach(out, loss, coeff)
             return out
 
-        k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(s, b, h, dn + dv).split([dn, dv], dim=-1)
+        k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(t, b, h, dn + dv).split([dn, dv], dim=-1)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)
         mask = attention_mask
-        if mask is None and segment_ids is not None:  # dense attention over THD documents
-            mask = ~keys.rows(0, s).unsqueeze(1)
-        out = super().forward(query, key, value, mask)
+        if (mask is None and segment_ids is not None) or query_positions is not None:
+            mask = ~keys.rows(0, s).unsqueeze(1)  # THD documents, or causal in global positions (CP)
+        out = self.attend(query, key, value, mask, self.attn_mask_type)
         if train_indexer:
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
@@ -226,7 +250,9 @@ class DSACoreAttention(SDPACoreAttention):
         if self.config.sequence_parallel and _tp_size(self.tp_group) > 1:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False, group=self.tp_group)
-        return self.indexer.project(x, qr, rope)
+        q, k, w = self.indexer.project(x, qr, rope)
+        # Context parallelism: every rank's indexer keys [b, t, d_I] (this rank's queries score all of them).
+        return q, gather_sequence(k, 1, self.cp_group), w
 
     def _shared_indices(self, b: int, s: int) -> torch.Tensor:
         source = self.index_source

@@ -1,0 +1,180 @@
+"""Context parallelism (CP): one sequence split over the ranks of a CP group.
+
+Layout (megatron-core's load-balanced causal split, `get_batch_on_this_cp_rank`): a sequence of S
+tokens is cut into 2 * cp chunks of c = S / (2 * cp) tokens, and CP rank r holds chunks r and
+2cp - 1 - r, in that order:
+
+    local index i  ->  global position  g(i) = r * c + i                    (i <  c)
+                                         g(i) = (2cp - 1 - r) * c + i - c   (i >= c)
+
+Under a causal mask the work of chunk k grows with k, so pairing chunk r with chunk 2cp - 1 - r
+gives every rank the same number of (query, key) pairs. Positions stay global: RoPE rotates token
+i by g(i) (megatron's `RotaryEmbedding` selects the same chunks when given the full length), a
+query at g(i) sees the keys at positions <= g(i) in its own document, and the labels, loss mask and
+the rows of a dense document mask are split like the tokens.
+
+Attention (MLA, DSA, GQA) all-gathers what is small per token over the CP group, never the
+queries: MLA's compressed latent and rope key (kv_lora_rank + qk_pos_emb_head_dim = 576 numbers per
+token at GLM-5's shapes, after the latent norm and the rope), the DSA indexer keys (128), GQA's
+K/V heads. `gather_sequence` returns them in global order (rank j's block holds chunks j and
+2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys with
+the global causal / document mask. Its backward sums the gathered tensor's gradient over the CP
+group and hands each rank the rows of its own tokens (a reduce-scatter):
+
+    d L / d x_j = sum_r  d L_r / d gather(x)[rows of rank j]
+
+Memory per rank: O(S / cp) for everything but the gathered keys, O(S * 576) for those; traffic per
+layer: one all-gather forward and one reduce-scatter backward of S * 576 numbers (plus S * 128 for
+the indexer), independent of the number of heads.
+
+Loss: each CP rank holds S / cp tokens, so token means are formed from sums and counts reduced over
+the CP group (`global_token_count`), not by averaging the ranks' means.
+
+Source: megatron-core's `get_batch_on_this_cp_rank` and `get_pos_emb_on_this_cp_rank` (the
+layout); the all-gather of the latent KV for MLA/DSA follows Megatron-LM's DSA context
+parallelism (PR #6058) rather than ring attention, which breaks for MLA (K and V head dims differ).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
+_LOGGED_ALL_REDUCE = False
+
+
+def cp_size_and_rank(group: Optional[dist.ProcessGroup]):
+    """(size, rank) of a CP group; (1, 0) without one."""
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def chunk_ids(cp_size: int, cp_rank: int):
+    """The two global chunks a CP rank holds, in local order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def split_sequence(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's part of a tensor whose `dim` is the global sequence: chunks r and 2cp - 1 - r."""
+    if cp_size == 1:
+        return t
+    length = t.shape[dim]
+    if length % (2 * cp_size):
+        raise ValueError(f"context parallelism: a sequence of {length} tokens cannot be split in 2 x "
+                         f"{cp_size} equal chunks; make the sequence length a multiple of {2 * cp_size}")
+    chunks = t.chunk(2 * cp_size, dim=dim)
+    first, second = chunk_ids(cp_size, cp_rank)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def local_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global position g(i) of each of this rank's `local_len` tokens (int64 [local_len])."""
+    if cp_size == 1:
+        return torch.arange(local_len, device=device)
+    c = local_len // 2
+    first, second = chunk_ids(cp_size, cp_rank)
+    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
+                      torch.arange(second * c, (second + 1) * c, device=device)])
+
+
+# Batch keys split along the sequence, and the dimension that holds it. `attention_mask`
+# [b, 1, s, s] keeps every key column: only its query rows are this rank's.
+SEQUENCE_DIMS = {"tokens": 1, "labels": 1, "loss_mask": 1, "position_ids": 1, "attention_mask": 2}
+
+
+def split_batch(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> Dict[str, torch.Tensor]:
+    """A micro-batch as this CP rank sees it (`SEQUENCE_DIMS`); other entries are kept as they are."""
+    if cp_size == 1:
+        return batch
+    return {k: split_sequence(v, SEQUENCE_DIMS[k], cp_size, cp_rank) if k in SEQUENCE_DIMS and torch.is_tensor(v)
+            else v for k, v in batch.items()}
+
+
+def _to_global_order(blocks, dim: int, cp_size: int) -> torch.Tensor:
+    """Rank-major gathered blocks (block j = chunks j, 2cp - 1 - j) -> the sequence in global order."""
+    chunks = [None] * (2 * cp_size)
+    for j, block in enumerate(blocks):
+        first, second = chunk_ids(cp_size, j)
+        chunks[first], chunks[second] = block.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def _to_rank_order(full: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
+    """The inverse: a global-order sequence -> rank-major blocks concatenated along `dim`."""
+    chunks = full.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[k] for j in range(cp_size) for k in chunk_ids(cp_size, j)], dim=dim)
+
+
+def _reduce_scatter(grad_rank_major: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group, keep this rank's block (rank-major along `dim`)."""
+    global _LOGGED_ALL_REDUCE
+    size, rank = cp_size_and_rank(group)
+    if dist.get_backend(group) == "nccl":
+        moved = grad_rank_major.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        dist.reduce_scatter_tensor(out, moved, group=group)
+        return out.movedim(0, dim)
+    # gloo has no reduce-scatter: all-reduce the whole gradient and keep this rank's block
+    # (cp x the traffic; CPU runs only).
+    if not _LOGGED_ALL_REDUCE:
+        _LOGGED_ALL_REDUCE = True
+        _log.info("context parallelism on %s: gradients of gathered keys are all-reduced, not reduce-scattered",
+                  dist.get_backend(group))
+    full = grad_rank_major.contiguous()
+    dist.all_reduce(full, group=group)
+    return full.chunk(size, dim=dim)[rank]
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim: int, group):
+        ctx.dim, ctx.group = dim, group
+        size, _ = cp_size_and_rank(group)
+        blocks = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(blocks, x.contiguous(), group=group)
+        return _to_global_order(blocks, dim, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, _ = cp_size_and_rank(ctx.group)
+        return _reduce_scatter(_to_rank_order(grad, ctx.dim, size), ctx.dim, ctx.group), None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-gather this rank's tokens (`dim`) over the CP group, in global order; backward reduce-scatters."""
+    if cp_size_and_rank(group)[0] == 1:
+        return x
+    return _GatherSequence.apply(x, dim, group)
+
+
+def global_token_count(count: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """A token count summed over the CP group (no gradient), for token means over the whole sequence."""
+    if cp_size_and_rank(group)[0] == 1:
+        return count
+    total = count.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def causal_visibility(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[s_q, num_keys] bool, True where key position <= the query's global position."""
+    keys = torch.arange(num_keys, device=query_positions.device)
+    return keys[None, :] <= query_positions[:, None]
+
+
+__all__ = [
+    "SEQUENCE_DIMS",
+    "causal_visibility",
+    "chunk_ids",
+    "cp_size_and_rank",
+    "gather_sequence",
+    "global_token_count",
+    "local_positions",
+    "split_batch",
+    "split_sequence",
+]

@@ -1,0 +1,306 @@
+"""Context parallelism (parallel/context_parallel.py) gives the single-rank losses and gradients.
+
+The tiny GLM-5 (2 layers: dense then MoE with seq_aux_loss; fp32, no dropout) on 2 sequences of 32
+tokens, one micro-batch through megatron's schedule with the training step's `forward_step` (which
+splits the batch) inside megatron's DDP + `finalize_model_grads`, so the gradients compared are the
+`main_grad`s an optimizer step sees (averaged over DP x CP). Reference: the same code on one rank
+(CP = 1), with weights every parallel run loads (other seeds, so nothing can come from a shared
+initialization). Compared at relative max-abs error 1e-5: the LM loss (token mean over the global
+batch), the per-layer indexer losses, and every parameter's gradient.
+
+Cases: dense MLA (no DSA: megatron's MLA at CP = 1, the latent layer at CP > 1), DSA sparse attention
+with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attention (4 heads, 2 groups),
+packed documents (a block-diagonal document mask and a loss mask with holes, so the CP ranks hold
+different numbers of loss tokens), and the MTP layer (2 depths, rolled labels crossing chunk
+boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
+which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
+batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
+across CP sizes: tests/test_context_parallel_training.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.test_parallel_equivalence import param_meta, rank_coords, rel_err, shard_like
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
+SEQ, BATCH, VOCAB, SEED = 32, 2, 512, 4321
+TOL = 1e-5
+RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+BASE = [
+    f"model.vocab_size={VOCAB}", f"data.seq_length={SEQ}", "model.dsa_indexer_topk=8", "model.mtp_num_layers=0",
+    "model.moe_token_dispatcher_type=allgather", "model.params_dtype=float32", "model.bf16=false",
+]
+SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.1", "model.dsa_indexer_use_sparse_loss=true"]
+WARMUP = ["model.dsa_indexer_loss_coeff=0.1"]  # dense attention, dense KL
+CASES = {
+    "mla": ["model.experimental_attention_variant=null"],
+    "dsa_sparse": SPARSE,
+    "dsa_warmup": WARMUP,
+    "gqa": ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
+            "model.num_query_groups=2", "model.kv_channels=16"],
+    "packed": SPARSE,
+    "mtp": WARMUP + ["model.mtp_num_layers=2"],
+}
+LAYOUTS = {
+    "cp2": ["parallel.context_parallel_size=2"],
+    "cp4": ["parallel.context_parallel_size=4"],
+    "tp2_cp2": ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+                "parallel.sequence_parallel=true"],
+    "pp2_cp2": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+    "ep2_cp2": ["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+}
+RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse")]
+
+
+def config(case: str, layout: str = None):
+    from pretrain.config import load_config
+
+    return load_config(TINY, BASE + CASES[case] + (LAYOUTS[layout] if layout else []))
+
+
+def make_batch(case: str) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ),
+             "position_ids": torch.arange(SEQ).expand(BATCH, -1)}
+    if case in ("packed", "mtp"):  # holes in the loss mask, unevenly over the chunks
+        batch["loss_mask"] = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()
+    if case == "packed":  # documents crossing chunk boundaries (chunks of 16, 8 and 4 tokens)
+        starts = [[0, 5, 19, 20], [0, 11, 30]]
+        doc = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        for row, row_starts in enumerate(starts):
+            for s in row_starts[1:]:
+                doc[row, s:] += 1
+        causal = torch.ones(SEQ, SEQ).tril().bool()
+        batch["attention_mask"] = ~(causal & (doc[:, :, None] == doc[:, None, :])).unsqueeze(1)
+    return batch
+
+
+# ------------------------------------------------------------------------------------------------
+# rank bodies
+# ------------------------------------------------------------------------------------------------
+
+
+def _global_names(model) -> Dict[str, str]:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset, prefix = get_transformer_layer_offset(model.config), "decoder.layers."
+    names = {}
+    for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith(prefix):
+            layer, rest = name[len(prefix):].split(".", 1)
+            name_global = f"{prefix}{int(layer) + offset}.{rest}"
+        else:
+            name_global = name
+        names[name] = name_global
+    return names
+
+
+def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
+    """Build this rank's model (with `ref_state`'s weights), run one micro-batch through the schedule."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from pretrain.model.builder import build_model
+    from pretrain.model.dsa import DSAMetrics, IndexerLossAutoScaler
+    from pretrain.training.step import forward_step
+
+    model = build_model(cfg)
+    names = _global_names(model)
+    coords = dict(rank_coords(), num_experts=cfg.model.num_moe_experts)
+    meta = {names[n]: param_meta(p) for n, p in model.named_parameters()}
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    with torch.no_grad():
+        if ref_state is None:  # the reference: randomized norms and expert biases
+            gen = torch.Generator().manual_seed(SEED + 1)
+            for name, t in tensors.items():
+                if name.endswith("norm.weight"):
+                    t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=gen))
+                elif name.endswith("expert_bias"):
+                    t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+        else:
+            for name, t in tensors.items():
+                t.copy_(shard_like(names[name], ref_state[names[name]], param_meta(t), coords))
+    state = {names[n]: t.detach().clone() for n, t in tensors.items()}
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    ddp.zero_grad_buffer()
+    model.config.finalize_model_grads_func = finalize_model_grads
+    IndexerLossAutoScaler.set_loss_scale(torch.ones(1))
+    DSAMetrics.clear()
+    get_moe_layer_wise_logging_tracker().clear()  # sized by the first model that records (layers + MTP)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([batch]), model=ddp, num_microbatches=1,
+        seq_length=SEQ, micro_batch_size=BATCH, decoder_seq_length=SEQ, forward_only=False)
+    lm = torch.zeros(2, dtype=torch.float64)
+    for item in losses or []:
+        lm += item["lm loss"].double()
+    torch.distributed.all_reduce(lm)  # every rank's (sum, count) of its own tokens; TP ranks repeat theirs
+    lm /= ps.get_tensor_model_parallel_world_size()
+    indexer = DSAMetrics.collect(cfg.model.num_layers + 1, pp_group=ps.get_pipeline_model_parallel_group(),
+                                 dp_group=ps.get_data_parallel_group(with_context_parallel=True))
+    grads = {names[n]: p.main_grad.detach().clone() if p.requires_grad else None for n, p in model.named_parameters()}
+    return {"loss": (lm[0] / lm[1]).item(), "indexer": indexer, "grads": grads, "meta": meta, "coords": coords,
+            "state": state, "cp": ps.get_context_parallel_world_size()}
+
+
+def rank_models(rank: int, world_size: int, runs: List[tuple], ref_states: dict) -> dict:
+    """(layout, case) runs in turn on these ranks; layout None is the single-rank reference."""
+    from parallel.initialize import destroy_parallel, initialize_parallel
+
+    out = {}
+    try:
+        for layout, case in runs:
+            cfg = config(case, layout)
+            initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)
+            out[(layout, case)] = model_step(cfg, make_batch(case), ref_states.get(case))
+        return out
+    finally:
+        destroy_parallel()
+
+
+def rank_gather(rank: int, world_size: int, cp: int) -> dict:
+    """gather_sequence over a CP group of `cp` ranks against a naive gather and reduce."""
+    import torch.distributed as dist
+
+    from parallel.context_parallel import gather_sequence, split_sequence
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(list(range(cp)))
+    full = torch.arange(2 * 4 * cp * 3, dtype=torch.float64).view(2, 4 * cp, 3)  # [b, S, d], sequence dim 1
+    local = split_sequence(full, 1, cp, rank).clone().requires_grad_()
+    gathered = gather_sequence(local, 1, group)
+    upstream = torch.randn(gathered.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    gathered.backward(upstream)
+    return {"gathered": gathered.detach(), "grad": local.grad, "upstream": upstream}
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    (ref,) = run_ranks(rank_models, 1, [(None, case) for case in CASES], {}, env=RANK_ENV)
+    return {case: ref[(None, case)] for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def cp2(reference) -> dict:
+    states = {case: r["state"] for case, r in reference.items()}
+    results = run_ranks(rank_models, 2, [("cp2", case) for case in CASES], states, env=RANK_ENV)
+    return {case: [r[("cp2", case)] for r in results] for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(reference) -> dict:
+    states = {case: reference[case]["state"] for _, case in RUNS_4}
+    results = run_ranks(rank_models, 4, RUNS_4, states, env=RANK_ENV)
+    return {layout: [r[(layout, case)] for r in results] for layout, case in RUNS_4}
+
+
+# ------------------------------------------------------------------------------------------------
+# comparisons
+# ------------------------------------------------------------------------------------------------
+
+
+def check_against_reference(ref: dict, ranks: List[dict]) -> float:
+    failures, worst = [], 0.0
+    for rank, res in enumerate(ranks):
+        err = abs(res["loss"] - ref["loss"]) / abs(ref["loss"])
+        if not err <= TOL:
+            failures.append(f"rank {rank}: loss {res['loss']} vs {ref['loss']}")
+        assert set(res["indexer"]) == set(ref["indexer"]), (sorted(res["indexer"]), sorted(ref["indexer"]))
+        for key, value in ref["indexer"].items():
+            if not abs(res["indexer"][key] - value) <= TOL * max(abs(value), 1e-3):
+                failures.append(f"rank {rank}: {key} {res['indexer'][key]} vs {value}")
+        for name, got in res["grads"].items():
+            want = ref["grads"][name]
+            if want is None or got is None:
+                if (want is None) != (got is None):
+                    failures.append(f"rank {rank} {name}: gradient on one side only")
+                continue
+            err = rel_err(got, shard_like(name, want, res["meta"][name], res["coords"]))
+            worst = max(worst, err)
+            if not err <= TOL:
+                failures.append(f"rank {rank} {name}: relative max-abs error {err:.2e}")
+    assert not failures, "context-parallel run differs from the single-rank run:\n" + "\n".join(failures)
+    return worst
+
+
+def test_split_and_positions_match_a_naive_split():
+    from parallel.context_parallel import local_positions, split_batch, split_sequence
+
+    for cp in (1, 2, 4):
+        seq = 8 * cp
+        x = torch.arange(3 * seq).view(3, seq)
+        pieces = []
+        for r in range(cp):
+            chunks = [list(range(k * seq // (2 * cp), (k + 1) * seq // (2 * cp))) for k in range(2 * cp)]
+            naive = chunks[r] + chunks[2 * cp - 1 - r]  # chunks r and 2cp - 1 - r
+            assert local_positions(seq // cp, cp, r).tolist() == naive
+            assert torch.equal(split_sequence(x, 1, cp, r), x[:, naive])
+            mask = torch.rand(2, 1, seq, seq) > 0.5
+            got = split_batch({"tokens": x, "attention_mask": mask, "cu_seqlens": torch.tensor([0, seq])}, cp, r)
+            assert torch.equal(got["attention_mask"], mask[:, :, naive, :])  # query rows only
+            assert torch.equal(got["cu_seqlens"], torch.tensor([0, seq]))
+            pieces += naive
+        assert sorted(pieces) == list(range(seq))  # every token on exactly one rank
+    with pytest.raises(ValueError, match="multiple of 4"):
+        split_sequence(torch.zeros(1, 6), 1, 2, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gather_and_its_backward_match_a_naive_reference(cp):
+    from parallel.context_parallel import split_sequence
+
+    results = run_ranks(rank_gather, cp, cp)
+    full = torch.arange(2 * 4 * cp * 3, dtype=torch.float64).view(2, 4 * cp, 3)
+    total = sum(r["upstream"] for r in results)  # d(sum_r <upstream_r, gather>) / d gather
+    for rank, r in enumerate(results):
+        assert torch.equal(r["gathered"], full)
+        assert torch.allclose(r["grad"], split_sequence(total, 1, cp, rank))
+
+
+def test_reference_is_meaningful(reference):
+    """The cases can fail: finite losses near log(vocab), trained indexers, unequal loss masks."""
+    for case, ref in reference.items():
+        assert math.isclose(ref["loss"], math.log(VOCAB), rel_tol=0.15), case
+        trains_indexer = case not in ("mla", "gqa")
+        assert bool(ref["indexer"]) == trains_indexer, case
+        indexer_grads = [g for n, g in ref["grads"].items() if ".indexer." in n]
+        if trains_indexer:
+            assert indexer_grads and all(g is not None and g.abs().max() > 0 for g in indexer_grads), case
+        else:
+            assert not indexer_grads, case  # plain MLA / GQA: no indexer at all
+    assert "indexer_loss/mtp" in reference["mtp"]["indexer"]
+    mask = make_batch("packed")["loss_mask"]
+    assert mask[:, :8].sum() != mask[:, 8:16].sum()  # CP=2 ranks hold different numbers of loss tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp2_matches_single_rank(cp2, reference, case):
+    assert all(r["cp"] == 2 for r in cp2[case])
+    worst = check_against_reference(reference[case], cp2[case])
+    print(f"\nCP=2 {case}: worst relative max-abs gradient error {worst:.2e}")
+
+
+@pytest.mark.parametrize("layout, case", RUNS_4)
+def test_four_ranks_match_single_rank(four_ranks, reference, layout, case):
+    worst = check_against_reference(reference[case], four_ranks[layout])
+    print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")
+
