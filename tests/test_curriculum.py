@@ -213,17 +213,13 @@ def test_shipped_small_plans_validate():
 def test_glm5_744b_plan_follows_the_report():
     """GLM-5: 4K pretraining (27T tokens); mid-training 32K (1T tokens), 128K (500B), 200K (50B) with the LR linear
     4e-5 -> 1e-5 over mid-training; then DSA: 1000 warm-up steps of 14 x 202,752 tokens, 20B sparse.
-
-    Context parallelism is refused at config time until it lands (`parallel.context_parallel_size`), so
-    the plan, which needs CP at 128K and 200K, is checked here with CP overridden to 1; the plan
-    itself must fail on exactly that rule and no other. Drop the override once CP > 1 validates.
+    Context parallelism grows with the context (every stage's layout validates as written).
     """
     path = str(ROOT / "configs/curriculum/glm5-744b.yaml")
-    with pytest.raises(PlanError, match=r"parallel\.context_parallel_size is \d+; context parallelism is not"):
-        load_plan(path)
     raw = yaml.safe_load(Path(path).read_text())
     cp = {s["name"]: s["overrides"]["parallel"]["context_parallel_size"] for s in raw["stages"]}
-    plan = load_plan(path, ["parallel.context_parallel_size=1"])
+    plan = load_plan(path)
+    assert [s.cfg.parallel.context_parallel_size for s in plan.stages[2:5]] == [cp[n] for n in ("mid-32k", "mid-128k", "mid-200k")]
     by_name = {s.name: s for s in plan.stages}
     assert [s.seq_length for s in plan.stages] == [4096, 4096, 32768, 131072, 202752, 202752, 202752]
     assert cp["mid-32k"] <= cp["mid-128k"] <= cp["mid-200k"] and cp["mid-200k"] > 1
