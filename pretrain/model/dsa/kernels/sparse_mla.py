@@ -163,7 +163,7 @@ class SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, kv, indices, nvalid, out, lse = ctx.saved_tensors
         b, s, h, c, r = mla_shapes(q, kv, ctx.v_dim)
-        t, k = kv.shape[1], indices.shape[-1]
+        t = kv.shape[1]
         grad_out = grad_out.contiguous()
         # Delta = rowsum(dO * O) in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)
         delta = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
