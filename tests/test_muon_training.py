@@ -235,12 +235,15 @@ def test_tp_shards_orthogonalized_separately_would_be_caught(muon_runs):
 
 def test_resume_continues_exactly(stdlib_data, tmp_path):
     """Momentum buffers and AdamW moments come back from the checkpoint: steps 3-4 of a run resumed at
-    step 2 equal those of the uninterrupted run (same schedule: lr_decay_iters fixed)."""
+    step 2 equal those of the uninterrupted run (same schedule: lr_decay_iters fixed), and the resumed
+    run saves again (megatron keeps one step count shared by all parameters, Muon's included)."""
     base = ["train.eval_interval=null", "optimizer.lr_warmup_iters=1", "optimizer.lr_decay_iters=4", *MUON]
     ckpt = tmp_path / "ckpt"
     run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "full", *base, "train.train_iters=4"))
     run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "a", *base, "train.train_iters=2", f"checkpoint.save={ckpt}"))
-    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "b", *base, "train.train_iters=4", f"checkpoint.load={ckpt}"))
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "b", *base, "train.train_iters=4", f"checkpoint.load={ckpt}",
+                                        f"checkpoint.save={tmp_path / 'ckpt_b'}"))
+    assert (tmp_path / "ckpt_b" / "latest").exists() or any((tmp_path / "ckpt_b").iterdir())
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in resumed] == [3, 4]
     for x, y in zip(full[2:], resumed):

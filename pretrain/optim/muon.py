@@ -223,6 +223,9 @@ class Muon(torch.optim.Optimizer):
     def _muon_update(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
         grad = p.grad
+        # Muon's math has no step count, but megatron's checkpoints keep one step shared by every
+        # parameter (and give it to all of them on load): count it here as AdamW does.
+        state["step"] = state.get("step", 0) + 1
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
