@@ -75,9 +75,23 @@ def stage_command(launcher: Launcher, config_path: str) -> List[str]:
 
 def _launch(stage: Stage, launcher: Launcher, config_path: str) -> int:
     if launcher == "inline":
+        import gc
+
+        import torch
+
         from pretrain.train import main
 
-        return main(["--config", config_path])
+        code = main(["--config", config_path])
+        # One process runs every stage: the finished stage's model and optimizer must not stay
+        # allocated under the next one (torchrun and srun start a fresh process per stage instead).
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated() / 2**30
+            if left > 1:
+                print(f"inline launcher: {left:.1f} GiB still allocated after stage {stage.name}; the next stage "
+                      "runs beside it (use --launcher torchrun for a fresh process per stage)", flush=True)
+        return code
     env = dict(os.environ)
     if env.get("RDZV_ENDPOINT"):  # a fresh c10d rendezvous per stage, not the previous stage's
         env["RDZV_ID"] = f"{env.get('RDZV_ID', 'glm5')}-{stage.name}"
