@@ -49,6 +49,10 @@ CASES = {
             "model.num_query_groups=2", "model.kv_channels=16"],
     "packed": SPARSE,
     "mtp": WARMUP + ["model.mtp_num_layers=2"],
+    # the long-context memory features under CP: full recompute, activation offload, chunked output loss
+    "memory": SPARSE + ["model.mtp_num_layers=2", "model.recompute_granularity=full", "model.recompute_method=uniform",
+                        "model.recompute_num_layers=1", "model.activation_offload=true",
+                        "model.output_loss_backend=chunked", "model.output_chunk_size=5"],
 }
 LAYOUTS = {
     "cp2": ["parallel.context_parallel_size=2"],
@@ -72,7 +76,7 @@ def make_batch(case: str) -> Dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ),
              "position_ids": torch.arange(SEQ).expand(BATCH, -1)}
-    if case in ("packed", "mtp"):  # holes in the loss mask, unevenly over the chunks
+    if case in ("packed", "mtp", "memory"):  # holes in the loss mask, unevenly over the chunks
         batch["loss_mask"] = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()
     if case == "packed":  # documents crossing chunk boundaries (chunks of 16, 8 and 4 tokens)
         starts = [[0, 5, 19, 20], [0, 11, 30]]
@@ -159,16 +163,22 @@ def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
 
 def rank_models(rank: int, world_size: int, runs: List[tuple], ref_states: dict) -> dict:
     """(layout, case) runs in turn on these ranks; layout None is the single-rank reference."""
+    from parallel import activation_offload
     from parallel.initialize import destroy_parallel, initialize_parallel
 
+    activation_offload.MIN_OFFLOAD_BYTES = 256  # the tiny model's activations are small
     out = {}
     try:
         for layout, case in runs:
+            activation_offload.reset_activation_offload()
             cfg = config(case, layout)
             initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)
             out[(layout, case)] = model_step(cfg, make_batch(case), ref_states.get(case))
+            offloader = activation_offload.process_offloader()
+            out[(layout, case)]["offloaded"] = offloader.offloaded_bytes if offloader else 0
         return out
     finally:
+        activation_offload.reset_activation_offload()
         destroy_parallel()
 
 
@@ -295,6 +305,8 @@ def test_reference_is_meaningful(reference):
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp2_matches_single_rank(cp2, reference, case):
     assert all(r["cp"] == 2 for r in cp2[case])
+    if case == "memory":  # offloading ran (and so did the other features: config validation reads them)
+        assert all(r["offloaded"] > 0 for r in cp2[case]) and reference[case]["offloaded"] > 0
     worst = check_against_reference(reference[case], cp2[case])
     print(f"\nCP=2 {case}: worst relative max-abs gradient error {worst:.2e}")
 
