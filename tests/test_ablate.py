@@ -135,7 +135,7 @@ SWEEPS = [p for p in sorted((ROOT / "configs/ablations").glob("*.yaml")) if is_s
 
 
 def test_the_shipped_sweeps_are_found():
-    assert {p.stem for p in SWEEPS} == {"attention", "dsa", "mtp", "optimizer", "smoke"}
+    assert {p.stem for p in SWEEPS} == {"attention", "attention-pilot", "dsa", "mtp", "optimizer", "smoke"}
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
