@@ -32,7 +32,6 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from parallel.activation_offload import in_backward
 from pretrain.model.dsa.indexer import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
 
 
@@ -170,8 +169,8 @@ class DSAMetrics:
 
     @classmethod
     def record(cls, name: str, layer: int, value: torch.Tensor) -> None:
-        if in_backward():  # a forward recomputed in backward (activation recompute) was recorded already
-            return
+        # Under activation recompute the forward runs without grad, so the indexer loss is computed (and
+        # recorded) once, by the forward recomputed in backward.
         slot = cls.values.setdefault(name, {}).setdefault(layer, [0.0, 0])
         slot[0] = slot[0] + value.detach().float()
         slot[1] += 1
