@@ -25,7 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
@@ -50,6 +50,7 @@ from pretrain.compat import SequenceParallelTorchNorm, te_available
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa import DSACoreAttention, DSAMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
+from pretrain.model.moe_dispatch import GLM5MoELayer
 
 
 class _TorchBackend(LocalSpecProvider):
@@ -159,7 +160,7 @@ def _mlp_spec(config, backend, moe: bool) -> ModuleSpec:
         else None
     )
     return ModuleSpec(
-        module=MoELayer,
+        module=GLM5MoELayer,
         submodules=MoESubmodules(experts=experts, shared_experts=shared),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )

@@ -37,18 +37,33 @@ import torch.distributed as dist
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate orthogonalization of the last two dims of `g` ([..., m, n]), batched."""
+def newton_schulz_lowp(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                       eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonalization of the last two dims of `g` ([..., m, n]), batched, returned in
+    the iteration's `dtype` (possibly a transposed view: callers write it where it goes in one pass).
+
+    Each step is X <- a X + (b A + c A^2) X with A = X X^T, written as two fused multiply-adds
+    (`baddbmm` / `addmm`: B = b A + c A A, X = a X + B X), so the scalings and sums ride in the
+    GEMMs' epilogues instead of separate elementwise passes; X is kept contiguous in its wide
+    orientation (a transposed view would send every elementwise op down the strided slow path)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype)
-    transposed = x.shape[-2] > x.shape[-1]
-    if transposed:  # iterate on the wide orientation: X X^T is the smaller Gram matrix
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    transposed = g.shape[-2] > g.shape[-1]
+    # iterate on the wide orientation: X X^T is the smaller Gram matrix
+    x = (g.mT if transposed else g).to(dtype, memory_format=torch.contiguous_format)
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
+    lead = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:])  # [batch, m, n]: one batched GEMM per product
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.mT if transposed else x).to(g.dtype)
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    x = x.reshape(*lead, *x.shape[-2:])
+    return x.mT if transposed else x
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate orthogonalization of the last two dims of `g` ([..., m, n]), batched, in `g`'s dtype."""
+    return newton_schulz_lowp(g, steps, dtype, eps).to(g.dtype)
 
 
 @dataclass(frozen=True)
@@ -107,8 +122,9 @@ class MuonSplit:
 def orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], steps: int, dtype: torch.dtype,
                           scale_rms: float) -> torch.Tensor:
     """The scaled Newton-Schulz update of one matrix (whole, or block by block with `split`)."""
-    if split is None:
-        return newton_schulz(u, steps, dtype) * (scale_rms * math.sqrt(max(u.shape)))
+    if split is None:  # scaled while written back in u's dtype: one pass
+        return torch.mul(newton_schulz_lowp(u, steps, dtype), scale_rms * math.sqrt(max(u.shape)),
+                         out=torch.empty_like(u))
     out = torch.empty_like(u)
     _update_blocks(split.blocks(u), split.blocks(out), steps, dtype, scale_rms)
     return out
@@ -118,7 +134,7 @@ def _update_blocks(sources, targets, steps: int, dtype: torch.dtype, scale_rms: 
     """Each [groups, rows, cols] source orthogonalized group by group (one batched call), scaled by
     its own 0.2 * sqrt(max(rows, cols)), into the matching target."""
     for src, dst in zip(sources, targets):
-        dst.copy_(newton_schulz(src, steps, dtype) * (scale_rms * math.sqrt(max(src.shape[-2:]))))
+        torch.mul(newton_schulz_lowp(src, steps, dtype), scale_rms * math.sqrt(max(src.shape[-2:])), out=dst)
 
 
 def sharded_orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], dim: int, group, steps: int,

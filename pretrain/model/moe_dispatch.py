@@ -1,0 +1,151 @@
+"""MoE token dispatch without host syncs or atomics where all experts are local (EP x TP = 1).
+
+GLM-5 routes every token to k = 8 of its experts (report, architecture). With T tokens and a boolean
+routing map R [T, E], megatron's dispatchers lay the T k selected (token, expert) pairs out expert by
+expert ("rows"), run the experts on that matrix and sum each token's k outputs back. In megatron-core
+0.16.1 on a rank that holds every expert, that costs per MoE layer:
+
+* two host syncs in the forward: `masked_select` sizes its output from the data, and the dispatcher
+  copies the per-expert token counts to the host (`before_finish` / `before_permutation_2`), so the
+  host cannot queue kernels ahead of the GPU;
+* a second permutation "by local expert" (`sort_chunks_by_idxs`: split + cat of all rows) that is the
+  identity order when there is one rank, in the forward and again in the backward;
+* `index_select`'s backward (`index_add_`) and the combine's `scatter_add_`: atomic adds, in bf16.
+
+Here, for a dropless router (exactly k experts per token, so T k rows, known on the host):
+
+    rows      = nonzero(R^T) in expert-major order           (`nonzero_static`: size T k, no sync)
+    token(r)  = the token of row r;  slots(t) = the k rows of token t (argsort of token(r))
+    permute:    X_perm[r] = X[token(r)]                        backward  dX[t] = sum_{r in slots(t)} dX_perm[r]
+    unpermute:  Y[t] = sum_{r in slots(t)} Y_perm[r]           backward  dY_perm[r] = dY[token(r)]
+
+Both directions are gathers followed (where tokens meet) by a k-way sum in fp32: no atomics, the
+same result on every run. The token counts per expert stay on the device (our grouped GEMM takes
+them there). Anything else (EP or TP > 1, capacity factors, padding for quantization, fused
+permutation) stays with megatron's dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+
+class PermuteTokens(torch.autograd.Function):
+    """X [T, H] -> X[token(r)] [T k, H]; backward sums each token's k row gradients (fp32)."""
+
+    @staticmethod
+    def forward(ctx, tokens, row_token, token_rows):
+        ctx.save_for_backward(token_rows)
+        return tokens.index_select(0, row_token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_rows,) = ctx.saved_tensors
+        return sum_rows(grad, token_rows), None, None
+
+
+class UnpermuteTokens(torch.autograd.Function):
+    """Y_perm [T k, H] -> Y [T, H] (each token's k rows summed, fp32); backward gathers."""
+
+    @staticmethod
+    def forward(ctx, rows, row_token, token_rows):
+        ctx.save_for_backward(row_token)
+        return sum_rows(rows, token_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_token,) = ctx.saved_tensors
+        return grad.index_select(0, row_token), None, None
+
+
+def sum_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j rows[token_rows[t, j]] accumulated in fp32 (at least), in `rows`' dtype."""
+    t, k = token_rows.shape
+    picked = rows.index_select(0, token_rows.reshape(-1)).view(t, k, rows.shape[-1])
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return picked.sum(dim=1, dtype=acc).to(rows.dtype)
+
+
+def route_rows(routing_map: torch.Tensor, topk: int):
+    """(rows [T k], row_token [T k], token_rows [T, k], tokens_per_expert [E]) for a map with k experts
+    per token. `rows` are flat indices e T + t into R^T: expert-major, token-ascending within an expert
+    (megatron's `permute` order)."""
+    num_tokens = routing_map.shape[0]
+    rows = torch.nonzero_static(routing_map.t().reshape(-1), size=num_tokens * topk).squeeze(1)
+    row_token = rows % num_tokens
+    token_rows = torch.argsort(row_token, stable=True).view(num_tokens, topk)
+    return rows, row_token, token_rows, routing_map.sum(dim=0)
+
+
+class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher; with every expert on this rank (EP x TP = 1) and dropless
+    routing, the sync-free gather path of the module docstring."""
+
+    def _local(self) -> bool:
+        cfg = self.config
+        return (self.ep_size * self.tp_size == 1 and cfg.moe_expert_capacity_factor is None
+                and not cfg.moe_router_padding_for_quantization and not cfg.moe_permute_fusion)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if not self._local():
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        rows, row_token, token_rows, self.tokens_per_expert = route_rows(routing_map, self.config.moe_router_topk)
+        self._rows = (row_token, token_rows)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        permuted_probs = probs.t().reshape(-1).index_select(0, rows)  # probs at each row's (expert, token)
+        return PermuteTokens.apply(hidden_states, row_token, token_rows), permuted_probs
+
+    def token_dispatch(self, hidden_states, probs):
+        return (hidden_states, probs) if self._local() else super().token_dispatch(hidden_states, probs)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        if not self._local():
+            return super().dispatch_postprocess(hidden_states, probs)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return hidden_states, tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states if self._local() else super().combine_preprocess(hidden_states)
+
+    def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        if self._local():
+            return hidden_states
+        return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+
+    def combine_postprocess(self, hidden_states):
+        if not self._local():
+            return super().combine_postprocess(hidden_states)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(hidden_states)
+            self.shared_experts.post_forward_comm()
+        row_token, token_rows = self._rows
+        self._rows = None
+        output = UnpermuteTokens.apply(hidden_states, row_token, token_rows).view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
+
+
+class GLM5MoELayer(MoELayer):
+    """megatron's MoELayer whose all-to-all dispatcher is `LocalTokenDispatcher` (same behaviour with
+    EP or TP > 1, the sync-free gather path when every expert is local)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        old = self.token_dispatcher
+        if type(old) is MoEAlltoAllTokenDispatcher:
+            self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                         config=self.config, pg_collection=pg_collection)
+            if old.shared_experts is not None:
+                self.token_dispatcher.set_shared_experts(old.shared_experts)
