@@ -164,7 +164,10 @@ def breakdown(trace: Trace, steps: Optional[int] = None) -> dict:
 
 
 def _tflops(flops: float, ms: float) -> str:
-    return f"{flops / (ms * 1e-3) / 1e12:.1f}" if flops and ms > 0 else ""
+    if not flops or ms <= 0:
+        return ""
+    tflops = flops / (ms * 1e-3) / 1e12
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
 
 
 def format_table(summary: dict) -> str:
