@@ -25,6 +25,7 @@ def test_point_reports_the_trainers_metrics_and_a_breakdown(tmp_path):
     assert point["tokens_per_sec"] == steady["tokens_per_sec"] > 0
     assert point["tflops_per_gpu"] == steady["tflops_per_gpu"] > 0
     assert point["step_ms"] == 1e3 * steady["step_time_s"]
+    assert 0 < point["optimizer_ms"] == 1e3 * steady["optimizer_time_s"] < point["step_ms"]
     assert point["mem_peak_gb"] == max(r["mem_peak_gb"] for r in rows)
     assert point["mfu"] is None  # no GPU peak to compare with on CPU
     table = Path(point["breakdown"]).read_text()

@@ -209,7 +209,9 @@ def format_table(summary: dict) -> str:
     lines.append(f"| **step (wall)** |  |  | **{wall:.2f}** | **{total_share:.1%}** |  |  |  |")
     mtp_ms = sum(r.get("mtp", 0.0) for r in parts.values())
     gemm_ms = sum(r.get("gemm", 0.0) for r in parts.values())
-    lines += ["", f"MTP depths (all parts inside them): {mtp_ms:.2f} ms per step ({mtp_ms / wall:.1%})." if wall else "",
+    lines += ["", "*DSA layers up-project keys/values inside core attention (its row); the output row holds the "
+              "main head and every MTP depth's head; the MTP column covers the MTP layers themselves.",
+              "", f"MTP depths (all parts inside them): {mtp_ms:.2f} ms per step ({mtp_ms / wall:.1%})." if wall else "",
               f"All GEMMs: {summary['gemm_flops'] / 1e12:.3f} TFLOP per step in {gemm_ms:.2f} ms: "
               f"{_tflops(summary['gemm_flops'], gemm_ms) or '-'} TFLOP/s."]
     if summary["other_top"]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -32,6 +33,7 @@ from pretrain.model.aux_losses import ReduceGroups, aux_losses_for
 from pretrain.model.builder import build_model
 from pretrain.model.stages import freeze_for_stage
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
+from pretrain.training.metrics import synchronize
 from pretrain.training.preflight import preflight
 from pretrain.training.profile_scopes import scope
 from pretrain.training.step import forward_step
@@ -198,7 +200,8 @@ class Trainer:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
         losses = self._run_schedule(self.train_iter, forward_only=False)
-        loss = self._global_mean(losses)
+        loss = self._global_mean(losses)  # reads the loss: the device is idle from here
+        optimizer_start = time.perf_counter()
         with scope("optimizer"):
             self.optimizer.prepare_grads()
             grad_norm = self.optimizer.get_grad_norm()
@@ -207,6 +210,8 @@ class Trainer:
             with scope("optimizer"):
                 updated, grad_norm, _ = self.optimizer.step()
             finite = bool(updated)
+        synchronize()
+        optimizer_seconds = time.perf_counter() - optimizer_start
         if finite:
             self.scheduler.step(increment=1)
             self.nan_streak = 0
@@ -214,7 +219,8 @@ class Trainer:
             self.nan_streak += 1
             self.skipped_steps += 1
         values = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                  "lr": self.optimizer.param_groups[0]["lr"], "skipped": not finite}
+                  "lr": self.optimizer.param_groups[0]["lr"], "skipped": not finite,
+                  "optimizer_time_s": optimizer_seconds}
         values.update(self._auxiliary_losses())
         return values
 

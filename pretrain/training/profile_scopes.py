@@ -24,10 +24,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 PREFIX = "part:"
-# name -> (row label, whether forward and backward are split in the table). Order = table order.
+# name -> row label of the step breakdown table, in table order.
 PARTS: Dict[str, str] = {
     "embedding": "embedding",
-    "mla_proj": "MLA projections (q/kv down + up, output)",
+    "mla_proj": "MLA projections (q down/up, kv down/up*, output)",
     "core_attn": "core attention",
     "indexer": "DSA indexer",
     "router": "router (gate, top-k, aux loss)",
@@ -94,12 +94,16 @@ def _child_part(attr: str, module) -> Optional[str]:
 
 def module_parts(root: torch.nn.Module) -> List[Tuple[torch.nn.Module, str]]:
     """(module, part) for every module of `root` that opens a part range."""
-    out = []
+    out, whole = [], []  # parts whose submodules all belong to them (the indexer's norm is the indexer's)
     for name, module in root.named_modules():
+        if type(module).__name__ in ("IdentityOp", "IdentityFuncOp") or any(name.startswith(w) for w in whole):
+            continue
         attr = name.rsplit(".", 1)[-1] if name else ""
         part = _child_part(attr, module)
         if part is not None:
             out.append((module, part))
+            if part in ("indexer", "experts", "shared_expert", "dense_mlp", "router", "embedding", "output"):
+                whole.append(name + ".")
     return out
 
 
