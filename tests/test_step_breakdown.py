@@ -191,4 +191,4 @@ def test_profiled_tiny_run_breakdown(tmp_path):
     # GEMM FLOPs of one traced step against FlopCounterMode on a whole later step (AdamW: no GEMMs)
     counted = sum(v for k, v in counts.items() if re.search(r"(^|\.)(mm|addmm|bmm|baddbmm|_grouped_mm)(\.|$)", k))
     assert counted > 0
-    assert summary["gemm_flops"] == pytest.approx(counted, rel=0.03)
+    assert summary["gemm_flops"] == pytest.approx(counted, rel=0.01), (summary["gemm_flops"], counts)
