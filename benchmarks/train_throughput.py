@@ -11,7 +11,8 @@ step (`--tokens-per-step`, 8 x 4096 by default: 8 sequences at 4K, 2 at 16K) spl
 steps excluded), the peak memory over all steps, the optimizer's time when the trainer logs it.
 
 `--profile-step N` also records steps N and N+1 with the trainer's profile window and writes the
-per-part breakdown (`python -m pretrain.tools.step_breakdown`) and the trace next to `--out`.
+per-part breakdown (`python -m pretrain.tools.step_breakdown`) next to `--out` (the trace too with
+`--keep-traces`); the profiled steps are left out of the medians.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _ints(text: str) -> List[int]:
 
 def run_point(config, optimizer: str, seq: int, micro_batch_size: int, tokens_per_step: int, steps: int,
               warmup: int = 1, overrides: Optional[List[str]] = None, profile_step: Optional[int] = None,
-              artifacts: Optional[Path] = None, timeout: int = 1800, run_dir: Optional[str] = None) -> dict:
+              artifacts: Optional[Path] = None, timeout: int = 1800, run_dir: Optional[str] = None,
+              keep_trace: bool = False) -> dict:
     """One point: train, read the trainer's metrics, optionally break the profiled steps down.
 
     Keeps the run in `run_dir` when given (a temporary directory otherwise)."""
@@ -62,7 +64,7 @@ def run_point(config, optimizer: str, seq: int, micro_batch_size: int, tokens_pe
             return {**point, "oom": result.oom, "error": result.error()}
         point.update(steady_state(result.rows, skip=set(range(1, warmup + 1)) | profiled))
         if profile_step:
-            point["breakdown"] = _breakdown(Path(run_dir), artifacts or Path.cwd(), _label(point))
+            point["breakdown"] = _breakdown(Path(run_dir), artifacts or Path.cwd(), _label(point), keep_trace)
     return point
 
 
@@ -70,16 +72,18 @@ def _label(point: dict) -> str:
     return f"{point['optimizer'].lower()}_seq{point['seq']}_mbs{point['micro_batch_size']}"
 
 
-def _breakdown(run_dir: Path, artifacts: Path, label: str) -> str:
-    """Keep the trace beside the results and write its per-part table there; returns the table's path."""
+def _breakdown(run_dir: Path, artifacts: Path, label: str, keep_trace: bool) -> str:
+    """Write the per-part table (and its numbers) of the run's trace into `artifacts`, the trace too
+    with `keep_trace` (hundreds of MB for glm5-proxy); returns the table's path."""
     from pretrain.tools.step_breakdown import main as step_breakdown
 
     traces = sorted((run_dir / "profile").glob("trace_rank0_*.json"))
     if not traces:
         return "no trace written"
     artifacts.mkdir(parents=True, exist_ok=True)
-    trace = artifacts / f"{label}_trace.json"
-    shutil.copyfile(traces[-1], trace)
+    trace = traces[-1]
+    if keep_trace:
+        trace = Path(shutil.copyfile(trace, artifacts / f"{label}_trace.json"))
     table = artifacts / f"{label}_breakdown.md"
     step_breakdown([str(trace), "--out", str(table), "--json", str(artifacts / f"{label}_breakdown.json")])
     return str(table)
@@ -126,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--overrides", default="", help="extra config overrides, space separated")
     parser.add_argument("--profile-step", type=int, default=None, help="profile steps N and N+1 and break them down")
+    parser.add_argument("--keep-traces", action="store_true", help="with --profile-step: keep the traces too")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per point")
     parser.add_argument("--out", help="results JSON (breakdowns and traces are written beside it)")
     args = parser.parse_args(argv)
@@ -146,7 +151,8 @@ def main(argv=None) -> int:
         for seq in _ints(args.seqs):
             for mbs in _ints(args.micro_batch_sizes):
                 point = run_point(args.config, optimizer, seq, mbs, args.tokens_per_step, args.steps, args.warmup,
-                                  results["overrides"], args.profile_step, artifacts, args.timeout)
+                                  results["overrides"], args.profile_step, artifacts, args.timeout,
+                                  keep_trace=args.keep_traces)
                 results["points"].append(point)
                 print(json.dumps(point), flush=True)
                 if out:

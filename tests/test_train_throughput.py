@@ -15,7 +15,7 @@ def test_point_reports_the_trainers_metrics_and_a_breakdown(tmp_path):
     run_dir = tmp_path / "run"
     point = run_point(TINY, "adam", seq=64, micro_batch_size=2, tokens_per_step=4 * 64, steps=2, warmup=1,
                       overrides=["model.mtp_num_layers=1"], profile_step=2, artifacts=tmp_path / "profiles",
-                      timeout=300, run_dir=str(run_dir))
+                      timeout=300, run_dir=str(run_dir), keep_trace=True)
     assert "error" not in point, point
     rows = read_metrics(run_dir)
     # the profile window (steps 2-3) needs a steady step after it: 4 steps, only step 4 is steady
@@ -29,6 +29,7 @@ def test_point_reports_the_trainers_metrics_and_a_breakdown(tmp_path):
     assert point["mem_peak_gb"] == max(r["mem_peak_gb"] for r in rows)
     assert point["mfu"] is None  # no GPU peak to compare with on CPU
     table = Path(point["breakdown"]).read_text()
+    assert (tmp_path / "profiles" / "adamw_seq64_mbs2_trace.json").exists()
     assert "ProfilerStep#2, ProfilerStep#3" in table and "expert GEMMs" in table
     report = markdown({"device": "CPU", "config": TINY.name, "tokens_per_step": 256, "points": [point]})
     assert f"| AdamW | 64 | 2 | 4 | {point['tokens_per_sec']:,.0f} |" in report

@@ -84,11 +84,7 @@ def _items_gpu(trace: Trace, step: dict) -> List[Tuple[float, float, Optional[di
     out = []
     for k in trace.kernels:
         if step["ts"] <= k["ts"] <= end(step):
-            call = trace.launch_of(k)
-            host = None
-            if call is not None:
-                host = call if call.get("cat") not in ("cuda_runtime", "cuda_driver") else call["_parent"]
-            out.append((k["ts"], k.get("dur", 0.0), host, k["name"]))
+            out.append((k["ts"], k.get("dur", 0.0), trace.launcher_of(k), k["name"]))
     return out
 
 

@@ -149,23 +149,30 @@ class Trace:
         return same[0] if same else None
 
     def enclosing(self, pid, tid, ts: float) -> Optional[dict]:
-        """The innermost host event on (pid, tid) that contains time `ts`."""
+        """The innermost operator or range (not a runtime call) on (pid, tid) that contains time `ts`.
+
+        Runtime calls are skipped, so a call whose clock edge pokes out of its operator still
+        resolves to that operator."""
         key = (pid, tid)
         starts = self._starts.get(key)
         if not starts:
             return None
+        evs = self.host[key]
         i = bisect.bisect_right(starts, ts + EPS_US) - 1
-        e = self.host[key][i] if i >= 0 else None
-        while e is not None and end(e) + EPS_US < ts:
+        while i >= 0 and evs[i].get("cat") in RUNTIME_CATS:
+            i -= 1
+        e = evs[i] if i >= 0 else None
+        while e is not None and (end(e) + EPS_US < ts or e.get("cat") in RUNTIME_CATS):
             e = e["_parent"]
         return e
 
-    def launch_of(self, kernel: dict) -> Optional[dict]:
-        """The runtime call (or, failing that, the operator) that launched a kernel."""
+    def launcher_of(self, kernel: dict) -> Optional[dict]:
+        """The host operator or range around the runtime call that launched a kernel: found by the
+        kernel's correlation id, else by its "ac2g" flow; None when neither is in the trace."""
         corr = kernel.get("args", {}).get("correlation")
         call = self.runtime_by_corr.get(corr)
         if call is not None:
-            return call
+            return self.enclosing(call["pid"], call["tid"], call["ts"] + call.get("dur", 0.0) / 2)
         point = self._ac2g.get(corr)
         if point is not None:
             return self.enclosing(point["pid"], point["tid"], point["ts"])
