@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     if args.profile_step is not None and args.profile_step <= args.warmup:
         parser.error(f"--profile-step ({args.profile_step}) must come after the warm-up steps (--warmup {args.warmup})")
     out = Path(args.out) if args.out else None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
     artifacts = (out.parent / f"{out.stem}_profiles") if out else Path.cwd() / "train_throughput_profiles"
     results = {"device": _device_name(), "config": Path(args.config).name, "tokens_per_step": args.tokens_per_step,
                "steps": args.steps, "warmup": args.warmup, "overrides": args.overrides.split(), "points": []}
