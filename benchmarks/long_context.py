@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from anywhere
+
+from benchmarks.train_runs import ROOT, launch, point_overrides, steady_state  # noqa: E402
+
 ATTENTION = {
     "dense": ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_coeff=0.0"],
     "dsa": ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=1e-3",
@@ -46,27 +47,16 @@ FEATURES = {
 
 def run_point(seq: int, attention: str, features: str, steps: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        overrides = [f"data.seq_length={seq}", "train.micro_batch_size=1", "train.global_batch_size=1",
-                     f"train.train_iters={steps}", "train.eval_interval=null", "data.mock=true",
-                     "optimizer.lr_warmup_iters=1", "logging.log_interval=1", f"logging.run_dir={run_dir}",
-                     *ATTENTION[attention], *FEATURES[features]]
-        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-        try:
-            done = subprocess.run([sys.executable, "-m", "pretrain.train", "--config",
-                                   str(ROOT / "configs/models/glm5-proxy.yaml"), *overrides],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timeout after {timeout}s"}
-        metrics = Path(run_dir) / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        if done.returncode != 0 or len(rows) < 2:
-            tail = (done.stderr or done.stdout)[-4000:]
-            return {"oom": "out of memory" in tail.lower(), "error": tail.strip().splitlines()[-1] if tail else "?"}
-    steady = rows[1:]
-    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
-    return {"tokens_per_sec": round(med("tokens_per_sec")), "tflops_per_gpu": round(med("tflops_per_gpu"), 1),
-            "mfu": round(med("mfu"), 4), "mem_peak_gb": round(max(r["mem_peak_gb"] for r in rows), 2),
-            "loss": round(rows[-1]["loss"], 3)}
+        overrides = [*point_overrides(seq, 1, 1, steps, run_dir), *ATTENTION[attention], *FEATURES[features]]
+        result = launch(ROOT / "configs/models/glm5-proxy.yaml", overrides, run_dir, timeout)
+    if result.timed_out:
+        return {"error": result.error()}
+    if not result.ok or len(result.rows) < 2:
+        return {"oom": result.oom, "error": result.error()}
+    summary = steady_state(result.rows, skip={1})
+    return {"tokens_per_sec": round(summary["tokens_per_sec"]), "tflops_per_gpu": round(summary["tflops_per_gpu"], 1),
+            "mfu": round(summary["mfu"], 4), "mem_peak_gb": round(summary["mem_peak_gb"], 2),
+            "loss": round(summary["loss"], 3)}
 
 
 def main() -> None:

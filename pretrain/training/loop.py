@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -32,7 +33,9 @@ from pretrain.model.aux_losses import ReduceGroups, aux_losses_for
 from pretrain.model.builder import build_model
 from pretrain.model.stages import freeze_for_stage
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
+from pretrain.training.metrics import synchronize
 from pretrain.training.preflight import preflight
+from pretrain.training.profile_scopes import scope
 from pretrain.training.step import forward_step
 
 
@@ -87,7 +90,7 @@ class Trainer:
     # ----------------------------------------------------------------------------- setup
     def _configure_schedule(self) -> None:
         config = _unwrap(self.model[0]).config
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = _finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
         config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
@@ -190,17 +193,25 @@ class Trainer:
         return out
 
     def train_step(self) -> Dict[str, float]:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        # `scope`s name the step's parts for the profiler (`pretrain.tools.step_breakdown`); no-ops
+        # outside a profile window.
+        with scope("grad_reduce"):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
         losses = self._run_schedule(self.train_iter, forward_only=False)
-        loss = self._global_mean(losses)
-        self.optimizer.prepare_grads()
-        grad_norm = self.optimizer.get_grad_norm()
+        loss = self._global_mean(losses)  # reads the loss: the device is idle from here
+        optimizer_start = time.perf_counter()
+        with scope("optimizer"):
+            self.optimizer.prepare_grads()
+            grad_norm = self.optimizer.get_grad_norm()
         finite = math.isfinite(loss) and grad_norm is not None and math.isfinite(grad_norm)
         if finite:
-            updated, grad_norm, _ = self.optimizer.step()
+            with scope("optimizer"):
+                updated, grad_norm, _ = self.optimizer.step()
             finite = bool(updated)
+        synchronize()
+        optimizer_seconds = time.perf_counter() - optimizer_start
         if finite:
             self.scheduler.step(increment=1)
             self.nan_streak = 0
@@ -208,7 +219,8 @@ class Trainer:
             self.nan_streak += 1
             self.skipped_steps += 1
         values = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                  "lr": self.optimizer.param_groups[0]["lr"], "skipped": not finite}
+                  "lr": self.optimizer.param_groups[0]["lr"], "skipped": not finite,
+                  "optimizer_time_s": optimizer_seconds}
         values.update(self._auxiliary_losses())
         return values
 
@@ -244,7 +256,7 @@ class Trainer:
         t, c = self.cfg.train, self.cfg.checkpoint
         first_iteration = self.iteration
         last: Dict[str, float] = {}
-        profiler = ProfilerWindow(self.cfg)
+        profiler = ProfilerWindow(self.cfg, model=self.model)
         while self.iteration < t.train_iters:
             self.timer.start()
             with profiler.step(self.iteration + 1):
@@ -266,6 +278,12 @@ class Trainer:
         profiler.close()
         self.metrics.close()
         return last
+
+
+def _finalize_model_grads(*args, **kwargs):
+    """megatron-core's gradient reduction (and MoE router bias update), named for the profiler."""
+    with scope("grad_reduce"):
+        return finalize_model_grads(*args, **kwargs)
 
 
 def _device() -> torch.device:

@@ -7,7 +7,8 @@ flushes it, so a crashed or killed run keeps every step it logged. Each line hol
 
 (null when unknown; `mfu` is a fraction of the GPU's dense bf16 peak, null on CPU; `tokens_per_sec`
 is the whole job's throughput; memory in GiB), plus whatever else the trainer reports:
-`mtp_loss_<d>`, `aux_loss`, `indexer_loss`, `valid_loss`, `step_time_s`, ... Non-finite numbers
+`mtp_loss_<d>`, `aux_loss`, `indexer_loss`, `valid_loss`, `step_time_s`, `optimizer_time_s` (gradient
+norm, clipping and the update, device-synchronized), ... Non-finite numbers
 (a NaN-skipped step's loss) are written as null, so every line is strict JSON.
 
 Resume: `MetricsLogger(..., resume_step=k)` first rewrites metrics.jsonl keeping only the lines

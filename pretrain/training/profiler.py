@@ -9,7 +9,10 @@
 The window records CPU and (when present) CUDA activity of the steps start..end inclusive, one
 `ProfilerStep#<step>` range per step, then writes a Chrome trace (open it in chrome://tracing or
 https://ui.perfetto.dev) and a table of the most expensive operators to
-`<logging.run_dir>/profile/`. Only rank 0 profiles unless `all_ranks=True`: every profiled rank
+`<logging.run_dir>/profile/`. Given the model chunks, the window also opens `part:<name>` ranges
+around the model's parts while it records (`pretrain.training.profile_scopes`), which
+`python -m pretrain.tools.step_breakdown TRACE.json` turns into a per-part table; each profiled step
+ends with a device synchronize, so its kernels lie inside its `ProfilerStep#<step>` range. Only rank 0 profiles unless `all_ranks=True`: every profiled rank
 writes its own files, named by rank.
 
 With `logging.profile_memory: true` the window also records every CUDA allocation with its stack
@@ -27,8 +30,10 @@ import torch
 
 
 class ProfilerWindow:
-    def __init__(self, cfg, rank: Optional[int] = None, all_ranks: bool = False):
+    def __init__(self, cfg, rank: Optional[int] = None, all_ranks: bool = False, model=None):
         log = cfg.logging
+        self._model = model
+        self._scopes = None
         start, end = log.profile_step_start, log.profile_step_end
         if (start is None) != (end is None):
             raise ValueError(
@@ -64,6 +69,8 @@ class ProfilerWindow:
             if inside:
                 with torch.profiler.record_function(f"ProfilerStep#{step}"):
                     yield
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()  # the step's kernels finish inside its range
             else:
                 yield
         finally:
@@ -78,6 +85,10 @@ class ProfilerWindow:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
         self._profiler.start()
+        if self._model is not None:
+            from pretrain.training.profile_scopes import ModelScopes
+
+            self._scopes = ModelScopes(self._model)
         self._first = step
         if self.profile_memory:
             torch.cuda.synchronize()
@@ -88,6 +99,9 @@ class ProfilerWindow:
         if self._profiler is None:
             return
         profiler, self._profiler = self._profiler, None
+        if self._scopes is not None:
+            self._scopes.remove()
+            self._scopes = None
         profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}_steps{self._first}-{self._last}"

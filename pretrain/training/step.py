@@ -15,6 +15,7 @@ from typing import Dict, Tuple
 import torch
 
 from parallel.context_parallel import cp_size_and_rank, global_token_count, split_batch
+from pretrain.training.profile_scopes import scope
 
 
 def _to_device(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -31,6 +32,11 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, cp_group=None) -> T
     DP x CP group, so the rank returns cp x its sum and the token count of the whole sequence: the
     CP average of cp * sum_r / N is sum_r sum_r / N, the token mean (not the mean of the ranks'
     means). The logged sum and count are the rank's own; the trainer sums them over all ranks."""
+    with scope("output"):
+        return _masked_sum(loss_mask, output, cp_group)
+
+
+def _masked_sum(loss_mask, output, cp_group):
     mask = loss_mask.reshape(-1).float()
     total = (output.float().reshape(-1) * mask).sum()
     count = mask.sum()
