@@ -22,6 +22,7 @@ import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 PREFIX = "part:"
 # name -> row label of the step breakdown table, in table order.
@@ -68,7 +69,7 @@ def _child_part(attr: str, module) -> Optional[str]:
     if cls in ("MultiTokenPredictionLayer",):
         return "mtp"
     if cls in ("TransformerLayer", "GPTModel", "GLM5Model", "TransformerBlock", "MultiTokenPredictionBlock",
-               "SharedDepthMTPBlock", "MoELayer") or attr in ("self_attention", "rotary_pos_emb"):
+               "SharedDepthMTPBlock") or isinstance(module, MoELayer) or attr in ("self_attention", "rotary_pos_emb"):
         return "glue"
     if attr in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                 "linear_kv_up_proj", "linear_qkv", "linear_proj"):
