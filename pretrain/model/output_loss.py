@@ -15,8 +15,16 @@ weights m (loss mask x any scaling):
 
 which is megatron-core's vocab-parallel cross-entropy, done per chunk with its gradient. The function
 returns `sum_i m_i loss_i` (a scalar: its gradient is known at forward time up to the scalar the
-backward brings) and the per-token losses, detached, for logging. Memory: one chunk's logits plus fp32
-gradients of h and W, never [tokens, vocab].
+backward brings) and the per-token losses, detached, for logging.
+
+Two implementations of the chunk loop. On CUDA (bf16 / fp16 / fp32) the Triton kernels of
+`pretrain.model.output_loss_kernels` read each chunk's logits once in the GEMM's dtype for max, sum of
+exponentials and target, and once more to write dz over them in place; dW sums in fp32 inside the GEMM
+(`torch.addmm(..., out_dtype=float32)`). Memory above the inputs and their gradients: one chunk's logits
+in the weight's dtype, plus dW's fp32 sum (4 bytes x V/tp x H) unless `fp32_grad_weight=False` sums it
+in the weight's dtype as Liger does (its error grows with the number of chunks:
+tests/test_output_loss_kernels.py). Elsewhere (CPU, float64, no triton) a PyTorch loop does the same
+in fp32 (float64 for float64) with elementwise passes over an fp32 copy of the logits.
 
 Under tensor parallelism `hidden` must be the output layer's input as each rank sees it (after
 megatron's copy-to-TP region or the sequence-parallel all-gather): the partial dh returned here is
@@ -66,6 +74,12 @@ def use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 _FUSED_FP32_ADDMM = [True]  # until cuBLAS refuses bf16 x bf16 -> fp32 with an fp32 addend in place
+
+
+def grad_weight_accumulation() -> str:
+    """How an fp32 dW sums bf16 / fp16 products on CUDA in this process so far: inside the GEMM, or
+    through a product temporary (after torch refused the former)."""
+    return "fp32 in the GEMM" if _FUSED_FP32_ADDMM[0] else "fp32, adding a bf16 product temporary"
 
 
 def accumulate_grad_weight(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
