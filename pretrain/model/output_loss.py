@@ -7,7 +7,7 @@ logits never exist. Per chunk c of n tokens with hidden states h [n, H], this ra
 W [V/tp, H] (rows v0..v1 of the vocabulary under tensor parallelism), labels y and per-token loss
 weights m (loss mask x any scaling):
 
-    z      = h W^T                                    [n, V/tp], fp32
+    z      = h W^T                                    [n, V/tp], in the weight's dtype
     lse_i  = log sum_v exp z_iv                        max and sum all-reduced over the TP group
     loss_i = lse_i - z_{i, y_i}                        the target logit all-reduced (one rank holds it)
     dz     = m_i (softmax(z)_iv - [v = y_i])           the gradient of sum_i m_i loss_i
