@@ -2,7 +2,9 @@
 
     python benchmarks/output_loss.py --tokens 32768 --out output_loss.json
 
-Shapes: glm5-proxy's head (hidden 2048, vocab 32,768) and GLM-5's (6,144 x 154,880). Backends:
+Shapes: glm5-proxy's head (hidden 2048, vocab 32,768) and GLM-5's (6,144 x 154,880); `--shapes glm5-tp8`
+adds one rank's slice of GLM-5's head under TP = 8 (19,360 rows, the chunked backend's use; the
+all-reduces are not timed). Backends:
 
 * unfused: megatron-core's path, full logits `h @ W^T` then its vocab-parallel cross-entropy
   (`tensor_parallel.vocab_parallel_cross_entropy`, TP = 1 here);
@@ -26,7 +28,7 @@ import statistics
 
 import torch
 
-SHAPES = {"proxy": (2048, 32768), "glm5": (6144, 154880)}
+SHAPES = {"proxy": (2048, 32768), "glm5": (6144, 154880), "glm5-tp8": (6144, 154880 // 8)}
 
 
 def _unfused(h, w, y):

@@ -49,7 +49,8 @@ def test_triton_chunked_path_matches_unfused_bf16(fp32_grad_weight):
     # and as close to float64 as the unfused path is
     assert (losses.double() - exact_losses).abs().max().item() < 5e-2
     assert rel(hh.grad, 2 * exact_dh) < 1.5 * rel(ref_dh, exact_dh) + 1e-3
-    assert rel(ww.grad, 2 * exact_dw) < 1.5 * rel(ref_dw, exact_dw) + 1e-3
+    # a bf16 running sum over 3 chunks adds up to ~2 roundings of dW (tests/test_output_loss_kernels.py)
+    assert rel(ww.grad, 2 * exact_dw) < (1.5 if fp32_grad_weight else 2.5) * rel(ref_dw, exact_dw) + 1e-3
 
 
 def test_triton_kernels_split_vocabulary_combine_like_the_all_reduce():
