@@ -7,7 +7,7 @@ logits never exist. Per chunk c of n tokens with hidden states h [n, H], this ra
 W [V/tp, H] (rows v0..v1 of the vocabulary under tensor parallelism), labels y and per-token loss
 weights m (loss mask x any scaling):
 
-    z      = h W^T                                    [n, V/tp], fp32
+    z      = h W^T                                    [n, V/tp], in the weight's dtype
     lse_i  = log sum_v exp z_iv                        max and sum all-reduced over the TP group
     loss_i = lse_i - z_{i, y_i}                        the target logit all-reduced (one rank holds it)
     dz     = m_i (softmax(z)_iv - [v = y_i])           the gradient of sum_i m_i loss_i
@@ -15,8 +15,16 @@ weights m (loss mask x any scaling):
 
 which is megatron-core's vocab-parallel cross-entropy, done per chunk with its gradient. The function
 returns `sum_i m_i loss_i` (a scalar: its gradient is known at forward time up to the scalar the
-backward brings) and the per-token losses, detached, for logging. Memory: one chunk's logits plus fp32
-gradients of h and W, never [tokens, vocab].
+backward brings) and the per-token losses, detached, for logging.
+
+Two implementations of the chunk loop. On CUDA (bf16 / fp16 / fp32) the Triton kernels of
+`pretrain.model.output_loss_kernels` read each chunk's logits once in the GEMM's dtype for max, sum of
+exponentials and target, and once more to write dz over them in place; dW sums in fp32 inside the GEMM
+(`torch.addmm(..., out_dtype=float32)`). Memory above the inputs and their gradients: one chunk's logits
+in the weight's dtype, plus dW's fp32 sum (4 bytes x V/tp x H) unless `fp32_grad_weight=False` sums it
+in the weight's dtype as Liger does (its error grows with the number of chunks:
+tests/test_output_loss_kernels.py). Elsewhere (CPU, float64, no triton) a PyTorch loop does the same
+in fp32 (float64 for float64) with elementwise passes over an fp32 copy of the logits.
 
 Under tensor parallelism `hidden` must be the output layer's input as each rank sees it (after
 megatron's copy-to-TP region or the sequence-parallel all-gather): the partial dh returned here is
@@ -25,6 +33,8 @@ summed over TP by that region's backward, as for the unchunked ColumnParallelLin
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -37,48 +47,147 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+_WARNED = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"chunked output loss: {reason}", RuntimeWarning, stacklevel=4)
+
+
+def use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the chunk loop takes the Triton path (`pretrain.model.output_loss_kernels`): CUDA tensors in
+    bf16 / fp16 / fp32 with triton installed. CPU tensors take the PyTorch path; a CUDA run that cannot
+    use the kernels says why, once."""
+    if hidden.device.type != "cuda":
+        return False
+    if importlib.util.find_spec("triton") is None:
+        _warn_once("triton is not installed, so the loss runs its PyTorch path on CUDA (fp32 copies of each "
+                   "chunk's logits, about 2x slower); install triton")
+        return False
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or hidden.dtype != weight.dtype:
+        _warn_once(f"hidden {hidden.dtype} / weight {weight.dtype} have no Triton path (it takes one of bf16, fp16, "
+                   "fp32 for both), so the loss runs its PyTorch path")
+        return False
+    return True
+
+
+_FUSED_FP32_ADDMM = [True]  # until cuBLAS refuses bf16 x bf16 -> fp32 with an fp32 addend in place
+
+
+def grad_weight_accumulation() -> str:
+    """How an fp32 dW sums bf16 / fp16 products on CUDA in this process so far: inside the GEMM, or
+    through a product temporary (after torch refused the former)."""
+    return "fp32 in the GEMM" if _FUSED_FP32_ADDMM[0] else "fp32, adding a bf16 product temporary"
+
+
+def accumulate_grad_weight(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight += dz^T h. An fp32 `grad_weight` with bf16/fp16 operands accumulates in the GEMM's
+    epilogue (`torch.addmm(..., out_dtype=torch.float32)`, cuBLAS on CUDA) without a product temporary;
+    where torch has no such kernel, the product in the operands' dtype is added in fp32 (logged once)."""
+    if grad_weight.dtype == dz.dtype:
+        grad_weight.addmm_(dz.t(), h)
+        return
+    if _FUSED_FP32_ADDMM[0] and grad_weight.is_cuda:
+        try:
+            torch.addmm(grad_weight, dz.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as err:
+            _FUSED_FP32_ADDMM[0] = False
+            _warn_once(f"torch {torch.__version__} has no in-place {dz.dtype} x {dz.dtype} -> "
+                       f"{grad_weight.dtype} addmm ({str(err).splitlines()[0]}); dW adds a {dz.dtype} product "
+                       "temporary per chunk")
+    grad_weight += dz.t() @ h
+
+
+def _chunks_torch(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight):
+    """The reference loop: fp32 (float64 for float64 inputs) elementwise passes over each chunk's logits."""
+    n_tokens, acc = hidden.shape[0], grad_weight.dtype
+    grad_hidden = torch.empty_like(hidden)
+    losses = torch.empty(n_tokens, dtype=acc, device=hidden.device)
+    vocab_local = weight.shape[0]
+    for start in range(0, n_tokens, chunk_size):
+        end = min(start + chunk_size, n_tokens)
+        h, y, m = hidden[start:end], labels[start:end], loss_weights[start:end].to(acc)
+        z = (h @ weight.t()).to(acc)
+        zmax = _all_reduce(z.max(dim=1).values, dist.ReduceOp.MAX, tp_group)
+        z.sub_(zmax[:, None])
+        exp = z.exp()
+        sumexp = _all_reduce(exp.sum(dim=1), dist.ReduceOp.SUM, tp_group)
+        local = y - vocab_start
+        own = (local >= 0) & (local < vocab_local)
+        idx = torch.where(own, local, torch.zeros_like(local))
+        target = torch.where(own, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(zmax))
+        target = _all_reduce(target, dist.ReduceOp.SUM, tp_group)
+        losses[start:end] = sumexp.log() - target
+        dz = exp.div_(sumexp[:, None])  # softmax, in place of exp
+        rows = torch.arange(end - start, device=dz.device)
+        dz[rows[own], idx[own]] -= 1.0
+        dz.mul_(m[:, None])
+        dz = dz.to(weight.dtype)
+        grad_hidden[start:end] = (dz @ weight).to(hidden.dtype)
+        accumulate_grad_weight(grad_weight, dz, h)
+    return grad_hidden, losses
+
+
+def _chunks_triton(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight):
+    """Each chunk's logits in the weight's dtype: one kernel pass for the statistics, one writing dz over
+    the logits in place, then the two GEMMs (dh straight into its rows of grad_hidden)."""
+    from pretrain.model import output_loss_kernels as kernels
+
+    def all_reduce_max(t):
+        return _all_reduce(t, dist.ReduceOp.MAX, tp_group)
+
+    def all_reduce_sum(t):
+        return _all_reduce(t, dist.ReduceOp.SUM, tp_group)
+
+    n_tokens = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden)
+    losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    labels = labels.contiguous()
+    buffer = torch.empty(min(chunk_size, n_tokens), weight.shape[0], dtype=weight.dtype, device=weight.device)
+    for start in range(0, n_tokens, chunk_size):
+        end = min(start + chunk_size, n_tokens)
+        h, y = hidden[start:end], labels[start:end]
+        z = torch.mm(h, weight.t(), out=buffer[:end - start])
+        row_max, row_sum, target = kernels.row_stats(z, y, vocab_start)
+        lse, losses[start:end] = kernels.combine_rank_stats(row_max, row_sum, target, all_reduce_max,
+                                                            all_reduce_sum)
+        dz = kernels.softmax_grad_(z, y, lse, loss_weights[start:end], vocab_start)
+        torch.mm(dz, weight, out=grad_hidden[start:end])
+        accumulate_grad_weight(grad_weight, dz, h)
+    return grad_hidden, losses
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i m_i CE(h_i W^T, y_i), chunk by chunk along the tokens, vocabulary-parallel over `tp_group`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, loss_weights, chunk_size: int, vocab_start: int, tp_group):
-        n_tokens = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden)
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    def forward(ctx, hidden, weight, labels, loss_weights, chunk_size: int, vocab_start: int, tp_group,
+                kernels: bool = False, fp32_grad_weight: bool = True):
+        wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        acc = wide if fp32_grad_weight else weight.dtype
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        losses = torch.empty(n_tokens, dtype=acc, device=hidden.device)
-        vocab_local = weight.shape[0]
-        for start in range(0, n_tokens, chunk_size):
-            end = min(start + chunk_size, n_tokens)
-            h, y, m = hidden[start:end], labels[start:end], loss_weights[start:end].to(acc)
-            z = (h @ weight.t()).to(acc)
-            zmax = _all_reduce(z.max(dim=1).values, dist.ReduceOp.MAX, tp_group)
-            z.sub_(zmax[:, None])
-            exp = z.exp()
-            sumexp = _all_reduce(exp.sum(dim=1), dist.ReduceOp.SUM, tp_group)
-            local = y - vocab_start
-            own = (local >= 0) & (local < vocab_local)
-            idx = torch.where(own, local, torch.zeros_like(local))
-            target = torch.where(own, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(zmax))
-            target = _all_reduce(target, dist.ReduceOp.SUM, tp_group)
-            losses[start:end] = sumexp.log() - target
-            dz = exp.div_(sumexp[:, None])  # softmax, in place of exp
-            rows = torch.arange(end - start, device=dz.device)
-            dz[rows[own], idx[own]] -= 1.0
-            dz.mul_(m[:, None])
-            dz = dz.to(weight.dtype)
-            grad_hidden[start:end] = (dz @ weight).to(hidden.dtype)
-            grad_weight += (dz.t() @ h).to(acc)  # each chunk's product in the weight's dtype, summed in fp32
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        loss = (losses * loss_weights.to(acc)).sum()
+        loop = _chunks_triton if kernels else _chunks_torch
+        grad_hidden, losses = loop(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group,
+                                   grad_weight)
+        # held on ctx, not saved: the backward scales them in place (no second copy of dW)
+        ctx.grads = [grad_hidden, grad_weight.to(weight.dtype)]
+        del grad_weight
+        loss = (losses * loss_weights.to(losses.dtype)).sum()
         ctx.mark_non_differentiable(losses)
         return loss, losses
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_losses):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
-            None, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("chunked output loss: backward ran twice through one forward (retain_graph)")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -89,16 +198,34 @@ def chunked_linear_cross_entropy(
     chunk_size: int,
     vocab_start: int = 0,
     tp_group: Optional[dist.ProcessGroup] = None,
+    impl: str = "auto",
+    fp32_grad_weight: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sum_i m_i loss_i, per-token losses) for hidden [..., H], weight [V/tp, H], labels / weights [...]."""
+    """(sum_i m_i loss_i, per-token losses) for hidden [..., H], weight [V/tp, H], labels / weights [...].
+
+    `impl`: "auto" (the Triton kernels on CUDA, see `use_kernels`; PyTorch elsewhere), "triton" or "torch".
+    `fp32_grad_weight`: dW summed over chunks in fp32 (default), or in the weight's dtype as Liger does
+    (saves 4 bytes x V/tp x H; each chunk's product is rounded into a bf16 running sum)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
+    kernels = use_kernels(hidden, weight) if impl == "auto" else impl == "triton"
     shape = labels.shape
     loss, losses = ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_weights.reshape(-1), chunk_size,
-        vocab_start, tp_group,
+        vocab_start, tp_group, kernels, fp32_grad_weight,
     )
     return loss, losses.view(shape)
+
+
+def auto_chunk_size(tokens: int, vocab_local: int, element_bytes: int = 2, budget_bytes: int = 1 << 30) -> int:
+    """Tokens per chunk so that one chunk's logits [n, V/tp] take at most about `budget_bytes`: the tokens
+    split into equal chunks, each a multiple of 128 rows (whole GEMM tiles)."""
+    per_chunk = max(1, budget_bytes // (vocab_local * element_bytes))
+    chunks = -(-tokens // per_chunk)
+    n = -(-tokens // chunks)
+    return max(1, min(tokens, -(-n // 128) * 128))
 
 
 OUTPUT_LOSS_BACKENDS = ("unfused", "chunked", "liger")
