@@ -27,7 +27,16 @@ permutation) stays with megatron's dispatcher.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU path needs none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -62,11 +71,52 @@ class UnpermuteTokens(torch.autograd.Function):
 
 
 def sum_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j rows[token_rows[t, j]] accumulated in fp32 (at least), in `rows`' dtype."""
+    """out[t] = sum_j rows[token_rows[t, j]] accumulated in fp32 (at least), in `rows`' dtype.
+
+    On the GPU one Triton kernel reads each selected row once and writes the sum (no [T, k, H]
+    intermediate); elsewhere gather, then sum."""
+    if rows.is_cuda and rows.dtype != torch.float64:
+        if triton is not None:
+            return gather_sum_triton(rows, token_rows)
+        _warn_once("triton is not importable: MoE combine runs as gather + sum ([T, k, H] intermediate)")
     t, k = token_rows.shape
     picked = rows.index_select(0, token_rows.reshape(-1)).view(t, k, rows.shape[-1])
     acc = torch.promote_types(rows.dtype, torch.float32)
     return picked.sum(dim=1, dtype=acc).to(rows.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def gather_sum_triton(rows: torch.Tensor, token_rows: torch.Tensor, block_h: int = 1024) -> torch.Tensor:
+    """`sum_rows` as one Triton kernel: program (t, block of H) adds its k rows in fp32 registers."""
+    rows = rows.contiguous()
+    token_rows = token_rows.contiguous()
+    t, k = token_rows.shape
+    hidden = rows.shape[-1]
+    out = torch.empty(t, hidden, dtype=rows.dtype, device=rows.device)
+    if t == 0:
+        return out
+    block = min(block_h, triton.next_power_of_2(hidden))
+    _gather_sum_kernel[(t, triton.cdiv(hidden, block))](rows, token_rows, out, hidden, K=k, BLOCK_H=block,
+                                                         num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_sum_kernel(src, idx, out, hidden, K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(idx + t * K + j).to(tl.int64)
+            acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def route_rows(routing_map: torch.Tensor, topk: int):
