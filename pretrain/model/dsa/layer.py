@@ -8,8 +8,8 @@ the key/value up-projection to `DSACoreAttention`, the attention spec's core-att
 - owns the layer's `LightningIndexer` ("full" layers) or reuses the top-k of the previous full layer
   (`dsa_indexer_types` "shared", HF's `indexer_types`),
 - attends densely (SDPA on the up-projected keys/values: dense pretraining and the DSA warm-up), or
-  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`), through the backend it
-  picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
+  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`, `sparse_core`), through the
+  backend it picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
 - adds the indexer KL loss (`pretrain.model.dsa.indexer_loss`) when `dsa_indexer_loss_coeff > 0`:
   over the selected keys with `dsa_indexer_use_sparse_loss`, else over every visible key.
 
@@ -17,6 +17,10 @@ Tensor parallelism splits the attention heads; the indexer is replicated (every 
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
 sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences are
 respected through megatron's dense mask or through `packed_seq_params.cu_seqlens_q` (THD, b = 1).
+
+Selective recompute of the core attention (`recompute_modules: [core_attn]`): dense layers
+checkpoint the whole core (megatron's rule); sparse layers keep their top-k and recompute only the
+sparse attention's forward in backward (`sparse_core`), so the indexer is never run twice.
 
 Context parallelism (`parallel.context_parallel`): each CP rank holds 2 chunks of the sequence; the
 layer all-gathers the normalized latent and the roped rope key (576 numbers per token at GLM-5's

@@ -13,12 +13,19 @@ more than dense attention keeps (q, k, v and the output at h x 256 each). `Spars
 only what backward cannot rebuild cheaply:
 
 - q_nope (h x d_nope) and the roped q_rope (h x 64): the absorbed query is recomputed in backward
-  (one [h, d_nope] x [d_nope, 512] product per token, ~3% of the attention's FLOPs);
+  (2 h d_nope 512 FLOPs per token, ~4% of the sparse forward's at K = 2048);
 - kv [T, 576], the int32 top-k indices, the weight (a parameter);
-- o_lat and the log-sum-exp (h x 512 and h fp32), unless `recompute` is set: then backward runs the
-  sparse forward once more (2 h K (576 + 512) FLOPs per token, about half of the sparse backward's
-  cost, and as much as the forward it repeats) and keeps neither. o_lat is needed for dW_UV and for
-  Delta = rowsum(dO_lat * o_lat) of the attention backward.
+- o_lat and the log-sum-exp (h x 512 and h fp32), unless `recompute` is set: then backward first
+  runs the sparse forward once more and keeps neither. That costs one extra sparse forward,
+  2 h K (576 + 512) FLOPs per token (the backward's matrix products are 2 h K (576 + 512 + 576 +
+  576 + 512): the extra forward adds ~28% of the sparse attention's FLOPs), and saves h x 512 x 2 bytes per token (16 KiB at 16 heads). o_lat is needed for dW_UV and
+  for Delta = rowsum(dO_lat * o_lat) of the attention backward.
+
+Measured with saved-tensor hooks (tests/test_dsa_memory.py) for one proxy-model layer (16 heads,
+d_nope 192, rope 64, v 256, latent 512, indexer 16 x 128), bf16, per token: dense attention keeps
+47.7 KB; the sparse path with its indexer loss 41.7 KB + 4 K bytes of indices (49.9 KB at K = 2048,
+43.7 KB at K = 512), with `recompute` 16.4 KB less (33.4 KB at K = 2048). The separate operations
+kept 65.3 KB + 4 K (73.5 KB at K = 2048).
 
 The top-k selection is an input: recompute never repeats the indexer. The layer turns `recompute` on
 for megatron's selective recompute of the core attention (`recompute_modules: [core_attn]`) on its
