@@ -226,3 +226,24 @@ def test_sparse_attention_keeps_less_than_dense_per_token(saved_bytes):
     # dense attention keeps q, k, v storages, the output and the log-sum-exp (~47.7 KB per token here)
     assert per_token["sparse"] < per_token["dense"], (per_token, saved_bytes["sparse"][1]["report"])
     assert per_token["sparse core_attn"] < per_token["sparse"] - 16 * 512 * 2 + 1, per_token  # no h x 512 output
+
+
+def test_saved_tensor_counter_counts_live_storages_once():
+    """The counter behind the numbers above, on operations whose saved tensors are known: a * b keeps
+    both factors, exp keeps its output, a view of a kept tensor costs nothing more, a parameter is
+    excluded, and a graph differentiated and dropped inside the forward keeps nothing."""
+    from pretrain.training.saved_activations import SavedTensors
+
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensors(exclude=[weight]) as saved:
+        y = x * 2.0  # a scalar factor keeps nothing
+        z = y * y.exp()  # keeps y and exp(y): 2 x 4 x 8 floats
+        u = z.t().t() * z  # keeps z twice (a view shares its storage): 4 x 8 floats
+        out = u @ weight  # keeps u (and the excluded weight): 4 x 8 floats
+        inner = torch.randn(1000, requires_grad=True)
+        (g,) = torch.autograd.grad((inner * inner).sum(), inner)  # its graph dies here
+    assert saved.total_bytes == 4 * (2 + 1 + 1) * 4 * 8
+    assert {r.shape for r in saved.live()} == {(4, 8)}
+    out.sum().backward()
+    assert x.grad is not None and g.shape == (1000,)
