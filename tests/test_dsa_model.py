@@ -633,13 +633,13 @@ def test_shared_layer_reuses_the_full_layers_selection(tmp_path, monkeypatch):
     assert second.indexer is None and second.index_source is first
 
     seen = []
-    original = ReferenceBackend.sparse_attention
+    original = ReferenceBackend.attention_forward
 
     def recording(self, q, kv, indices, *args, **kwargs):
         seen.append(indices.clone())
         return original(self, q, kv, indices, *args, **kwargs)
 
-    monkeypatch.setattr(ReferenceBackend, "sparse_attention", recording)
+    monkeypatch.setattr(ReferenceBackend, "attention_forward", recording)
     hf_indices = []
     hf.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: hf_indices.append(out[2]))
     ids = tokens(71, 2, seq)

@@ -255,7 +255,7 @@ def test_indexer_scores_and_topk(mode, ties):
     for topk, chunk in itertools.product([3, 5, 100], [1, 3, S + 4]):
         got = indexer_topk(q, k, w, topk, keys, chunk)
         want = ref_topk(ref, topk)
-        assert got.dtype == torch.long and got.shape == (b, S, min(topk, T))
+        assert got.dtype == torch.int32 and got.shape == (b, S, min(topk, T))
         assert torch.equal(got, want), (topk, chunk)
         # k = min(topk, #visible) selected keys per row; all distinct and visible
         n_sel = (got >= 0).sum(-1)

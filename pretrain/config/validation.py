@@ -200,10 +200,12 @@ def _check_memory(m: ModelConfig) -> None:
         "model.recompute_modules needs model.recompute_granularity=selective",
     )
     require(
-        not (m.recompute_granularity and m.experimental_attention_variant == "dsa" and m.dsa_indexer_types
+        # selective core_attn is fine: sparse layers keep their top-k for backward (pretrain.model.dsa.sparse_core)
+        # and dense layers' shared cores read none
+        not (m.recompute_granularity == "full" and m.experimental_attention_variant == "dsa" and m.dsa_indexer_types
              and "shared" in m.dsa_indexer_types),
-        "model.recompute_granularity with 'shared' model.dsa_indexer_types is not supported (a recomputed shared "
-        "layer would read another micro-batch's top-k); use all-'full' indexers or no recompute",
+        "model.recompute_granularity=full with 'shared' model.dsa_indexer_types is not supported (a recomputed "
+        "shared layer would read another micro-batch's top-k); use all-'full' indexers, selective or no recompute",
     )
     deepspeed = m.activation_offload_backend == "deepspeed"
     require(

@@ -15,6 +15,8 @@ probabilities summed over heads and normalized, over every visible key (dense wa
 Modules:
 - `indexer`: `LightningIndexer`, visibility (`VisibleKeys`), index scores and the reference top-k;
 - `sparse_mla`: the reference sparse absorbed attention (chunked, custom backward);
+- `sparse_core`: absorb + sparse attention + expand as one autograd function, keeping less for
+  backward than dense attention (its latent output recomputed under `recompute_modules: [core_attn]`);
 - `indexer_loss`: the indexer KL losses, their targets and `DSAMetrics`;
 - `backend`: `ReferenceBackend` / `TritonBackend`, the one interface the layer calls;
 - `kernels`: the Triton kernels;

@@ -4,7 +4,9 @@ A DSA layer picks its backend once (`select_backend`, from `model.dsa_kernel_bac
 device of its tensors) and calls the same four methods whichever it got:
 
 - `topk`: the lightning indexer's top-k key indices (GLM-5 report, DSA; DeepSeek-V3.2 section 2.1);
-- `sparse_attention`: absorbed sparse MLA attention over those keys, forward and backward;
+- `sparse_attention`: absorbed sparse MLA attention over those keys, forward and backward (an
+  autograd function); `attention_forward` / `attention_backward`: the same two passes as plain
+  functions, for `sparse_core`, which wraps them with MLA's up-projections in one autograd function;
 - `sparse_target`: the sparse indexer loss's target, the attention's head-summed probabilities at
   the selected keys (from the attention's saved log-sum-exp);
 - `sparse_kl`: the sparse indexer KL and its gradient.
@@ -30,7 +32,7 @@ from pretrain.model.dsa.indexer import VisibleKeys, default_chunk, indexer_topk
 from pretrain.model.dsa.indexer_loss import indexer_kl_sparse, normalize_heads, sparse_target
 from pretrain.model.dsa.kernels import interpreting, triton_available
 from pretrain.config.schema import ModelConfig
-from pretrain.model.dsa.sparse_mla import sparse_mla_attention
+from pretrain.model.dsa.sparse_mla import output_delta, sparse_mla_attention, sparse_mla_backward, sparse_mla_forward
 
 BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backend"])  # the config field's choices
 
@@ -48,15 +50,24 @@ class ReferenceBackend:
         """q_abs [b, s, h, D], kv [b, T, D] -> (out [b, s, h, v_dim], lse [b, s, h] fp32)."""
         return sparse_mla_attention(q_abs, kv, indices, scale, v_dim, chunk)
 
+    def attention_forward(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
+        """`sparse_attention`'s forward, no autograd: (out, lse)."""
+        return sparse_mla_forward(q_abs, kv, indices, scale, v_dim, chunk)
+
+    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int):
+        """`sparse_attention`'s backward, no autograd: (dq_abs, dkv) from the forward's out and lse."""
+        delta = output_delta(grad_out, out, chunk)
+        return sparse_mla_backward(q_abs, kv, indices, lse, delta, grad_out, scale, v_dim, chunk)
+
     def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
         """Target rows (r0, r1, indices rows) -> [b, r1 - r0, K] of the sparse attention (inputs detached)."""
         return sparse_target(q_abs, kv, scale, tp_group)
 
-    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None):
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
         """(mean sparse KL, recall) with `chunk` query rows per block (at most `max_rows`: what the
-        target's own blocks allow)."""
+        target's own blocks allow); `params`: see `indexer_loss.indexer_kl_dense`."""
         rows = chunk if max_rows is None else min(chunk, max_rows)
-        return indexer_kl_sparse(q, k, w, indices, target, rows)
+        return indexer_kl_sparse(q, k, w, indices, target, rows, params=params)
 
 
 class TritonBackend:
@@ -80,6 +91,19 @@ class TritonBackend:
 
         return kernel(q_abs, kv, indices, scale, v_dim, self.deterministic)
 
+    def attention_forward(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
+        """As the reference's (the kernel's forward)."""
+        from pretrain.model.dsa.kernels.sparse_mla import sparse_mla_forward as kernel
+
+        return kernel(q_abs, kv, indices, scale, v_dim)
+
+    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int):
+        """As the reference's (the kernel's backward)."""
+        from pretrain.model.dsa.kernels.sparse_mla import output_delta as delta_of, sparse_mla_backward as kernel
+
+        grad_out = grad_out.contiguous()
+        return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic)
+
     def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
         """As the reference, reusing the attention's log-sum-exp (no max / sum pass)."""
         from pretrain.model.dsa.kernels.indexer_kl import head_summed_probs
@@ -89,7 +113,7 @@ class TritonBackend:
 
         return rows
 
-    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None):
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
         """As the reference, with the index scores at the selected keys from a kernel (no gathered
         [rows, K, d_I] block, so rows per block follow K alone)."""
         from pretrain.model.dsa.kernels.indexer_kl import index_scores_at
@@ -101,7 +125,7 @@ class TritonBackend:
 
         rows = default_chunk(8 * indices.shape[-1])
         rows = rows if max_rows is None else min(rows, max_rows)
-        return indexer_kl_sparse(q, k, w, indices, target, rows, scores_at=scores_at)
+        return indexer_kl_sparse(q, k, w, indices, target, rows, scores_at=scores_at, params=params)
 
 
 _WARNED_NO_TRITON = False

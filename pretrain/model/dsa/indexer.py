@@ -194,9 +194,10 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
-    """Top-k key indices [b, s, min(topk, T)] (int64, -1 = no key), `chunk` query rows at a time."""
+    """Top-k key indices [b, s, min(topk, T)] (int32, as the kernel's: they are kept for backward;
+    -1 = no key), `chunk` query rows at a time."""
     b, s = q.shape[0], q.shape[1]
-    out = torch.empty(b, s, min(topk, keys.t), dtype=torch.long, device=q.device)
+    out = torch.empty(b, s, min(topk, keys.t), dtype=torch.int32, device=q.device)
     for r0 in range(0, s, chunk):
         r1 = min(s, r0 + chunk)
         scores = index_scores(q[:, r0:r1], k, w[:, r0:r1], keys.rows(r0, r1))
@@ -207,7 +208,7 @@ def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Ten
 def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """kv [b, T, d], indices [b, c, K] (-1 allowed) -> [b, c, K, d] (rows of -1 read key 0)."""
     b, c, k = indices.shape
-    flat = indices.clamp(min=0).reshape(b, c * k, 1).expand(-1, -1, kv.shape[-1])
+    flat = indices.clamp(min=0).long().reshape(b, c * k, 1).expand(-1, -1, kv.shape[-1])
     return torch.gather(kv, 1, flat).view(b, c, k, kv.shape[-1])
 
 

@@ -21,7 +21,9 @@ workaround is `pretrain.compat.dsa`).
 
 Memory is linear in the sequence length: `indexer_kl` forms index scores and targets for `chunk`
 query rows at a time and differentiates each chunk right away (the per-chunk gradients of q_I,
-k_I and w are what backward returns), so no [S, T] block lives beyond one chunk.
+k_I and w are what backward returns), so no [S, T] block lives beyond one chunk. Given the
+indexer's weights, the gradient goes on through the indexer's projection in forward too, and only
+the weights' gradients wait for backward (`_IndexerKL`).
 Top-k recall, the share of p[t, :] on t's selected keys, is measured in dense mode.
 """
 
@@ -87,18 +89,36 @@ def dense_target_selected(query: torch.Tensor, key: torch.Tensor, scale: float, 
 
 
 class _IndexerKL(torch.autograd.Function):
-    """Forward computes the loss and, chunk by chunk, its gradient; backward scales that gradient."""
+    """Forward computes the loss and, chunk by chunk, its gradient; backward scales that gradient.
+
+    `inputs` are q, k, w, or, with `through` = (q, k, w) still attached to their projection graph,
+    the indexer's weights: forward then also carries the gradient through that graph at once and
+    keeps only the weights' gradients (their size, not the sequence's), so nothing per token waits
+    for backward, neither the [s, H_I, d_I] query gradient nor what the projection saved. The loss
+    is linear in its scale: scaling the kept gradients in backward equals backpropagating it."""
 
     @staticmethod
-    def forward(ctx, q, k, w, plan):
-        loss, grads, recall = plan(q, k, w)
+    def forward(ctx, plan, through, *inputs):
+        if through is None:
+            loss, grads, recall = plan(*inputs)
+        else:
+            loss, grads, recall = plan(*(t.detach() for t in through))
+            grads = torch.autograd.grad(through, inputs, grads, allow_unused=True)
+            grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(inputs, grads))
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(recall)
         return loss, recall
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_recall):
-        return (*(g * grad_loss for g in ctx.saved_tensors), None)
+        return (None, None, *(g * grad_loss for g in ctx.saved_tensors))
+
+
+def _apply_kl(q, k, w, plan, params):
+    params = tuple(params)
+    if params:
+        return _IndexerKL.apply(plan, (q, k, w), *params)
+    return _IndexerKL.apply(plan, None, q, k, w)
 
 
 def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torch.Tensor]:
@@ -124,8 +144,9 @@ def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torc
     return total / n, ((dq / n).to(q.dtype), (dk / n).to(k.dtype), (dw / n).to(w.dtype)), recall / n
 
 
-def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int):
-    """Dense-mode loss: q [b, s, H_I, d_I], k [b, T, d_I], w [b, s, H_I] -> (mean KL, top-k recall)."""
+def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int, params=()):
+    """Dense-mode loss: q [b, s, H_I, d_I], k [b, T, d_I], w [b, s, H_I] -> (mean KL, top-k recall).
+    `params`: the indexer's weights, for the gradient to reach them from forward (`_IndexerKL`)."""
 
     def rows(r0, r1, qc, kc, wc):
         visible = keys.rows(r0, r1).expand(qc.shape[0], -1, -1)
@@ -135,7 +156,7 @@ def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, ch
         recall = (p.gather(-1, idx.clamp(min=0)) * (idx >= 0)).sum()
         return kl_sum(p, logits, visible), recall
 
-    return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
+    return _apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
 
 
 def _scores_at_reference(qc, kc, wc, idx):
@@ -143,10 +164,11 @@ def _scores_at_reference(qc, kc, wc, idx):
 
 
 def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
-                      scores_at: Callable = _scores_at_reference):
+                      scores_at: Callable = _scores_at_reference, params=()):
     """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1).
     `scores_at(q_rows, k, w_rows, idx_rows)` gives the index scores at the selected keys (-inf on
-    empty slots): the reference gathers keys, the Triton backend (`backend.TritonBackend`) does not."""
+    empty slots): the reference gathers keys, the Triton backend (`backend.TritonBackend`) does not.
+    `params`: as `indexer_kl_dense`'s."""
 
     def rows(r0, r1, qc, kc, wc):
         idx = indices[:, r0:r1]
@@ -155,7 +177,7 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
         p = target(r0, r1, idx)
         return kl_sum(p, logits, valid), p.sum()
 
-    return _IndexerKL.apply(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows))
+    return _apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
 
 
 class DSAMetrics:

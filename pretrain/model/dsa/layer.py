@@ -8,8 +8,8 @@ the key/value up-projection to `DSACoreAttention`, the attention spec's core-att
 - owns the layer's `LightningIndexer` ("full" layers) or reuses the top-k of the previous full layer
   (`dsa_indexer_types` "shared", HF's `indexer_types`),
 - attends densely (SDPA on the up-projected keys/values: dense pretraining and the DSA warm-up), or
-  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`), through the backend it
-  picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
+  sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`, `sparse_core`), through the
+  backend it picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
 - adds the indexer KL loss (`pretrain.model.dsa.indexer_loss`) when `dsa_indexer_loss_coeff > 0`:
   over the selected keys with `dsa_indexer_use_sparse_loss`, else over every visible key.
 
@@ -17,6 +17,10 @@ Tensor parallelism splits the attention heads; the indexer is replicated (every 
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
 sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences are
 respected through megatron's dense mask or through `packed_seq_params.cu_seqlens_q` (THD, b = 1).
+
+Selective recompute of the core attention (`recompute_modules: [core_attn]`): dense layers
+checkpoint the whole core (megatron's rule); sparse layers keep their top-k and recompute only the
+sparse attention's forward in backward (`sparse_core`), so the indexer is never run twice.
 
 Context parallelism (`parallel.context_parallel`): each CP rank holds 2 chunks of the sequence; the
 layer all-gathers the normalized latent and the roped rope key (576 numbers per token at GLM-5's
@@ -48,7 +52,7 @@ from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa.backend import select_backend
 from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, segment_ids_from_cu_seqlens
 from pretrain.model.dsa.indexer_loss import DSAMetrics, dense_target, dense_target_selected, indexer_kl_dense
-from pretrain.model.dsa.sparse_mla import absorb_query, expand_values
+from pretrain.model.dsa.sparse_core import sparse_mla_core
 
 
 def _tp_size(group) -> int:
@@ -109,12 +113,18 @@ class DSAMLASelfAttention(MLASelfAttention):
             latent, k_pe = keys[..., :cfg.kv_lora_rank], keys[..., cfg.kv_lora_rank:].unsqueeze(2)
             positions = local_positions(s, cp_size, cp_rank, q.device)
 
+        recompute = self.checkpoint_core_attention and self.training  # recompute_modules: core_attn
+        # Sparse layers recompute only the attention, inside their core (`sparse_core`): a checkpoint of
+        # the whole core would repeat the indexer's top-k and keep its inputs besides.
+        sparse = getattr(cfg, "experimental_attention_variant", None) == "dsa" and cfg.dsa_sparse_attention
+
         def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
             return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
-                                       segment_ids=segment_ids, rope=rope, query_positions=positions)
+                                       segment_ids=segment_ids, rope=rope, query_positions=positions,
+                                       recompute_attention=recompute and sparse)
 
         inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
-        if self.checkpoint_core_attention and self.training:  # recompute_modules: core_attn (megatron's rule)
+        if recompute and not sparse:
             out = tensor_parallel.checkpoint(core, False, *inputs)
         else:
             out = core(*inputs)
@@ -170,10 +180,12 @@ class DSACoreAttention(SDPACoreAttention):
         self.tp_group = pg_collection.tp if pg_collection is not None else None
 
     def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None, segment_ids=None,
-                rope=None, query_positions=None):
+                rope=None, query_positions=None, recompute_attention: bool = False):
         """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
         kv_up_weight [h * (dn + dv), c] -> [s, b, h * dv]. Without context parallelism t = s; with it the
-        keys are the whole sequence and `query_positions` [s] the global positions of the queries."""
+        keys are the whole sequence and `query_positions` [s] the global positions of the queries.
+        `recompute_attention`: sparse attention keeps neither its latent output nor its log-sum-exp and
+        runs its forward again in backward (`sparse_core`); the top-k selection is kept."""
         cfg = self.config
         s, b, h, dn = q_nope.shape
         t = latent.shape[0]
@@ -204,15 +216,14 @@ class DSACoreAttention(SDPACoreAttention):
                 self.last_indices = indices if self.shared_by_others else None
             else:
                 indices = self._shared_indices(b, s)
-            q_abs = torch.cat([absorb_query(q_nope, w[:, :dn]), q_pe], dim=-1).transpose(0, 1)
-            kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)
-            o_latent, lse = backend.sparse_attention(q_abs, kv, indices, self.softmax_scale, c, sparse_chunk)
-            out = expand_values(o_latent, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
+            out, lse, q_abs, kv = sparse_mla_core(q_nope, q_pe, latent, k_pe, kv_up_weight, indices, backend,
+                                                  self.softmax_scale, sparse_chunk, recompute=recompute_attention)
             if train_indexer:
                 target = backend.sparse_target(q_abs.detach(), kv.detach(), indices, lse, self.softmax_scale, c,
                                                self.tp_group)
-                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk)
+                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, params=self._indexer_weights())
                 out = self._attach(out, loss, coeff)
+            del q_abs, kv  # not kept past the target: only the core's own saved tensors live to backward
             return out
 
         k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(t, b, h, dn + dv).split([dn, dv], dim=-1)
@@ -228,10 +239,12 @@ class DSACoreAttention(SDPACoreAttention):
                 backend = self._backend(q_nope.device)
                 indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
                 target = dense_target_selected(query, key, self.softmax_scale, keys, self.tp_group)
-                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, max_rows=chunk)
+                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, max_rows=chunk,
+                                            params=self._indexer_weights())
             else:
                 target = dense_target(query, key, self.softmax_scale, self.tp_group)
-                loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk)
+                loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk,
+                                                params=self._indexer_weights())
                 DSAMetrics.record("topk_recall", self.layer_number, recall)
             out = self._attach(out, loss, coeff)
         return out
@@ -253,6 +266,10 @@ class DSACoreAttention(SDPACoreAttention):
         q, k, w = self.indexer.project(x, qr, rope)
         # Context parallelism: every rank's indexer keys [b, t, d_I] (this rank's queries score all of them).
         return q, gather_sequence(k, 1, self.cp_group), w
+
+    def _indexer_weights(self):
+        """The indexer's trained weights: its loss's gradient reaches them from forward (`indexer_loss`)."""
+        return [p for p in self.indexer.parameters() if p.requires_grad]
 
     def _shared_indices(self, b: int, s: int) -> torch.Tensor:
         source = self.index_source

@@ -139,59 +139,82 @@ def kernel_config(h: int, c: int, backward: bool = False):
     return (64 if small else 32), 8, 2
 
 
+def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
+    """(out [b, s, h, v_dim] in q's dtype, lse [b, s, h] fp32); indices int32 [b, s, K]."""
+    b, s, h, c, r = mla_shapes(q, kv, v_dim)
+    indices = indices.to(torch.int32)
+    nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
+    out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
+    bn, warps, stages = kernel_config(h, c)[:3]
+    _fwd_kernel[(s, b)](
+        q, kv, indices, nvalid, out, lse, s, h,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
+        C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn, PREC=dot_precision(q), num_warps=warps,
+        num_stages=stages)
+    return out, lse
+
+
+def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Delta = rowsum(dO * O) [b, s, h] in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)."""
+    b, s, h, c = out.shape
+    delta = torch.empty(b, s, h, dtype=torch.float32, device=out.device)
+    rows = max(1, (1 << 28) // max(1, b * h * c))
+    for r0 in range(0, s, rows):
+        r1 = min(s, r0 + rows)
+        delta[:, r0:r1] = (grad_out[:, r0:r1].float() * out[:, r0:r1].float()).sum(-1)
+    return delta
+
+
+def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
+                        deterministic: bool = False):
+    """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32)."""
+    b, s, h, c, r = mla_shapes(q, kv, v_dim)
+    t = kv.shape[1]
+    indices = indices.to(torch.int32)
+    nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
+    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
+    dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
+    dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
+    bn, warps, stages, cc = kernel_config(h, c, backward=True)
+    prec = dot_precision(q)
+
+    mode = DKV_MODE if DKV_MODE is not None else int(deterministic)
+
+    def launch(r0, rows, part, dkv_mode):
+        pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
+        _bwd_kernel[(rows, b)](
+            q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
+            indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
+            scale, scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
+            CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
+
+    if mode == 1:
+        scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
+    else:
+        launch(0, s, dkv, mode)
+    return dq, dkv.to(kv.dtype)
+
+
 class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, scale: float, v_dim: int, deterministic: bool):
-        b, s, h, c, r = mla_shapes(q, kv, v_dim)
         indices = indices.to(torch.int32)
-        nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
-        out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
-        lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
-        bn, warps, stages = kernel_config(h, c)[:3]
-        prec = dot_precision(q)
-        _fwd_kernel[(s, b)](
-            q, kv, indices, nvalid, out, lse, s, h,
-            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-            C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn, PREC=prec, num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, kv, indices, nvalid, out, lse)
+        out, lse = sparse_mla_forward(q, kv, indices, scale, v_dim)
+        ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.scale, ctx.v_dim, ctx.deterministic = scale, v_dim, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, kv, indices, nvalid, out, lse = ctx.saved_tensors
-        b, s, h, c, r = mla_shapes(q, kv, ctx.v_dim)
-        t = kv.shape[1]
+        q, kv, indices, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        # Delta = rowsum(dO * O) in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)
-        delta = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
-        rows = max(1, (1 << 28) // max(1, b * h * c))
-        for r0 in range(0, s, rows):
-            r1 = min(s, r0 + rows)
-            delta[:, r0:r1] = (grad_out[:, r0:r1].float() * out[:, r0:r1].float()).sum(-1)
-        dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
-        dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
-        bn, warps, stages, cc = kernel_config(h, c, backward=True)
-        prec = dot_precision(q)
-
-        mode = DKV_MODE if DKV_MODE is not None else int(ctx.deterministic)
-
-        def launch(r0, rows, part, dkv_mode):
-            pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
-            _bwd_kernel[(rows, b)](
-                q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
-                indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
-                ctx.scale, ctx.scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
-                CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
-
-        if mode == 1:
-            scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
-        else:
-            launch(0, s, dkv, mode)
-        return dq, dkv.to(kv.dtype), None, None, None, None
+        delta = output_delta(grad_out, out)
+        dq, dkv = sparse_mla_backward(q, kv, indices, lse, delta, grad_out, ctx.scale, ctx.v_dim, ctx.deterministic)
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int,

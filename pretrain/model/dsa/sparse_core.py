@@ -1,0 +1,103 @@
+"""DSA's sparse core attention as one autograd function: absorb, sparse attention, expand.
+
+GLM-5 report, DSA section; DeepSeek-V3.2 section 2. With W_UK, W_UV the per-head slices of MLA's
+key/value up-projection (`sparse_mla`):
+
+    q_abs_h = [W_UK_h^T q_nope_h ; q_rope_h]          [h, 576] per token at GLM-5's shapes
+    o_lat_h = sum_{s in S_t} softmax(scale q_abs_h . kv_s) kv_s[:512]     kv_s = [c_s ; k_rope(s)]
+    out_h   = W_UV_h o_lat_h
+
+Composed from separate autograd operations this keeps, per token and layer, the absorbed query
+(h x 576), q_nope a second time (the absorption's own input) and o_lat (h x 512) until backward:
+more than dense attention keeps (q, k, v and the output at h x 256 each). `SparseMLACore` keeps
+only what backward cannot rebuild cheaply:
+
+- q_nope (h x d_nope) and the roped q_rope (h x 64): the absorbed query is recomputed in backward
+  (2 h d_nope 512 FLOPs per token, ~4% of the sparse forward's at K = 2048);
+- kv [T, 576], the int32 top-k indices, the weight (a parameter);
+- o_lat and the log-sum-exp (h x 512 and h fp32), unless `recompute` is set: then backward first
+  runs the sparse forward once more and keeps neither. That costs one extra sparse forward,
+  2 h K (576 + 512) FLOPs per token (the backward's matrix products are 2 h K (576 + 512 + 576 +
+  576 + 512): the extra forward adds ~28% of the sparse attention's FLOPs), and saves h x 512 x 2 bytes per token (16 KiB at 16 heads). o_lat is needed for dW_UV and
+  for Delta = rowsum(dO_lat * o_lat) of the attention backward.
+
+Measured with saved-tensor hooks (tests/test_dsa_memory.py) for one proxy-model layer (16 heads,
+d_nope 192, rope 64, v 256, latent 512, indexer 16 x 128), bf16, per token: dense attention keeps
+47.7 KB; the sparse path with its indexer loss 41.7 KB + 4 K bytes of indices (49.9 KB at K = 2048,
+43.7 KB at K = 512), with `recompute` 16.4 KB less (33.4 KB at K = 2048). The separate operations
+kept 65.3 KB + 4 K (73.5 KB at K = 2048).
+
+The top-k selection is an input: recompute never repeats the indexer. The layer turns `recompute` on
+for megatron's selective recompute of the core attention (`recompute_modules: [core_attn]`) on its
+sparse layers. Results are those of the composed operations up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pretrain.model.dsa.sparse_mla import absorb_query, expand_values
+
+
+def _absorbed(q_nope, q_pe, w_uk):
+    """q_nope [s, b, h, dn], q_pe [s, b, h, dr] -> q_abs [b, s, h, c + dr] (a view of an [s, b, ...] tensor)."""
+    return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1).transpose(0, 1)
+
+
+class SparseMLACore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
+                recompute: bool):
+        s, b, h, dn = q_nope.shape
+        c = latent.shape[-1]
+        w = weight.view(h, -1, c)
+        dv = w.shape[1] - dn
+        q_abs = _absorbed(q_nope, q_pe, w[:, :dn])
+        kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)  # [b, t, c + dr]
+        o_lat, lse = backend.attention_forward(q_abs, kv, indices, scale, c, chunk)
+        out = expand_values(o_lat, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
+        kept = () if recompute else (o_lat, lse)
+        # q_nope is a view of the q projection (q_nope and the pre-rope q_pe): keep only its part
+        ctx.save_for_backward(q_nope.contiguous(), q_pe, kv, indices, weight, *kept)
+        ctx.backend, ctx.scale, ctx.chunk, ctx.recompute = backend, scale, chunk, recompute
+        ctx.mark_non_differentiable(lse, q_abs, kv)
+        return out, lse, q_abs, kv
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse, _grad_q_abs, _grad_kv):
+        q_nope, q_pe, kv, indices, weight, *kept = ctx.saved_tensors
+        backend, scale, chunk = ctx.backend, ctx.scale, ctx.chunk
+        s, b, h, dn = q_nope.shape
+        c = kv.shape[-1] - q_pe.shape[-1]
+        w = weight.view(h, -1, c)
+        w_uk, w_uv = w[:, :dn], w[:, dn:]
+        q_abs = _absorbed(q_nope, q_pe, w_uk)
+        o_lat, lse = backend.attention_forward(q_abs, kv, indices, scale, c, chunk) if ctx.recompute else kept
+        grad_out = grad_out.reshape(s, b, h, -1).transpose(0, 1)  # [b, s, h, dv]
+        d_w_uv = torch.einsum("bshv,bshc->hvc", grad_out, o_lat) if ctx.needs_input_grad[4] else None
+        grad_lat = torch.einsum("bshv,hvc->bshc", grad_out, w_uv)
+        dq_abs, dkv = backend.attention_backward(q_abs, kv, indices, lse, grad_lat, o_lat, scale, c, chunk)
+        del q_abs, o_lat, grad_lat
+        dq_lat, dq_pe = dq_abs[..., :c], dq_abs[..., c:]
+        dq_nope = torch.einsum("bshc,hdc->sbhd", dq_lat, w_uk)
+        d_weight = None
+        if ctx.needs_input_grad[4]:
+            d_w_uk = torch.einsum("sbhd,bshc->hdc", q_nope, dq_lat)
+            d_weight = torch.cat([d_w_uk, d_w_uv], dim=1).view(weight.shape)
+        dkv = dkv.transpose(0, 1)  # [t, b, c + dr]
+        return (dq_nope, dq_pe.transpose(0, 1), dkv[..., :c], dkv[..., c:].unsqueeze(2), d_weight,
+                None, None, None, None, None)
+
+
+def sparse_mla_core(q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
+                    recompute: bool = False):
+    """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
+    weight [h * (dn + dv), c] (MLA's key/value up-projection), indices [b, s, K] int32 (-1 = empty),
+    `backend` (`pretrain.model.dsa.backend`) ->
+    (out [s, b, h * dv], lse [b, s, h] fp32, q_abs [b, s, h, c + dr], kv [b, t, c + dr]); the last
+    three carry no gradient (the indexer loss's target reads them)."""
+    return SparseMLACore.apply(q_nope, q_pe, latent, k_pe, weight, indices, backend, float(scale), int(chunk),
+                               bool(recompute))
+
+
+__all__ = ["SparseMLACore", "sparse_mla_core"]
