@@ -245,7 +245,7 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
-        buf.mul_(group["momentum"]).add_(grad)
+        torch.add(grad, buf, alpha=group["momentum"], out=buf)  # M <- mu M + G in one pass
         u = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
         dtype = group["ns_dtype"]
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
