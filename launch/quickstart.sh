@@ -10,7 +10,11 @@ PY=${PYTHON:-python3}
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"   # CPU build; keeps pip from pulling a CUDA torch
 fi
-"$PY" -m pip install -q -e ".[plot]"
+extras=plot
+if command -v nvidia-smi >/dev/null 2>&1; then
+    extras=plot,liger   # glm5-proxy's output loss is Liger's fused linear cross-entropy
+fi
+"$PY" -m pip install -q -e ".[$extras]"
 
 config=configs/quickstart/glm5-tiny-stdlib.yaml
 vocab=8192
