@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.test_parallel_equivalence import param_meta, rank_coords, rel_err, shard_like
+from tests.test_parallel_equivalence import global_param_names, param_meta, rank_coords, rel_err, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
@@ -94,21 +94,6 @@ def make_batch(case: str) -> Dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _global_names(model) -> Dict[str, str]:
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    offset, prefix = get_transformer_layer_offset(model.config), "decoder.layers."
-    names = {}
-    for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefix):
-            layer, rest = name[len(prefix):].split(".", 1)
-            name_global = f"{prefix}{int(layer) + offset}.{rest}"
-        else:
-            name_global = name
-        names[name] = name_global
-    return names
-
-
 def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
     """Build this rank's model (with `ref_state`'s weights), run one micro-batch through the schedule."""
     from megatron.core import parallel_state as ps
@@ -122,7 +107,7 @@ def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
     from pretrain.training.step import forward_step
 
     model = build_model(cfg)
-    names = _global_names(model)
+    names = global_param_names(model)
     coords = dict(rank_coords(), num_experts=cfg.model.num_moe_experts)
     meta = {names[n]: param_meta(p) for n, p in model.named_parameters()}
     tensors = dict(model.named_parameters())

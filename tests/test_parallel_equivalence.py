@@ -175,6 +175,21 @@ def rank_coords() -> dict:
     }
 
 
+def global_param_names(model) -> Dict[str, str]:
+    """Stage-local parameter / buffer name -> the single-rank model's name (decoder layers renumbered)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset, prefix = get_transformer_layer_offset(model.config), "decoder.layers."
+    names = {}
+    for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith(prefix):
+            layer, rest = name[len(prefix):].split(".", 1)
+            names[name] = f"{prefix}{int(layer) + offset}.{rest}"
+        else:
+            names[name] = name
+    return names
+
+
 def param_meta(param: torch.nn.Parameter) -> dict:
     return {
         "tensor_model_parallel": bool(getattr(param, "tensor_model_parallel", False)),

@@ -34,6 +34,7 @@ from tests.test_parallel_equivalence import (
     SEQ,
     TINY,
     TOL,
+    global_param_names,
     make_batch,
     rank_reference,
     rel_err,
@@ -48,21 +49,6 @@ def pp2_config():
     return load_config(TINY, BASE_OVERRIDES + ["parallel.pipeline_model_parallel_size=2"])
 
 
-def _global_names(model) -> Dict[str, str]:
-    """Stage-local parameter name -> the single-rank model's name (decoder layers renumbered)."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    offset, prefix = get_transformer_layer_offset(model.config), "decoder.layers."
-    names = {}
-    for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefix):
-            layer, rest = name[len(prefix):].split(".", 1)
-            names[name] = f"{prefix}{int(layer) + offset}.{rest}"
-        else:
-            names[name] = name
-    return names
-
-
 def pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
     """This stage with the reference weights; forward + backward of `tokens` through the 1F1B schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -73,7 +59,7 @@ def pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict
     from pretrain.training.step import forward_step
 
     model = build_model(cfg)
-    names = _global_names(model)
+    names = global_param_names(model)
     with torch.no_grad():
         tensors = dict(model.named_parameters())
         tensors.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
