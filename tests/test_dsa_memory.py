@@ -124,7 +124,8 @@ def test_core_attn_recompute_of_sparse_layers_matches_the_plain_run(tmp_path):
     ReferenceBackend.attention_forward = counting
     try:
         for name, extra in [("plain", {}), ("core_attn", dict(recompute_granularity="selective",
-                                                               recompute_modules=["core_attn"]))]:
+                                                               recompute_modules=["core_attn"])),
+                             ("flag", dict(dsa_sparse_recompute_attention=True))]:
             _, model = load_hf_model(str(tmp_path), **common, **extra)
             model.train()
             cores = [m for m in model.modules() if isinstance(m, DSACoreAttention)]
@@ -143,8 +144,13 @@ def test_core_attn_recompute_of_sparse_layers_matches_the_plain_run(tmp_path):
         ReferenceBackend.attention_forward = original
         from pretrain.model.dsa import IndexerLossAutoScaler
         IndexerLossAutoScaler.main_loss_backward_scale = None
-    assert calls == [3, 6]  # recompute: one more sparse forward per layer in backward, no other repeat
-    (loss0, grads0, kl0), (loss1, grads1, kl1) = runs["plain"], runs["core_attn"]
+    assert calls == [3, 6, 6]  # recompute: one more sparse forward per layer in backward, no other repeat
+    for variant in ("core_attn", "flag"):
+        check_same_run(runs["plain"], runs[variant])
+
+
+def check_same_run(plain, other):
+    (loss0, grads0, kl0), (loss1, grads1, kl1) = plain, other
     assert rel(loss1, loss0) <= TOL
     assert set(kl0) == set(kl1) == {1, 3}
     assert all(abs(float(kl1[k]) - float(kl0[k])) <= TOL * abs(float(kl0[k])) for k in kl0)
@@ -169,7 +175,8 @@ PROXY_ATTENTION = [  # configs/models/glm5-proxy.yaml's attention (the hidden si
 ]
 SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.01", "model.dsa_indexer_use_sparse_loss=true"]
 CORE_ATTN = ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]
-VARIANTS = {"dense": [], "sparse": SPARSE, "sparse core_attn": SPARSE + CORE_ATTN}
+VARIANTS = {"dense": [], "sparse": SPARSE, "sparse core_attn": SPARSE + CORE_ATTN,
+            "sparse recompute": SPARSE + ["model.dsa_sparse_recompute_attention=true"]}
 LENGTHS, TOPK = (96, 160, 224), 32  # no model dim equals a length: [S, S] is recognizable
 
 
@@ -226,6 +233,8 @@ def test_sparse_attention_keeps_less_than_dense_per_token(saved_bytes):
     # dense attention keeps q, k, v storages, the output and the log-sum-exp (~47.7 KB per token here)
     assert per_token["sparse"] < per_token["dense"], (per_token, saved_bytes["sparse"][1]["report"])
     assert per_token["sparse core_attn"] < per_token["sparse"] - 16 * 512 * 2 + 1, per_token  # no h x 512 output
+    # model.dsa_sparse_recompute_attention keeps what core_attn recompute keeps, and less than dense
+    assert per_token["sparse recompute"] == per_token["sparse core_attn"] < per_token["dense"], per_token
 
 
 def test_saved_tensor_counter_counts_live_storages_once():

@@ -462,6 +462,8 @@ DSA_RULES = [
     (["model.dsa_chunk_size=0"], "model.dsa_chunk_size", ["model.dsa_chunk_size=8"]),
     (["model.dsa_chunk_size=-4"], "model.dsa_chunk_size", ["model.dsa_chunk_size=null"]),
     (["model.dsa_kernel_backend=cuda"], "model.dsa_kernel_backend", ["model.dsa_kernel_backend=triton"]),
+    (["model.dsa_sparse_recompute_attention=true"], "model.dsa_sparse_recompute_attention",
+     ["model.dsa_sparse_recompute_attention=true", "model.dsa_sparse_attention=true"]),
 ]
 
 

@@ -150,6 +150,8 @@ class ModelConfig:
     """Ours: DeepSeek's FP8-oriented Hadamard rotation (GLM-5: off)."""
     dsa_chunk_size: Optional[int] = None
     """Ours: query rows per chunk of the reference path; null: auto."""
+    dsa_sparse_recompute_attention: bool = False
+    """Ours: sparse layers rerun the sparse forward in backward instead of keeping its h x 512 output (top-k kept)."""
     dsa_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
     deterministic_mode: bool = False

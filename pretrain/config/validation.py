@@ -171,6 +171,11 @@ def _check_dsa(m: ModelConfig) -> None:
         "(the sparse attention has no dropout); set attention_dropout=0",
     )
     require(
+        not m.dsa_sparse_recompute_attention or m.dsa_sparse_attention,
+        "model.dsa_sparse_recompute_attention=true recomputes the sparse attention; it needs "
+        "model.dsa_sparse_attention=true",
+    )
+    require(
         not m.dsa_indexer_hadamard or m.dsa_indexer_head_dim & (m.dsa_indexer_head_dim - 1) == 0,
         f"model.dsa_indexer_hadamard=true needs a power-of-two model.dsa_indexer_head_dim, got {m.dsa_indexer_head_dim}",
     )

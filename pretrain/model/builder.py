@@ -32,6 +32,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     dsa_indexer_types: Optional[List[str]] = None
     dsa_indexer_hadamard: bool = False
     dsa_chunk_size: Optional[int] = None
+    dsa_sparse_recompute_attention: bool = False
     dsa_kernel_backend: str = "auto"
     activation_offload: bool = False
     output_loss_backend: str = "unfused"

@@ -121,7 +121,7 @@ class DSAMLASelfAttention(MLASelfAttention):
         def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
             return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
                                        segment_ids=segment_ids, rope=rope, query_positions=positions,
-                                       recompute_attention=recompute and sparse)
+                                       recompute_attention=sparse and (recompute or cfg.dsa_sparse_recompute_attention))
 
         inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
         if recompute and not sparse:
