@@ -265,6 +265,7 @@ def test_bad_memory_settings_fail_at_config_time(monkeypatch):
     cases = {
         "model.output_chunk_size is 0; it must be > 0": ["model.output_loss_backend=chunked", "model.output_chunk_size=0"],
         "chunked needs model.output_chunk_size": ["model.output_loss_backend=chunked"],
+        "output_grad_weight_fp32=false is read only by": ["model.output_grad_weight_fp32=false"],
         "recompute_method and model.recompute_num_layers": ["model.recompute_granularity=full"],
         "recompute_modules needs": ["model.recompute_modules=[core_attn]"],
         "runs at parallel.tensor_model_parallel_size=1 only": LIGER + LAYOUTS["tp2"],
@@ -282,3 +283,37 @@ def test_bad_memory_settings_fail_at_config_time(monkeypatch):
         with pytest.raises(ConfigError, match=f"needs .*pip install -e '\\.\\[{backend}\\]'") as err:
             load_config(TINY, BASE_OVERRIDES + package)
         assert "\n" not in str(err.value)
+
+
+def test_output_grad_weight_fp32_reaches_the_chunked_loss(monkeypatch):
+    """model.output_grad_weight_fp32 is handed to the chunked loss of the main head and every MTP depth (the
+    accuracy of both settings against float64 is tests/test_output_loss_kernels.py's); with fp32 weights
+    both accumulate in fp32 and agree."""
+    import pretrain.model.output_loss as output_loss
+    from parallel.initialize import ensure_single_rank
+    from pretrain.config import load_config
+    from pretrain.model.builder import build_model
+
+    seen = []
+    original = output_loss.chunked_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fp32_grad_weight"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(output_loss, "chunked_linear_cross_entropy", spy)
+    ensure_single_rank()
+    grads = {}
+    for flag in (True, False):
+        cfg = load_config(TINY, BASE_OVERRIDES + CHUNKED + [f"model.output_grad_weight_fp32={str(flag).lower()}"])
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_length + 1), generator=torch.Generator().manual_seed(1))
+        s = cfg.data.seq_length
+        loss = model(ids[:, :-1], torch.arange(s).expand(2, -1), None, labels=ids[:, 1:])
+        loss.sum().backward()
+        grads[flag] = (loss.detach(), model.output_layer.weight.grad.clone())
+    depths = 1 + (cfg.model.mtp_num_layers or 0)
+    assert seen == [True] * depths + [False] * depths
+    torch.testing.assert_close(grads[False][0], grads[True][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[False][1], grads[True][1], rtol=1e-5, atol=1e-7)

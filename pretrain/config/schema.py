@@ -173,6 +173,8 @@ class ModelConfig:
     """Ours: output layer + loss: "unfused" (full logits), "chunked" (sequence chunks, any TP) or "liger" (TP = 1)."""
     output_chunk_size: Optional[int] = None
     """Ours: tokens per chunk of output_loss_backend "chunked" (required there); null: unchunked."""
+    output_grad_weight_fp32: bool = True
+    """Ours: "chunked" sums the output weight's gradient over chunks in fp32 (4 V H bytes) or, false, in its dtype."""
     # --- implementation --------------------------------------------------------------------
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Linears and norms: "local" (torch-native, tested) or "transformer_engine" (untested here)."""

@@ -234,6 +234,11 @@ def _check_memory(m: ModelConfig) -> None:
     )
     _positive(m, "model", "output_chunk_size", optional=True)
     require(
+        m.output_grad_weight_fp32 or m.output_loss_backend == "chunked",
+        "model.output_grad_weight_fp32=false is read only by model.output_loss_backend=chunked, got "
+        f"output_loss_backend={m.output_loss_backend}",
+    )
+    require(
         (m.output_loss_backend == "chunked") == (m.output_chunk_size is not None),
         "model.output_loss_backend=chunked needs model.output_chunk_size (tokens per chunk), which only chunked reads; "
         f"got output_loss_backend={m.output_loss_backend}, output_chunk_size={m.output_chunk_size}",

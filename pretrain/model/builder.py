@@ -37,6 +37,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     activation_offload: bool = False
     output_loss_backend: str = "unfused"
     output_chunk_size: Optional[int] = None
+    output_grad_weight_fp32: bool = True
 
     def __post_init__(self):
         with compat.dsa_config_check_without_cp(self):  # our DSA layer supports CP; megatron's asserts

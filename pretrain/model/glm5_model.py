@@ -102,7 +102,8 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
     def _head_loss(self, hidden, labels, loss_mask, backend: str, chunk, weight):
         """(sum_i m_i loss_i, per-token losses [b, s]): fused (`head_loss`), or megatron's logits + CE."""
         if backend != "unfused":
-            return head_loss(self.output_layer, hidden, labels, loss_mask, backend, chunk, weight)
+            return head_loss(self.output_layer, hidden, labels, loss_mask, backend, chunk, weight,
+                             fp32_grad_weight=self.config.output_grad_weight_fp32)
         logits, _ = self.output_layer(hidden, weight=weight)
         per_token = self.compute_language_model_loss(labels, logits)
         mask = torch.ones_like(per_token) if loss_mask is None else loss_mask

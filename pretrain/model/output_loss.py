@@ -261,7 +261,8 @@ def liger_linear_cross_entropy(hidden, weight, labels, loss_weights) -> torch.Te
 
 
 def head_loss(output_layer, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-              backend: str, chunk_size: Optional[int], weight: Optional[torch.Tensor] = None):
+              backend: str, chunk_size: Optional[int], weight: Optional[torch.Tensor] = None,
+              fp32_grad_weight: bool = True):
     """The output layer and cross-entropy fused: (sum_i m_i loss_i, per-token losses [b, s] carrying its gradient).
 
     `output_layer` is megatron's ColumnParallelLinear (its weight, or `weight` when tied); `hidden` [s, b, h]
@@ -286,7 +287,8 @@ def head_loss(output_layer, hidden: torch.Tensor, labels: torch.Tensor, loss_mas
     if backend == "chunked":
         rank = dist.get_rank(group) if tp > 1 else 0
         loss_sum, per_token = chunked_linear_cross_entropy(x, weight, rows_y, rows_m, chunk_size,
-                                                           rank * weight.shape[0], group if tp > 1 else None)
+                                                           rank * weight.shape[0], group if tp > 1 else None,
+                                                           fp32_grad_weight=fp32_grad_weight)
     elif backend == "liger":
         loss_sum, per_token = liger_linear_cross_entropy(x, weight, rows_y, rows_m), None
     else:
