@@ -17,7 +17,8 @@ def _problem(n=37, hidden=16, vocab=50, seed=0):
     return h, w, y, m
 
 
-def _reference(h, w, y, m):
+def float64_reference(h, w, y, m):
+    """Per-token losses and the gradients of sum_i m_i loss_i for logits h W^T (full vocabulary, autograd)."""
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
     per_token = F.cross_entropy(h @ w.t(), y, reduction="none")
     (per_token * m).sum().backward()
@@ -27,7 +28,7 @@ def _reference(h, w, y, m):
 @pytest.mark.parametrize("chunk", [1, 7, 16, 37, 100])
 def test_chunks_equal_full_logits_in_float64(chunk):
     h, w, y, m = _problem()
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, losses = chunked_linear_cross_entropy(hh, ww, y, m, chunk)
     (2.5 * loss).backward()  # the backward's scalar reaches both gradients
@@ -39,7 +40,7 @@ def test_chunks_equal_full_logits_in_float64(chunk):
 
 def test_fp32_and_batch_shapes():
     h, w, y, m = _problem(n=24)
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     hh = h.float().view(4, 6, -1).clone().requires_grad_()
     ww = w.float().clone().requires_grad_()
     loss, losses = chunked_linear_cross_entropy(hh, ww, y.view(4, 6), m.float().view(4, 6), 5)
@@ -75,7 +76,7 @@ def _tp_rank(rank, world_size, h, w, y, m, chunk, impl):
 def test_vocab_parallel_tp2_equals_full_logits(impl, dtype, tol):
     """Both paths under TP = 2 (gloo); the Triton kernels run in Triton's interpreter on CPU."""
     h, w, y, m = _problem(vocab=52)
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     out = run_ranks(_tp_rank, 2, h.to(dtype), w.to(dtype), y, m.to(dtype), 5, impl)
     for r in out:
         torch.testing.assert_close(r["losses"].double(), ref_losses, rtol=tol, atol=tol)
@@ -89,7 +90,7 @@ def test_per_token_view_keeps_values_and_carries_the_sums_gradient():
 
     h, w, y, m = _problem(n=12)
     m = (m > 0).double()
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, losses = chunked_linear_cross_entropy(hh, ww, y, m, 5)
     out = per_token_view(loss, losses, m)
@@ -107,7 +108,7 @@ def test_liger_fused_linear_cross_entropy_matches_full_logits():
     patch_triton_interpreter()
     h, w, y, m = _problem(n=21)
     m = (m > 0).double()
-    _, ref_dh, ref_dw = _reference(h, w, y, m)
+    _, ref_dh, ref_dw = float64_reference(h, w, y, m)
     ref_sum = (F.cross_entropy(h @ w.t(), y, reduction="none") * m).sum()
     hh, ww = h.float().clone().requires_grad_(), w.float().clone().requires_grad_()
     loss = liger_linear_cross_entropy(hh, ww, y, m)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import triton  # noqa: F401  (the dev extra installs it; the kernels run in its interpreter here)
 
+from tests.test_output_loss import float64_reference
+
 
 @pytest.fixture(scope="module")
 def kernels():
@@ -39,13 +41,6 @@ def _problem(n=37, hidden=16, vocab=50, seed=0):
     y = torch.randint(0, vocab, (n,), generator=g)
     m = (torch.rand(n, generator=g) > 0.3).double() * torch.rand(n, generator=g, dtype=torch.float64) * 2
     return h, w, y, m
-
-
-def _reference(h, w, y, m):
-    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    per_token = F.cross_entropy(h @ w.t(), y, reduction="none")
-    (per_token * m).sum().backward()
-    return per_token.detach(), h.grad, w.grad
 
 
 class _ThreadGroup:
@@ -93,7 +88,7 @@ def _tp_chunk(kernels, h, w, y, m, bounds, block_v):
 @pytest.mark.parametrize("bounds,block_v", [([(0, 50)], 16), ([(0, 50)], 64), ([(0, 17), (17, 33), (33, 50)], 8)])
 def test_kernels_per_rank_statistics_and_gradient_equal_full_vocab_float64(kernels, bounds, block_v):
     h, w, y, m = _problem()
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     y[3], m[3] = 7, 0.0  # a masked token: its loss is still reported, its gradient is zero
     ref_losses[3] = F.cross_entropy(h[3:4] @ w.t(), y[3:4]).detach()
     hf, wf, mf = h.float(), w.float(), m.float()
@@ -109,7 +104,7 @@ def test_kernels_per_rank_statistics_and_gradient_equal_full_vocab_float64(kerne
     # dh is the sum of the ranks' dz W_r (the copy-to-TP region's backward), dW their concatenation
     dh = sum(dz.double() @ w[v0:v1] for (v0, v1), (_, dz, _) in zip(bounds, out))
     dw = torch.cat([dz.double().t() @ h for _, dz, _ in out])
-    _, ref_dh, ref_dw = _reference(h, w, y, m)
+    _, ref_dh, ref_dw = float64_reference(h, w, y, m)
     torch.testing.assert_close(dh, ref_dh, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-5)
 
@@ -119,7 +114,7 @@ def test_triton_chunks_equal_full_logits(chunk, fp32_grad_weight):
     from pretrain.model.output_loss import chunked_linear_cross_entropy
 
     h, w, y, m = _problem()
-    ref_losses, ref_dh, ref_dw = _reference(h, w, y, m)
+    ref_losses, ref_dh, ref_dw = float64_reference(h, w, y, m)
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
     loss, losses = chunked_linear_cross_entropy(hh, ww, y, m.float(), chunk, impl="triton",
                                                 fp32_grad_weight=fp32_grad_weight)
@@ -161,7 +156,7 @@ def test_fp32_grad_weight_accumulation_keeps_bf16_accuracy_over_many_chunks():
     hb = torch.randn(n, hidden, generator=g).bfloat16()
     wb = (torch.randn(vocab, hidden, generator=g) * 0.1).bfloat16()
     y, m = torch.randint(0, vocab, (n,), generator=g), torch.ones(n)
-    _, _, ref_dw = _reference(hb.double(), wb.double(), y, m.double())
+    _, _, ref_dw = float64_reference(hb.double(), wb.double(), y, m.double())
 
     def error(chunk, fp32):
         ww = wb.clone().requires_grad_()
