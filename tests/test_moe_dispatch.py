@@ -4,7 +4,8 @@
   (masked_select, index_select, scatter_add) in float64: rows, values and gradients;
 * a whole MoE layer (router, shared expert, grouped experts) with `LocalTokenDispatcher` against the
   same layer with megatron's all-gather dispatcher, same weights, fp32: output, input gradient and
-  every parameter gradient; and no host sync in our dispatch (no `.tolist()` / `.item()` / `.cpu()`).
+  every parameter gradient; and no host sync in our dispatch (no `.tolist()`, `.item()`, `.cpu()` or
+  `masked_select`, which megatron's path calls).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def test_moe_layer_with_local_dispatcher_matches_megatron_allgather():
     def no_host_sync(*args, **kwargs):
         raise AssertionError("host sync in the local dispatch path")
 
-    with mock.patch.object(torch.Tensor, "tolist", no_host_sync), mock.patch.object(torch.Tensor, "item", no_host_sync):
+    with mock.patch.object(torch.Tensor, "tolist", no_host_sync), mock.patch.object(torch.Tensor, "item", no_host_sync), \
+            mock.patch.object(torch.Tensor, "cpu", no_host_sync), mock.patch.object(torch.Tensor, "masked_select", no_host_sync):
         out, dx, grads = run(ours, x, grad)
     ref_out, ref_dx, ref_grads = run(reference, x, grad)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)

@@ -59,6 +59,20 @@ def scope(name: str):
     return torch.profiler.record_function(PREFIX + name)
 
 
+# A submodule's part from its attribute name in its parent (after the class rules of `_child_part`).
+ATTRIBUTE_PARTS = {
+    **dict.fromkeys(("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                     "linear_kv_up_proj", "linear_qkv", "linear_proj"), "mla_proj"),
+    "eh_proj": "mtp",
+    "core_attention": "core_attn",
+    "router": "router",
+    "experts": "experts",
+    "shared_experts": "shared_expert",
+    "mlp": "dense_mlp",  # a MoE layer's `mlp` is a MoELayer, matched by class first
+    "output_layer": "output",
+}
+
+
 def _child_part(attr: str, module) -> Optional[str]:
     """The part a module is, from its attribute name in its parent and its class (megatron's and ours)."""
     cls = type(module).__name__
@@ -71,23 +85,8 @@ def _child_part(attr: str, module) -> Optional[str]:
     if cls in ("TransformerLayer", "GPTModel", "GLM5Model", "TransformerBlock", "MultiTokenPredictionBlock",
                "SharedDepthMTPBlock") or isinstance(module, MoELayer) or attr in ("self_attention", "rotary_pos_emb"):
         return "glue"
-    if attr in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-                "linear_kv_up_proj", "linear_qkv", "linear_proj"):
-        return "mla_proj"
-    if attr == "eh_proj":
-        return "mtp"
-    if attr == "core_attention":
-        return "core_attn"
-    if attr == "router":
-        return "router"
-    if attr == "experts":
-        return "experts"
-    if attr == "shared_experts":
-        return "shared_expert"
-    if attr == "mlp":
-        return "dense_mlp"  # a MoE layer's `mlp` is a MoELayer, matched above
-    if attr == "output_layer":
-        return "output"
+    if attr in ATTRIBUTE_PARTS:
+        return ATTRIBUTE_PARTS[attr]
     if "norm" in attr:  # input_layernorm, pre_mlp_layernorm, q/kv_layernorm, enorm, hnorm, final_layernorm
         return "glue"
     return None
