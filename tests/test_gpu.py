@@ -190,8 +190,10 @@ def _sparse_inputs(s, h, topk, seed):
     return q, kv, select_topk(scores, topk).int()
 
 
-@pytest.mark.parametrize("s,h,topk", [(1000, 64, 256), (4096, 64, 2048), (777, 16, 300)])
+@pytest.mark.parametrize("s,h,topk", [(1000, 64, 256), (4096, 64, 2048), (777, 16, 300), (4096, 16, 2048),
+                                      (1000, 8, 256), (2000, 32, 512)])
 def test_sparse_mla_kernels_on_gpu(s, h, topk):
+    """Every head count's tile config (kernel_config) against the fp32 reference."""
     from pretrain.model.dsa.kernels import sparse_mla as km
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
 

@@ -1,0 +1,102 @@
+"""Sparse MLA attention kernels by heads per rank, and their tile configs, in one run on one GPU.
+
+    python benchmarks/dsa_heads_sweep.py --heads 8,16,32,64 --seqs 4096,16384,32768 --out heads.json
+
+GLM-5 shapes except the head count: absorbed MLA keys of 576 = 512 latent + 64 rope dims, values
+512, top-k 2048 from the Triton indexer on random inputs, batch 1, causal. Per (heads, S) and
+tile config (the default `kernel_config`, then each of --configs): forward and backward ms,
+TFLOP/s in `benchmarks/dsa_kernels.py`'s convention (all S * k slots; forward
+2 * S * k * h * (576 + 512), backward 2.53x that), and the errors of output, dq and dkv against
+the fp32 PyTorch reference on the same bf16 inputs (S = 4096, default config only). glm5-proxy
+has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, timed  # noqa: E402
+from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
+from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+def errors(q, kv, idx, g):
+    q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    out, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+    dq, dkv = torch.autograd.grad(out, (q, kv), g)
+    q32, kv32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    rout, _ = ref_attn(q32, kv32, idx.long(), SCALE, C, 64)
+    rdq, rdkv = torch.autograd.grad(rout, (q32, kv32), g.float())
+    return {"out_rel": rel(out, rout), "dq_rel": rel(dq, rdq), "dkv_rel": rel(dkv, rdkv)}
+
+
+def point(h, s, gen, reps, configs):
+    q, kv, qi, ki, w = inputs(s, gen)
+    q = q[:, :, :h].contiguous()
+    lo, hi = VisibleKeys(s, s, "cuda").ranges()
+    idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+    g = torch.randn(1, s, h, C, device="cuda", dtype=torch.bfloat16)
+    fl = 2 * s * TOPK * h * (C + D)
+    rows = []
+    original = tsm.kernel_config
+    for cfg in [None] + configs:
+        if cfg is not None:  # one tuple for both passes: the forward reads its first three entries
+            tsm.kernel_config = lambda hh, c, backward=False, cfg=cfg: cfg if backward else cfg[:3]
+        row = {"heads": h, "S": s, "config": "default" if cfg is None else list(cfg),
+               "fwd_config": list(tsm.kernel_config(h, C)), "bwd_config": list(tsm.kernel_config(h, C, True))}
+        try:
+            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
+            qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+            row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+            row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
+            row["bwd_tflops"] = fl * 2.53 / row["bwd_ms"] / 1e9
+            if s == 4096 and cfg is None:
+                row.update(errors(q, kv, idx, g))
+        except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+            row["error"] = repr(e)[:300]
+        finally:
+            tsm.kernel_config = original
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="8,16,32,64")
+    ap.add_argument("--seqs", default="4096,16384,32768")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--configs", default="64x8x2x64,64x8x1x64",
+                    help="tile configs BN x warps x stages x CC also timed at --config-heads (the defaults: the "
+                         "earlier 64-head forward and backward configs, for before / after)")
+    ap.add_argument("--config-heads", default="8,16,32")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for s in (int(x) for x in args.seqs.split(",")):
+        for h in (int(x) for x in args.heads.split(",")):
+            res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [])
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
