@@ -26,6 +26,8 @@ matrix work per token. What matches and what cannot:
 Requirements (model modules only; torchtitan's other dependencies are not imported):
 torchtitan==0.3.0 and, for the imports its model package makes, spmd-types==0.3.1 and tyro
 (itself needing docstring-parser and typeguard); all pure Python, installed with --no-deps.
+torchtitan 0.3.0 follows torch nightly: its model package imports `torch.distributed.fsdp.DataParallelMeshDims`,
+which torch 2.11 lacks (torch 2.13 has it), so the peer needs a torch that provides it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ def import_torchtitan():
         from torchtitan.models.common.param_init import depth_scaled_std
         from torchtitan.models.deepseek_v3 import mtp
     except ImportError as err:
-        raise ImportError(f"the torchtitan peer needs `pip install --no-deps {REQUIREMENTS}` ({err})") from err
+        import importlib.util
+
+        if importlib.util.find_spec("torchtitan") is None or isinstance(err, ModuleNotFoundError):
+            raise ImportError(f"the torchtitan peer needs `pip install --no-deps {REQUIREMENTS}` ({err})") from err
+        # torchtitan 0.3.0 tracks torch nightly: e.g. torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.12)
+        raise ImportError(f"torchtitan does not import with torch {torch.__version__} ({err})") from err
     return dict(deepseek_v3=deepseek_v3, mtp=mtp, ComplexRoPE=ComplexRoPE, Embedding=Embedding, Linear=Linear,
                 RMSNorm=RMSNorm, ScaledDotProductAttention=ScaledDotProductAttention,
                 depth_scaled_std=depth_scaled_std, cross_entropy_loss=cross_entropy_loss)
