@@ -151,6 +151,9 @@ def main() -> None:
 
         peer_torchtitan.import_torchtitan()  # a missing install fails here, before any GPU work
         peer_torchtitan.check_mappable(cfg.model)
+        for n in names:
+            if n in PEERS:
+                peer_torchtitan.check_attention_backend(PEERS[n])
     results = [run_variant(cfg, n, args.micro_batch, args.steps, args.warmup) for n in names]
     record = {
         "gpu": torch.cuda.get_device_name(),

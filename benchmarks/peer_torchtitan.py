@@ -26,8 +26,9 @@ matrix work per token. What matches and what cannot:
 Requirements (model modules only; torchtitan's other dependencies are not imported):
 torchtitan==0.3.0 and, for the imports its model package makes, spmd-types==0.3.1 and tyro
 (itself needing docstring-parser and typeguard); all pure Python, installed with --no-deps.
-torchtitan 0.3.0 follows torch nightly: its model package imports `torch.distributed.fsdp.DataParallelMeshDims`,
-which torch 2.11 lacks (torch 2.13 has it), so the peer needs a torch that provides it.
+torchtitan 0.3.0 follows torch nightly. With torch 2.11 its model package needs one name that torch lacks
+(`provide_fsdp_mesh_dims_name`), and its flex attention does not run (`create_block_mask` lacks
+`separate_full_blocks`): there the peer runs with its SDPA module only (`check_attention_backend` says so).
 """
 
 from __future__ import annotations
@@ -51,8 +52,35 @@ DIFFERENCES = [
 ]
 
 
+def provide_fsdp_mesh_dims_name() -> None:
+    """torchtitan 0.3.0 follows torch nightly: its DeepSeek-V3 package imports
+    `torch.distributed.fsdp.DataParallelMeshDims` (torch >= 2.12) for the annotations of its FSDP helpers,
+    which a one-GPU step never calls. On an older torch the name is given a placeholder class, and said so."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        print(f"torchtitan peer: torch {torch.__version__} lacks torch.distributed.fsdp.DataParallelMeshDims; "
+              "a placeholder stands in (only torchtitan's FSDP helpers, unused here, annotate with it)")
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+
+
+def check_attention_backend(attention: str) -> None:
+    """torchtitan's flex path passes `separate_full_blocks` to `create_block_mask` (torch >= 2.12)."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"torchtitan attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if attention == "flex":
+        import inspect
+
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+            raise ValueError(f"torchtitan's flex attention needs a newer torch than {torch.__version__} "
+                             "(create_block_mask(separate_full_blocks=...)); use the torchtitan-sdpa variant")
+
+
 def import_torchtitan():
     """The torchtitan modules the peer uses, or a one-line error naming what to install."""
+    provide_fsdp_mesh_dims_name()
     try:
         from torchtitan.components.loss import cross_entropy_loss
         from torchtitan.models import deepseek_v3
@@ -65,7 +93,6 @@ def import_torchtitan():
 
         if importlib.util.find_spec("torchtitan") is None or isinstance(err, ModuleNotFoundError):
             raise ImportError(f"the torchtitan peer needs `pip install --no-deps {REQUIREMENTS}` ({err})") from err
-        # torchtitan 0.3.0 tracks torch nightly: e.g. torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.12)
         raise ImportError(f"torchtitan does not import with torch {torch.__version__} ({err})") from err
     return dict(deepseek_v3=deepseek_v3, mtp=mtp, ComplexRoPE=ComplexRoPE, Embedding=Embedding, Linear=Linear,
                 RMSNorm=RMSNorm, ScaledDotProductAttention=ScaledDotProductAttention,
@@ -109,8 +136,7 @@ def check_mappable(m) -> None:
 
 def build_config(m, seq_length: int, attention: str = "flex", mtp_depths: int = 0):
     """torchtitan `DeepSeekV3Model.Config` with the dims of our `ModelConfig` `m`."""
-    if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"torchtitan attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    check_attention_backend(attention)
     check_mappable(m)
     tt = import_torchtitan()
     dsv3, mtp = tt["deepseek_v3"], tt["mtp"]

@@ -93,3 +93,5 @@ def test_peer_rejects_unmappable_configs():
         peer.check_mappable(dataclasses.replace(m, share_embeddings_and_output_weights=True))
     with pytest.raises(ValueError, match="dense-first"):
         peer.first_dense_layers(dataclasses.replace(m, moe_layer_freq=[1, 0]))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        peer.build_config(m, 128, "eager")
