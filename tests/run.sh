@@ -9,4 +9,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# torchtitan's DeepSeek-V3, the peer of benchmarks/model_step.py (tests/test_peer_torchtitan.py): pure-Python
+# packages, installed without their dependencies (the model modules import none of them).
+"$PY" -m pip install -q --no-deps $("$PY" -c "from benchmarks.peer_torchtitan import REQUIREMENTS; print(REQUIREMENTS)")
 exec "$PY" -m pytest -q -m "not gpu" --timeout=900 "$@"
