@@ -135,7 +135,27 @@ SWEEPS = [p for p in sorted((ROOT / "configs/ablations").glob("*.yaml")) if is_s
 
 
 def test_the_shipped_sweeps_are_found():
-    assert {p.stem for p in SWEEPS} == {"attention", "attention-pilot", "dsa", "mtp", "optimizer", "smoke"}
+    full = {"attention", "dsa", "mtp", "optimizer"}
+    assert {p.stem for p in SWEEPS} == full | {f"{n}-short" for n in full} | {"attention-pilot", "smoke"}
+
+
+def _own_overrides(sweep):
+    """Each variant's own overrides: what follows the sweep-level ones every variant starts with."""
+    lists = [v.overrides for v in sweep.variants]
+    shared = 0
+    while all(len(o) > shared and o[shared] == lists[0][shared] for o in lists):
+        shared += 1
+    return {v.name: v.overrides[shared:] for v in sweep.variants}
+
+
+@pytest.mark.parametrize("name", ["attention", "dsa", "mtp", "optimizer"])
+def test_budget_sweeps_run_the_same_arms_as_the_full_ones(name):
+    """A *-short sweep is its full sweep at a smaller budget: the same variants with the same own overrides."""
+    folder = SWEEPS[0].parent
+    full, short = load_sweep(folder / f"{name}.yaml"), load_sweep(folder / f"{name}-short.yaml")
+    assert _own_overrides(full) == _own_overrides(short)
+    iters = {r.variant: r.train_iters for r in full.runs}
+    assert all(r.train_iters < iters[r.variant] for r in short.runs)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
