@@ -7,8 +7,10 @@ or dense/MoE layout on the peer's side changes its count and fails. torchtitan i
 tests/run.sh (pure Python, no dependencies); a missing install fails here, it is not skipped.
 """
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from benchmarks import peer_torchtitan as peer
@@ -78,16 +80,9 @@ def test_peer_step_loss_and_gradients_on_cpu():
     expected = math.log(m.vocab_size) * (1 + m.mtp_loss_scaling_factor)
     assert abs(loss.item() - expected) < 0.05 * expected
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in step.parameters())
-    own = step.own_flops_per_token(64)
-    ours_formula = peer.flops_per_token(m, 64, 0)["total"]
-    assert own > 0 and ours_formula > 0
 
 
 def test_peer_rejects_unmappable_configs():
-    import dataclasses
-
-    import pytest
-
     m = load_config("configs/models/glm5-tiny.yaml").model
     with pytest.raises(ValueError, match="tied embeddings"):
         peer.check_mappable(dataclasses.replace(m, share_embeddings_and_output_weights=True))
