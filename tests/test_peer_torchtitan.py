@@ -28,7 +28,8 @@ def indexer_params(m) -> int:
 def mla_params(m) -> int:
     h, n = m.hidden_size, m.num_attention_heads
     q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * (m.qk_head_dim + m.qk_pos_emb_head_dim)
-    kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
+    kv = (h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
+          + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim))
     return q + kv + n * m.v_head_dim * h
 
 
