@@ -87,20 +87,26 @@ def _naive_spec_reference(model, prompt, greedy, count, drafts):
     return steps
 
 
-@pytest.mark.parametrize("shared, prompt", [(True, [1, 5, 2, 9, 3, 3, 7, 0]), (False, [4, 4, 11, 6, 2, 8])])
-def test_model_decoding_matches_slow_references(shared, prompt):
+@pytest.mark.parametrize("shared, prompts", [
+    (True, [[1, 5, 2, 9, 3, 3, 7, 0], [2, 2, 8, 1, 0, 10, 4, 4], [11, 3, 5, 6, 1, 7, 2, 9]]),
+    (False, [[4, 4, 11, 6, 2, 8], [7, 1, 0, 3, 3]]),
+])
+def test_model_decoding_matches_slow_references(shared, prompts):
     model = _model(shared)
     predict = model_predictor(model)
-    prompts = [torch.tensor(prompt)]
+    prompts = [torch.tensor(p) for p in prompts]
     new = 6
     expected = {n: [] for n in (1, 2, 3)}
     for prompt in prompts:
         # The greedy text of new + 3 tokens, so a draft past the budget is judged like the decoder judges it.
         greedy = _greedy_reference(model, prompt, new + 3)
-        generated, _ = speculative_decode(predict, prompt, new, 3)
-        assert generated.tolist() == greedy[:new]  # speculative greedy decoding emits the greedy text
         for drafts in (1, 2, 3):
-            expected[drafts] += _naive_spec_reference(model, prompt, greedy, new, drafts)
-    metrics = accept_lengths(predict, prompts, new, 3)
+            reference = _naive_spec_reference(model, prompt, greedy, new, drafts)
+            generated, steps = speculative_decode(predict, prompt, new, drafts)
+            assert generated.tolist() == greedy[:new]  # speculative greedy decoding emits the greedy text
+            assert steps == reference
+            expected[drafts] += reference
+    # The evaluator's path (batched greedy text, then one teacher-forced forward), two prompts per batch.
+    metrics = accept_lengths(predict, prompts, new, 3, batch=2)
     assert metrics == pytest.approx({f"accept_len@{n}": sum(s) / len(s) for n, s in expected.items()})
     assert max(max(s) for s in expected.values()) > 1  # some drafts were accepted: the check has teeth

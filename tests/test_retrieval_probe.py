@@ -1,5 +1,6 @@
 """The retrieval probe's generator (data_pipeline.retrieval_probe) and evaluator (pretrain.eval.retrieval)."""
 
+import math
 import random
 import re
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from data_pipeline.retrieval_probe import filler_tokens, make_probe, make_sample
-from pretrain.eval.retrieval import accuracy_by_length
+from pretrain.eval.retrieval import scores_by_length
 
 
 def chars(text):
@@ -91,12 +92,22 @@ def test_accuracy_per_length_against_an_oracle_with_a_known_window():
     filler = filler_tokens(chars, None, 5000)
     probes = make_probe(chars, filler, [200, 400, 800], samples=12, seed=3, pairs=2)
     window = 300
-    expected = {}
+    expected, expected_nll = {}, {}
     for length in (200, 400, 800):
         mine = [p for p in probes if p["length"] == length]
         # The model's input is the prompt plus all but the last answer token; the needle's key starts
         # one token after needle_at (the needle begins with a newline).
         seen = [p["needle_at"] + 1 >= len(p["prompt"]) + len(p["answer"]) - 1 - window for p in mine]
         expected[length] = sum(seen) / len(seen)
+        # The oracle's logits are 1 on its guess and 0 on the other 127 characters: a right token costs
+        # log(e + 127) - 1 nats, a wrong one log(e + 127). Unseen, it guesses 00000 (then the quote).
+        nll = []
+        for p, s in zip(mine, seen):
+            guess = (p["value"] if s else "00000") + '"'
+            right = sum(a == b for a, b in zip(guess, p["value"] + '"'))
+            nll.append(math.log(math.e + 127) - right / len(guess))
+        expected_nll[length] = sum(nll) / len(nll)
     assert expected[200] == 1.0 and 0.0 < expected[400] < 1.0  # the probe set exercises both outcomes
-    assert accuracy_by_length(windowed_oracle(window), probes) == pytest.approx(expected)
+    got = scores_by_length(windowed_oracle(window), probes)
+    assert {k: v["accuracy"] for k, v in got.items()} == pytest.approx(expected)
+    assert {k: v["nll"] for k, v in got.items()} == pytest.approx(expected_nll)

@@ -6,7 +6,9 @@ Probes come from `data_pipeline.retrieval_probe` (needles in held-out text of th
 dataset, tokenized with its tokenizer; or --probes FILE written by that module). A probe is correct
 when the model's greedy choice equals the answer at every answer position, given the prompt and the
 answer's earlier tokens (teacher forcing; the same verdict as greedy decoding of the answer, in one
-forward). Reported: accuracy per length. Lengths beyond the trained `data.seq_length` are evaluated
+forward). Reported per length: accuracy, and the answer's mean negative log-likelihood per token
+(nats, teacher-forced), a graded reading for models too small or too briefly trained to retrieve
+exactly: a model that finds the needle gives its value a lower NLL than one that guesses. Lengths beyond the trained `data.seq_length` are evaluated
 with a warning: the probe is meant for lengths the model was trained on.
 """
 
@@ -18,7 +20,7 @@ import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -26,18 +28,24 @@ import torch
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def is_correct(logits_fn: LogitsFn, probe: Dict[str, object], device=None) -> bool:
+def score(logits_fn: LogitsFn, probe: Dict[str, object], device=None) -> Tuple[bool, float]:
+    """(greedy choice right at every answer position, mean NLL per answer token in nats)."""
     prompt, answer = list(probe["prompt"]), list(probe["answer"])
     tokens = torch.tensor(prompt + answer[:-1], device=device)
-    choice = logits_fn(tokens)[len(prompt) - 1 :].argmax(-1)
-    return choice.tolist() == answer
+    logits = logits_fn(tokens)[len(prompt) - 1 :].float()
+    target = torch.tensor(answer, device=logits.device)
+    nll = torch.nn.functional.cross_entropy(logits, target)
+    return logits.argmax(-1).tolist() == answer, float(nll)
 
 
-def accuracy_by_length(logits_fn: LogitsFn, probes: Sequence[Dict[str, object]], device=None) -> Dict[int, float]:
-    hits: Dict[int, List[bool]] = defaultdict(list)
+def scores_by_length(logits_fn: LogitsFn, probes: Sequence[Dict[str, object]],
+                     device=None) -> Dict[int, Dict[str, float]]:
+    """{length: {"accuracy": fraction of probes right, "nll": mean over probes of the answer NLL}}."""
+    hits: Dict[int, List[Tuple[bool, float]]] = defaultdict(list)
     for probe in probes:
-        hits[int(probe["length"])].append(is_correct(logits_fn, probe, device))
-    return {length: sum(h) / len(h) for length, h in sorted(hits.items())}
+        hits[int(probe["length"])].append(score(logits_fn, probe, device))
+    return {length: {"accuracy": sum(h for h, _ in s) / len(s), "nll": sum(n for _, n in s) / len(s)}
+            for length, s in sorted(hits.items())}
 
 
 def model_logits_fn(model) -> LogitsFn:
@@ -88,10 +96,12 @@ def main(argv=None) -> int:
     if longest > cfg.data.seq_length:
         warnings.warn(f"probes up to {longest} tokens, longer than the trained data.seq_length={cfg.data.seq_length}",
                       stacklevel=1)
-    accuracy = accuracy_by_length(model_logits_fn(model), probes, device_of(model))
-    for length, acc in accuracy.items():
-        print(f"length {length:>7}: accuracy {acc:.3f}")
-    metrics = {f"retrieval@{length}": acc for length, acc in accuracy.items()}
+    scores = scores_by_length(model_logits_fn(model), probes, device_of(model))
+    metrics = {}
+    for length, got in scores.items():
+        print(f"length {length:>7}: accuracy {got['accuracy']:.3f}, answer NLL {got['nll']:.3f} nats/token")
+        metrics[f"retrieval@{length}"] = got["accuracy"]
+        metrics[f"retrieval_nll@{length}"] = got["nll"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metrics": metrics, "checkpoint": args.checkpoint, "kind": args.kind,
