@@ -103,7 +103,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# rank bodies (module level: run_ranks spawns fresh interpreters that import them)
+# rank bodies (module level: run_ranks starts fresh rank processes that import them)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -316,6 +316,15 @@ def rank_parallel(rank: int, world_size: int, layouts: List[str], tokens: torch.
         destroy_parallel()
 
 
+def rank_environment(rank: int, world_size: int) -> dict:
+    import os
+
+    import torch._dynamo
+
+    return {"probe": os.environ.get("RUN_RANKS_PROBE"), "cwd": os.getcwd(), "rank": os.environ["RANK"],
+            "compile_disabled": torch._dynamo.config.disable}
+
+
 def rank_fails_on_rank_1(rank: int, world_size: int) -> int:
     import torch.distributed as dist
 
@@ -547,3 +556,18 @@ def test_run_ranks_reports_the_failing_rank():
     message = str(info.value)
     assert message.index("--- rank 1 raised") < message.find("--- rank 0"), message
     assert "ValueError: rank 1 fails on purpose" in message
+
+
+def test_run_ranks_gives_ranks_the_callers_environment_now(monkeypatch, tmp_path):
+    """Ranks are forks of a server started at the first call: they still see the caller's environment
+    and working directory at the time of the call, and TORCH_COMPILE_DISABLE as the call sets it."""
+    run_ranks(rank_environment, 1)  # the fork server is running from here on
+    monkeypatch.setenv("RUN_RANKS_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    ranks = run_ranks(rank_environment, 2, env={"TORCH_COMPILE_DISABLE": "1"})
+    assert [r["rank"] for r in ranks] == ["0", "1"]
+    for r in ranks:
+        assert r["probe"] == "set after the server started" and r["cwd"] == str(tmp_path) and r["compile_disabled"]
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    (plain,) = run_ranks(rank_environment, 1)
+    assert not plain["compile_disabled"]
