@@ -16,10 +16,11 @@ and no state leaks from one call to the next. Forking it instead of spawning an 
 saves the ~5 s of CPU each rank would spend importing (most of the multi-rank tests' time on a
 2-core machine). A rank gets the caller's current environment and working directory, as a spawned
 process would; `TORCH_COMPILE_DISABLE`, which torch reads at import, is applied to torch's config
-explicitly. The environment of a torchrun launch is set before `fn` runs: MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
-RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE), so `parallel.initialize.initialize_parallel`
-works unchanged, and `pretrain.compat.install()` has run (as in every entry point). Return values are moved to CPU (tensors detached) and come back through
-`torch.save` files in a temporary directory.
+explicitly. The environment of a torchrun launch is set before `fn` runs: MASTER_ADDR=127.0.0.1, a
+free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE), so
+`parallel.initialize.initialize_parallel` works unchanged, and `pretrain.compat.install()` has run
+(as in every entry point). Arguments go to the ranks, and return values (moved to CPU, tensors
+detached) come back, through `torch.save` files in a temporary directory.
 
 Failures: an exception in any rank fails the caller with that rank's traceback (the other ranks,
 possibly blocked in a collective, are killed at once); a rank that dies without reporting (segfault,
@@ -45,10 +46,10 @@ import torch.multiprocessing as mp
 __all__ = ["RankError", "free_port", "run_ranks", "to_cpu"]
 
 _POLL_S = 0.05
+_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
 # What the fork server imports once, before it forks any rank: what every rank imports anyway.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "pretrain.compat", "parallel.initialize",
             "pretrain.model.builder", "pretrain.training.loop", "tests.distributed"]
-_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
 
 
 class RankError(RuntimeError):

@@ -8,8 +8,9 @@ when the model's greedy choice equals the answer at every answer position, given
 answer's earlier tokens (teacher forcing; the same verdict as greedy decoding of the answer, in one
 forward). Reported per length: accuracy, and the answer's mean negative log-likelihood per token
 (nats, teacher-forced), a graded reading for models too small or too briefly trained to retrieve
-exactly: a model that finds the needle gives its value a lower NLL than one that guesses. Lengths beyond the trained `data.seq_length` are evaluated
-with a warning: the probe is meant for lengths the model was trained on.
+exactly: a model that finds the needle gives its value a lower NLL than one that guesses. Lengths
+beyond the trained `data.seq_length` are evaluated with a warning: the probe is meant for lengths
+the model was trained on.
 """
 
 from __future__ import annotations
