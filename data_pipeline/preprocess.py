@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -159,6 +161,23 @@ class _Progress:
         self.bar.close()
 
 
+@contextlib.contextmanager
+def _worker_pool(workers: int, ctx, initargs: tuple):
+    """A process pool whose exit never kills a worker mid-write.
+
+    `multiprocessing.Pool.__exit__` terminates its workers; one killed while it holds the result queue's lock leaves
+    the pool's task thread waiting on that lock forever (a hang seen in CI after a writer error). The executor
+    instead cancels the batches not yet started and waits for the at most 2 x workers in flight, and a worker that
+    dies raises `BrokenProcessPool` instead of hanging.
+    """
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                  initargs=initargs)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def preprocess(args: argparse.Namespace) -> dict:
     """Run the preprocessing described by `args` (see `parse_args`); the summary dict."""
     from data_pipeline.indexed import DatasetWriter, final_paths
@@ -179,13 +198,13 @@ def preprocess(args: argparse.Namespace) -> dict:
     initargs = (tokenizer.path, tokenizer.eod_token, json_key, args.append_eod, np.dtype(dtype).name)
     try:
         with DatasetWriter(args.output_prefix, dtype, args.shard_size_docs) as writer, \
-                ctx.Pool(args.workers, initializer=_init_worker, initargs=initargs) as pool:
+                _worker_pool(args.workers, ctx, initargs) as pool:
             pending: collections.deque = collections.deque()
             batches = _batches(reader, args.batch_bytes)
 
             def write_next() -> None:
                 nonlocal documents, tokens, worker_rss
-                ids, lengths, batch_skips, rss = pending.popleft().get()
+                ids, lengths, batch_skips, rss = pending.popleft().result()
                 for reason, source, line, detail in batch_skips:
                     origin = format_origin(source, line)
                     if args.strict:
@@ -201,7 +220,7 @@ def preprocess(args: argparse.Namespace) -> dict:
                 progress.update(reader.bytes_read, documents, tokens)
 
             for batch in batches:
-                pending.append(pool.apply_async(encode_records, (batch,)))
+                pending.append(pool.submit(encode_records, batch))
                 if len(pending) >= 2 * args.workers:
                     write_next()
             while pending:
