@@ -39,6 +39,7 @@ VARIANTS = {
     "adamw_distopt": ["optimizer.optimizer=adam", *ZERO2],  # megatron-core's distributed optimizer
     "muon_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],
     "muon_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=false"],
+    "muon_glu_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=true", "optimizer.muon_split_glu=false"],
     "muon_zero2": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2],
     "muon_zero2_bf16": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "parallel.grad_reduce_in_fp32=false"],
@@ -129,21 +130,20 @@ def _sync():
 
 
 def newton_schulz_bench(trainer) -> dict:
-    """Newton-Schulz on this rank's Muon matrices, grouped as `orthogonalized_update` groups them."""
+    """Newton-Schulz on this rank's Muon matrices, batched as the optimizer batches them: blocks of one
+    shape from every matrix in one call, up to `NS_BATCH_ELEMENTS` each (TP-gathered matrices aside)."""
     from pretrain.optim import muon_roles, newton_schulz
+    from pretrain.optim.muon import NS_BATCH_ELEMENTS, stage_batches
 
-    batches = []
+    blocks = []
     for p, role, split in muon_roles(trainer.optimizer):
-        if role != "muon":
-            continue
-        u = torch.randn_like(p)
-        batches.extend(split.blocks(u) if split is not None else [u])
+        if role == "muon":
+            blocks.extend(split.blocks(p.detach()) if split is not None else [p.detach()[None]])
+    shapes = [(b.shape[0], *sorted(b.shape[-2:])) for b in blocks]
+    batches = [torch.randn(sum(shapes[i][0] for i in batch), *shapes[batch[0]][1:], device=blocks[0].device,
+                           dtype=torch.bfloat16) for batch in stage_batches(shapes, NS_BATCH_ELEMENTS)]
     steps = trainer.cfg.optimizer.muon_num_ns_steps
-    flops = 0.0
-    for x in batches:
-        m, n = sorted(x.shape[-2:])
-        count = x.numel() // (m * n)
-        flops += count * steps * (4 * m * m * n + 2 * m**3)
+    flops = sum(x.shape[0] * steps * (4 * x.shape[1] ** 2 * x.shape[2] + 2 * x.shape[1] ** 3) for x in batches)
     for x in batches:  # warm-up
         newton_schulz(x, steps)
     _sync()
@@ -152,9 +152,7 @@ def newton_schulz_bench(trainer) -> dict:
         newton_schulz(x, steps)
     _sync()
     ms = (time.perf_counter() - t0) * 1e3
-    return {"calls": len(batches), "ms": ms, "tflops": flops / ms / 1e9}
-
-
+    return {"calls": len(batches), "ms": ms, "tflops": flops / ms / 1e9, "tflop": flops / 1e12}
 
 
 def main():

@@ -168,16 +168,21 @@ def test_param_split_picks_the_up_projections_gqa_groups_and_experts():
     assert param_split(*q_up, m) == MuonSplit(4, (32,), 0)
     assert param_split(*q_up, m, q_rope_own_block=True) == MuonSplit(4, (24, 8), 0)
     assert param_split(*kv_up, m) == MuonSplit(4, (24, 32), 0)
-    assert param_split(*w1, m) == MuonSplit(8, (64,), 2)
+    fc1 = ("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(2 * 40, 64))
+    shared_fc1 = ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", torch.zeros(2 * 16, 64))
+    assert param_split(*w1, m) == MuonSplit(8, (64,), 2, cols=(32, 32))  # each expert's [hidden, gate | up]
     assert param_split(*w2, m) == MuonSplit(8, (32,), 0)
+    assert param_split(*fc1, m) == MuonSplit(1, (40, 40), 0) and param_split(*shared_fc1, m) == MuonSplit(1, (16, 16), 0)
+    assert param_split(*w1, m, split_glu=False) == MuonSplit(8, (64,), 2) and param_split(*fc1, m, split_glu=False) is None
     assert param_split(*proj, m) is None and param_split(*indexer, m) is None and param_split(*norm, m) is None
     # this rank's share under TP = 2 (heads) and EP = 2 (experts)
     assert param_split(q_up[0], torch.zeros(2 * 32, 16), m, tp_size=2) == MuonSplit(2, (32,), 0)
-    assert param_split(w1[0], torch.zeros(64, 4 * 2 * 32), m, ep_size=2) == MuonSplit(4, (64,), 2)
+    assert param_split(w1[0], torch.zeros(64, 4 * 2 * 32), m, ep_size=2) == MuonSplit(4, (64,), 2, cols=(32, 32))
+    assert param_split(fc1[0], torch.zeros(40, 64), m, tp_size=2) == MuonSplit(1, (20, 20), 0)  # [gate_r; up_r]
     assert param_split(w2[0], torch.zeros(4 * 32, 64), m, ep_size=2) == MuonSplit(4, (32,), 0)
     # the ablation switch: attention whole, experts still per expert
     assert param_split(*q_up, m, split_attention=False) is None
-    assert param_split(*w1, m, split_attention=False) == MuonSplit(8, (64,), 2)
+    assert param_split(*w1, m, split_attention=False) == MuonSplit(8, (64,), 2, cols=(32, 32))
     # GQA: 8 heads in 2 query groups of head dim 16: per group [4 q heads; k; v]
     gqa = ModelConfig(multi_latent_attention=False, num_attention_heads=8, num_query_groups=2, kv_channels=16,
                       num_moe_experts=None)
@@ -199,7 +204,7 @@ def _expert_shards(full1, full2, experts, etp, rank):
     return w1, w2
 
 
-def _sharded_updates(rank, world_size, u1, u2, dense):
+def _sharded_updates(rank, world_size, u1, u2, dense, fc1):
     import torch.distributed as dist
 
     from pretrain.optim import sharded_orthogonalized_update
@@ -209,9 +214,14 @@ def _sharded_updates(rank, world_size, u1, u2, dense):
     w1, w2 = _expert_shards(u1, u2, experts, world_size, rank)
     group = dist.group.WORLD
     args = (5, torch.float64, 0.2)
+    half = w1.shape[1] // (2 * experts)
+    gate, up = fc1.chunk(2, 0)  # a column-parallel fc1 shard is [gate_r; up_r]
+    fc1_shard = torch.cat([gate.chunk(world_size, 0)[rank], up.chunk(world_size, 0)[rank]])
     return (sharded_orthogonalized_update(w1, MuonSplit(experts, (w1.shape[0],), 2), 1, group, *args),
             sharded_orthogonalized_update(w2, MuonSplit(experts, (w2.shape[0] // experts,), 0), 0, group, *args),
-            sharded_orthogonalized_update(dense.chunk(world_size, 1)[rank], None, 1, group, *args))
+            sharded_orthogonalized_update(dense.chunk(world_size, 1)[rank], None, 1, group, *args),
+            sharded_orthogonalized_update(w1, MuonSplit(experts, (w1.shape[0],), 2, cols=(half, half)), 1, group, *args),
+            sharded_orthogonalized_update(fc1_shard, MuonSplit(1, (fc1_shard.shape[0] // 2,) * 2, 0), 0, group, *args))
 
 
 def test_sharded_update_is_the_shard_of_the_whole_update():
@@ -228,14 +238,97 @@ def test_sharded_update_is_the_shard_of_the_whole_update():
     want1 = orthogonalized_update(u1, MuonSplit(experts, (hidden,), 2), 5, torch.float64, 0.2)
     want2 = orthogonalized_update(u2, MuonSplit(experts, (ffn,), 0), 5, torch.float64, 0.2)
     want_dense = orthogonalized_update(dense, None, 5, torch.float64, 0.2)
-    ranks = run_ranks(_sharded_updates, 2, u1, u2, dense)
-    for rank, (got1, got2, got_dense) in enumerate(ranks):
+    # gate and up apart (SwiGLU split), cut through by TP / ETP: reference from whole gate and up matrices
+    fc1 = torch.randn(2 * 10, 6, dtype=torch.float64)
+    want_glu1 = torch.cat([newton_schulz(h, 5, torch.float64) * 0.2 * math.sqrt(max(hidden, ffn))
+                           for h in u1.view(experts, hidden, 2 * ffn).chunk(2, -1)], -1).view(hidden, -1)
+    want_fc1 = torch.cat([newton_schulz(h, 5, torch.float64) * 0.2 * math.sqrt(10) for h in fc1.chunk(2, 0)])
+    ranks = run_ranks(_sharded_updates, 2, u1, u2, dense, fc1)
+    for rank, (got1, got2, got_dense, got_glu1, got_fc1) in enumerate(ranks):
         ref1, ref2 = _expert_shards(want1, want2, experts, 2, rank)
         assert torch.allclose(got1, ref1, atol=1e-12) and torch.allclose(got2, ref2, atol=1e-12), rank
         assert torch.allclose(got_dense, want_dense.chunk(2, 1)[rank], atol=1e-12), rank
+        assert torch.allclose(got_glu1, _expert_shards(want_glu1, want2, experts, 2, rank)[0], atol=1e-12), rank
+        gate, up = want_fc1.chunk(2, 0)
+        assert torch.allclose(got_fc1, torch.cat([gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]]), atol=1e-12), rank
     # orthogonalizing each rank's slice on its own is a different update (the test can fail)
     alone1, _ = _expert_shards(u1, u2, experts, 2, 0)
     local = orthogonalized_update(alone1, MuonSplit(experts, (hidden,), 2), 5, torch.float64, 0.2)
     assert not torch.allclose(local, ranks[0][0], atol=1e-3)
-    with pytest.raises(ValueError, match="cut through its sections"):
-        MuonSplit(4, (24, 32), 0).shard_dim(0)
+    assert not torch.allclose(ranks[0][3], ranks[0][0], atol=1e-3)  # gate and up apart is a different update
+    with pytest.raises(ValueError, match="only along its columns"):
+        MuonSplit(4, (24,), 2).shard_dim(0)
+
+
+def test_grouped_expert_gate_and_up_are_orthogonalized_apart():
+    """cols: expert e's [hidden, 2F] matrix (the e-th chunk of memory) is cut into its gate and up
+    halves, each orthogonalized and scaled on its own."""
+    torch.manual_seed(7)
+    hidden, experts, ffn = 6, 3, 4
+    u = torch.randn(hidden, experts * 2 * ffn, dtype=torch.float64)
+    from pretrain.optim import orthogonalized_update
+
+    out = orthogonalized_update(u, MuonSplit(experts, (hidden,), 2, cols=(ffn, ffn)), 5, torch.float64, 0.2)
+    for e in range(experts):
+        for half in (slice(0, ffn), slice(ffn, 2 * ffn)):
+            ref = newton_schulz(u.reshape(experts, hidden, 2 * ffn)[e][:, half], 5, torch.float64)
+            got = out.reshape(experts, hidden, 2 * ffn)[e][:, half]
+            assert torch.allclose(got, ref * 0.2 * math.sqrt(hidden), atol=1e-12)
+    with pytest.raises(ValueError, match="do not fit"):
+        MuonSplit(experts, (hidden,), 2, cols=(ffn, ffn + 1)).blocks(u)
+
+
+def _reference_blocks(kind, shape):
+    """Block index sets of a matrix, written out from the layouts (not from MuonSplit): each a function
+    from the 2-D tensor to a view."""
+    rows, cols = shape
+    if kind == "whole":
+        return [lambda t: t]
+    if kind == "kv_up":  # 2 heads of [dk = 3; dv = 5] rows
+        return [lambda t, r=r: t[r] for h in range(2) for r in (slice(8 * h, 8 * h + 3), slice(8 * h + 3, 8 * h + 8))]
+    if kind == "experts_glu":  # 3 experts, memory chunks [hidden = rows, 2F = 8]: gate | up
+        return [lambda t, e=e, c=c: t.view(3, rows, 8)[e][:, c] for e in range(3) for c in (slice(0, 4), slice(4, 8))]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("batch_elements", [1, 1 << 20])
+def test_batched_step_matches_per_block_reference(nesterov, batch_elements):
+    """One optimizer over matrices of mixed shapes, orientations, splits and parameter groups: blocks of
+    one shape are batched across parameters (or go one by one with a 1-element cap); every weight
+    equals the float64 formula applied block by block, over three steps."""
+    torch.manual_seed(8)
+    specs = [("whole", (12, 20)), ("whole", (20, 12)), ("whole", (12, 20)), ("kv_up", (16, 7)),
+             ("kv_up", (16, 7)), ("experts_glu", (5, 24))]
+    splits = {"kv_up": MuonSplit(2, (3, 5), 0), "experts_glu": MuonSplit(3, (5,), 2, cols=(4, 4))}
+    params = [torch.nn.Parameter(torch.randn(*shape, dtype=torch.float64)) for _, shape in specs]
+    groups = [{"params": params[:3], "lr": 0.02, "weight_decay": 0.1},
+              {"params": params[3:], "lr": 0.01, "weight_decay": 0.0}]
+    opt = Muon(groups, momentum=0.9, nesterov=nesterov, ns_dtype=torch.float64, ns_batch_elements=batch_elements,
+               splits={p: splits[k] for p, (k, _) in zip(params, specs) if k in splits})
+    weights = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(w) for w in weights]
+    lrs, wds = [0.02] * 3 + [0.01] * 3, [0.1] * 3 + [0.0] * 3
+    for step in range(3):
+        grads = [torch.randn_like(w) for w in weights]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, ((kind, shape), g) in enumerate(zip(specs, grads)):
+            bufs[i] = 0.9 * bufs[i] + g
+            u = g + 0.9 * bufs[i] if nesterov else bufs[i]
+            update = torch.zeros_like(u)
+            for view in _reference_blocks(kind, shape):
+                ub = view(u)
+                view(update).copy_(newton_schulz(ub, 5, torch.float64) * 0.2 * math.sqrt(max(ub.shape)))
+            weights[i] = weights[i] * (1 - lrs[i] * wds[i]) - lrs[i] * update
+            assert torch.allclose(params[i].detach(), weights[i], atol=1e-12), (step, i, kind)
+
+
+def test_stage_batches_group_equal_shapes_under_the_cap():
+    from pretrain.optim.muon import stage_batches
+
+    shapes = [(4, 8, 16), (1, 2, 3), (4, 8, 16), (2, 8, 16), (8, 8, 16)]
+    assert stage_batches(shapes, 10 * 8 * 16) == [[0, 2, 3], [4], [1]]
+    assert stage_batches(shapes, 1) == [[0], [2], [3], [4], [1]]  # over the cap: one block per batch
+    assert sorted(i for b in stage_batches(shapes, 1 << 30) for i in b) == list(range(5))

@@ -31,36 +31,52 @@ def _roles(rank, world_size, overrides):
 
     trainer = Trainer(load_config(TINY, overrides))
     names = {id(p): n for chunk in unwrap_model(trainer.model) for n, p in chunk.named_parameters()}
-    return {names[id(p)]: (role, None if split is None else (split.groups, split.sections, split.axis), p.ndim)
+    return {names[id(p)]: (role, None if split is None else (split.groups, split.sections, split.axis, split.cols), p.ndim)
             for p, role, split in muon_roles(trainer.optimizer)}
+
+
+def _shapes(rank, world_size, overrides):
+    from megatron.core.utils import unwrap_model
+
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    trainer = Trainer(load_config(TINY, overrides))
+    return {n: tuple(p.shape) for chunk in unwrap_model(trainer.model) for n, p in chunk.named_parameters()}
 
 
 def test_parameter_roles(tmp_path):
     # the indexer trains (and so is in the optimizer) only with an indexer loss
     base = ["data.mock=true", f"logging.run_dir={tmp_path}", "model.dsa_indexer_loss_coeff=0.1", *MUON]
     roles = run_ranks(_roles, 1, base)[0]
+    shape = run_ranks(_shapes, 1, base)[0]
     cfg_heads, qk, rope, v = 4, 24, 8, 32  # glm5-tiny
+    assert sum(n.endswith("linear_fc1.weight") for n in roles) >= 3  # dense MLP, shared experts, MTP
     for name, (role, split, ndim) in roles.items():
         if ndim == 1 or "word_embeddings" in name or "output_layer" in name or name.endswith("router.weight"):
             assert role == "adamw", name
         elif name.endswith("linear_q_up_proj.weight"):
-            assert (role, split) == ("muon", (cfg_heads, (qk + rope,), 0)), name
+            assert (role, split) == ("muon", (cfg_heads, (qk + rope,), 0, ())), name
         elif name.endswith("linear_kv_up_proj.weight"):
-            assert (role, split) == ("muon", (cfg_heads, (qk, v), 0)), name
-        elif name.endswith("experts.weight1"):
-            assert role == "muon" and split == (8, (64,), 2), name  # the layer's view(E, hidden, 2 ffn)
+            assert (role, split) == ("muon", (cfg_heads, (qk, v), 0, ())), name
+        elif name.endswith("experts.weight1"):  # the layer's view(E, hidden, 2 ffn), gate | up apart
+            assert role == "muon" and split == (8, (64,), 2, (32, 32)), name
         elif name.endswith("experts.weight2"):
             assert role == "muon" and split[0] == 8 and split[2] == 0, name
+        elif name.endswith("linear_fc1.weight") and ".indexer." not in name:  # SwiGLU [gate; up]
+            assert role == "muon" and split[:3] == (1, (shape[name][0] // 2,) * 2, 0), name
         else:
             assert (role, split) == ("muon", None), name
     assert any(".indexer." in n and r == "muon" for n, (r, _, _) in roles.items())
     assert sum(r == "muon" for r, _, _ in roles.values()) >= 10
     # the ablation switch and the configurable placements
     off = run_ranks(_roles, 1, [*base, "optimizer.muon_split=false", "optimizer.muon_router=muon",
-                                "optimizer.muon_indexer=adamw"])[0]
+                                "optimizer.muon_indexer=adamw", "optimizer.muon_split_glu=false"])[0]
     for name, (role, split, _) in off.items():
-        if name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight")):
+        if name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_fc1.weight")):
             assert split is None
+        if name.endswith("experts.weight1"):
+            assert split == (8, (64,), 2, ())
         if name.endswith("router.weight"):
             assert role == "muon"
         if ".indexer." in name:
@@ -75,7 +91,7 @@ def test_gqa_qkv_is_split_per_query_group(tmp_path):
             "model.kv_channels=16", *MUON]
     roles = run_ranks(_roles, 1, over)[0]
     qkv = [v for n, v in roles.items() if n.endswith("linear_qkv.weight")]
-    assert qkv and all(v == ("muon", (2, (32, 16, 16), 0), 2) for v in qkv), qkv
+    assert qkv and all(v == ("muon", (2, (32, 16, 16), 0, ()), 2) for v in qkv), qkv
 
 
 def _one_step(rank, world_size, overrides):
@@ -141,10 +157,14 @@ def test_first_trainer_step_equals_a_naive_step(tmp_path):
                 update = _naive_polar_step(u, 5) * 0.2 * math.sqrt(max(u.shape))
             else:
                 update = torch.zeros_like(u)
-                if split.axis == 2:  # grouped experts' weight1: expert e = u.view(E, hidden, -1)[e]
-                    for k, blk in enumerate(u.view(split.groups, split.sections[0], -1)):
-                        out = _naive_polar_step(blk, 5) * 0.2 * math.sqrt(max(blk.shape))
-                        update.view(split.groups, split.sections[0], -1)[k] = out
+                if split.axis == 2:  # grouped experts' weight1: expert e = u.view(E, hidden, -1)[e], gate | up
+                    experts = u.view(split.groups, split.sections[0], -1)
+                    halves = [slice(0, experts.shape[-1] // 2), slice(experts.shape[-1] // 2, None)]
+                    for k, expert in enumerate(experts):
+                        for cols in halves if split.cols else [slice(None)]:
+                            blk = expert[:, cols]
+                            out = _naive_polar_step(blk, 5) * 0.2 * math.sqrt(max(blk.shape))
+                            update.view(split.groups, split.sections[0], -1)[k][:, cols] = out
                     split = None
                 per = 0 if split is None else sum(split.sections)
                 for k in range(split.groups if split is not None else 0):

@@ -157,13 +157,13 @@ def _profiled_run(rank, world_size, overrides):
     def hooks():
         return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in trainer.model[0].modules())
 
-    originals = (muon.newton_schulz, muon.Muon._muon_update, muon.Muon._adamw_update)
+    originals = (muon.newton_schulz_lowp, muon.Muon._muon_updates, muon.Muon._adamw_update)
     trainer = CountingTrainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides))
     before = hooks()
     trainer.train()
     # the window's ranges are gone once it closed: no hook, no patched method left behind
     assert hooks() == before
-    assert (muon.newton_schulz, muon.Muon._muon_update, muon.Muon._adamw_update) == originals
+    assert (muon.newton_schulz_lowp, muon.Muon._muon_updates, muon.Muon._adamw_update) == originals
     unwrapped = trainer.model[0].module.module if hasattr(trainer.model[0].module, "module") else trainer.model[0].module
     assert "_head_loss" not in vars(unwrapped)
     return trainer.flop_counts

@@ -11,7 +11,9 @@ For a matrix parameter W (m x n) with gradient G, momentum mu and learning rate 
 weight decay carry over. Muon Split: instead of orthogonalizing a whole up-projection, cut it into
 blocks (one per attention head of MLA's W_UQ; W_UK and W_UV of every head separately; one per
 expert of a grouped expert weight) and orthogonalize each block on its own, scaled by its own
-0.2 * sqrt(max(m_b, n_b)). Blocks of equal shape go through one batched Newton-Schulz.
+0.2 * sqrt(max(m_b, n_b)). A gated MLP's fc1 [gate; up] is two matrices, as models that keep
+gate_proj and up_proj apart have them (`MuonSplit.cols` for grouped experts). Blocks of equal shape,
+from every matrix of a step (all layers, all experts), go through one batched Newton-Schulz.
 
 `Muon` is a `torch.optim.Optimizer` over plain tensors: parameter groups with `use_muon=False`,
 parameters in `adamw_params`, and parameters that are not 2-D are updated with AdamW. A parameter's
@@ -35,6 +37,13 @@ import torch.distributed as dist
 # Quintic Newton-Schulz coefficients (Jordan et al., Muon): fast convergence of singular values
 # into a band around 1 rather than exactly to 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Most elements of one batched Newton-Schulz call (2^28: a 512 MiB bf16 stage, ~1.5 GiB with the
+# iteration's temporaries): bounds the optimizer step's transient memory on large models.
+NS_BATCH_ELEMENTS = 1 << 28
+
+
+def _dtype(dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def newton_schulz_lowp(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
@@ -75,12 +84,15 @@ class MuonSplit:
     kv up-projection: W_UK and W_UV). Every (group, section) pair is one block. `axis=2` reads the
     weight's memory as `groups` consecutive [sum(sections), rest] matrices, cut into row sections:
     megatron's GroupedMLP keeps `weight1` as [H, E * 2F] but its forward uses `weight1.view(E, H, 2F)`,
-    so expert e's matrix is the e-th chunk of memory, not the e-th block of columns.
+    so expert e's matrix is the e-th chunk of memory, not the e-th block of columns. `cols`, when given,
+    cuts every section again along the other dim of the group view (a grouped expert's [hidden, 2F]
+    matrix into its gate and up halves): the blocks are then every (group, section, col) triple.
     """
 
     groups: int
     sections: Tuple[int, ...]
     axis: int = 0
+    cols: Tuple[int, ...] = ()
 
     @property
     def section_dim(self) -> int:
@@ -104,19 +116,23 @@ class MuonSplit:
         return w.view(w.shape[0], self.groups, per_group).permute(1, 0, 2)
 
     def blocks(self, w: torch.Tensor) -> List[torch.Tensor]:
-        """Views of `w` grouped by section: one [groups, rows, cols] tensor per section."""
-        return list(torch.split(self.group_view(w), list(self.sections), dim=self.section_dim))
+        """Views of `w` grouped by section (and col section): one [groups, rows, cols] tensor each."""
+        rows = torch.split(self.group_view(w), list(self.sections), dim=self.section_dim)
+        if not self.cols:
+            return list(rows)
+        other = 3 - self.section_dim
+        if rows[0].shape[other] != sum(self.cols):
+            raise ValueError(f"MuonSplit cols {self.cols} do not fit a weight of shape {tuple(w.shape)}")
+        return [b for r in rows for b in torch.split(r, list(self.cols), dim=other)]
 
     def shard_dim(self, partition_dim: int) -> int:
-        """The dim of `group_view` that a tensor-parallel cut of the 2-D weight along `partition_dim`
-        cuts. It must not cut between sections (concatenating the shards would interleave them)."""
+        """The dim of `group_view` (and of every block) that a tensor-parallel cut of the 2-D weight
+        along `partition_dim` cuts. A cut may go through sections: every shard holds its slice of
+        each block (megatron's column-parallel SwiGLU fc1 keeps [gate_r; up_r]), and the update
+        gathers block by block."""
         if self.axis == 2 and partition_dim != 1:
             raise ValueError("a memory-chunk split (axis 2) can be sharded only along its columns (partition dim 1)")
-        dim = 1 if partition_dim == 0 else 2
-        if dim == self.section_dim and len(self.sections) > 1:
-            raise ValueError(f"MuonSplit with sections {self.sections}: a tensor-parallel cut along dim "
-                             f"{partition_dim} would cut through its sections")
-        return dim
+        return 1 if partition_dim == 0 else 2
 
 
 def orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], steps: int, dtype: torch.dtype,
@@ -141,26 +157,68 @@ def sharded_orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], d
                                   dtype: torch.dtype, scale_rms: float) -> torch.Tensor:
     """This rank's slice of the update of a matrix cut along `dim` over process group `group`.
 
-    The shards are gathered (per block with `split`), orthogonalized as one matrix, and each rank
-    keeps its own slice. A column-parallel SwiGLU weight gathers as a column permutation of the whole
-    ([gate_0; up_0; gate_1; up_1] instead of [gate; up]); Newton-Schulz commutes with permutations
-    (X P (X P)^T = X X^T), so the update is the same permuted back.
+    Each block (with `split`; else the matrix) is gathered over the group, orthogonalized whole, and
+    each rank keeps its own slice. A column-parallel SwiGLU weight gathered whole is a row
+    permutation of [gate; up] ([gate_0; up_0; gate_1; up_1]); Newton-Schulz commutes with
+    permutations (X P (X P)^T = X X^T), so the update is the same permuted back.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = u if split is None else split.group_view(u)
-    cut = dim if split is None else split.shard_dim(dim)
-    parts = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    full = torch.cat(parts, cut)
     if split is None:
-        return orthogonalized_update(full, None, steps, dtype, scale_rms).chunk(world, cut)[rank]
-    sections = [s * world for s in split.sections] if cut == split.section_dim else list(split.sections)
-    update = torch.empty_like(full)
-    d = split.section_dim
-    _update_blocks(torch.split(full, sections, d), torch.split(update, sections, d), steps, dtype, scale_rms)
+        return orthogonalized_update(_gather(u, dim, group), None, steps, dtype, scale_rms).chunk(world, dim)[rank]
+    cut = split.shard_dim(dim)
     out = torch.empty_like(u)
-    split.group_view(out).copy_(update.chunk(world, cut)[rank])
+    for src, dst in zip(split.blocks(u), split.blocks(out)):
+        full = _gather(src, cut, group)
+        update = newton_schulz_lowp(full, steps, dtype) * (scale_rms * math.sqrt(max(full.shape[-2:])))
+        dst.copy_(update.chunk(world, cut)[rank])
     return out
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """`x` of every rank of `group`, concatenated along `dim` in rank order."""
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+@dataclass
+class _Block:
+    """One [groups, rows, cols] block of a Muon matrix, staged for a batched Newton-Schulz."""
+
+    grad: torch.Tensor
+    momentum: torch.Tensor
+    param: torch.Tensor
+    nesterov_mu: Optional[float]  # u = grad + mu * momentum; None: u = momentum
+    coef: float  # -lr * scale_rms * sqrt(max(rows, cols))
+
+    @property
+    def wide(self) -> Tuple[int, int]:
+        """(m, n) with m <= n: the orientation Newton-Schulz iterates on."""
+        return tuple(sorted(self.grad.shape[-2:]))
+
+    @property
+    def transposed(self) -> bool:
+        return self.grad.shape[-2] > self.grad.shape[-1]
+
+
+def stage_batches(shapes: List[Tuple[int, int, int]], max_elements: int) -> List[List[int]]:
+    """Indices of `shapes` ([groups, m, n] in the wide orientation) batched for Newton-Schulz: equal
+    (m, n) together, in order, each batch at most `max_elements` (a larger block goes alone)."""
+    by_shape: Dict[Tuple[int, int], List[int]] = {}
+    for i, (_, m, n) in enumerate(shapes):
+        by_shape.setdefault((m, n), []).append(i)
+    batches = []
+    for (m, n), idx in by_shape.items():
+        current, size = [], 0
+        for i in idx:
+            count = shapes[i][0] * m * n
+            if current and size + count > max_elements:
+                batches.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += count
+        batches.append(current)
+    return batches
 
 
 class Muon(torch.optim.Optimizer):
@@ -181,6 +239,7 @@ class Muon(torch.optim.Optimizer):
         splits: Optional[Dict[torch.Tensor, MuonSplit]] = None,
         adamw_params: Iterable[torch.Tensor] = (),
         tp_shards: Optional[Dict[torch.Tensor, Tuple[int, object]]] = None,
+        ns_batch_elements: int = NS_BATCH_ELEMENTS,
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
@@ -197,6 +256,7 @@ class Muon(torch.optim.Optimizer):
             if id(p) in self._splits:
                 self._splits[id(p)].shard_dim(dim)
         self._foreign: set = set()
+        self.ns_batch_elements = ns_batch_elements
 
     def set_foreign(self, params: Iterable[torch.Tensor]) -> None:
         """Parameters another data-parallel rank updates (ZeRO-2, `pretrain.optim.zero2_grads`): skipped here,
@@ -226,37 +286,83 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         only = None if params is None else {id(p) for p in params}
+        matrices = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or id(p) in self._foreign or (only is not None and id(p) not in only):
                     continue
                 if self.uses_muon(group, p):
-                    self._muon_update(group, p)
+                    matrices.append((group, p))
                 else:
                     self._adamw_update(group, p)
+        if matrices:
+            self._muon_updates(matrices)
         return loss
 
-    def _muon_update(self, group: dict, p: torch.Tensor) -> None:
+    def _muon_updates(self, matrices: List[Tuple[dict, torch.Tensor]]) -> None:
+        """Momentum, Newton-Schulz and the update of every Muon matrix in `matrices`.
+
+        Blocks of one shape from all matrices (every layer's experts, every head) run through one
+        batched Newton-Schulz, staged in `ns_dtype`: the Nesterov sum is written straight into the
+        stage in its wide orientation, and the result is added to the weight from there, scaled,
+        so no fp32 copy of u or of the update is made. TP-sharded matrices gather and go one by one.
+        """
+        staged: Dict[Tuple, List[_Block]] = {}
+        for group, p in matrices:
+            buf = self._momentum_step(group, p)
+            mu = group["momentum"] if group["nesterov"] else None
+            dtype = _dtype(group["ns_dtype"])
+            split, shard = self._splits.get(id(p)), self._tp.get(id(p))
+            if shard is not None:  # orthogonalize the whole matrix (each whole block), keep this rank's slice
+                u = p.grad.add(buf, alpha=mu) if mu is not None else buf
+                update = sharded_orthogonalized_update(u, split, *shard, group["ns_steps"], dtype, group["scale_rms"])
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"])
+                continue
+            p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            views = [split.blocks(t) if split is not None else [t[None]] for t in (p.grad, buf, p)]
+            for grad, momentum, param in zip(*views):
+                coef = -group["lr"] * group["scale_rms"] * math.sqrt(max(grad.shape[-2:]))
+                block = _Block(grad, momentum, param, mu, coef)
+                staged.setdefault((dtype, group["ns_steps"]), []).append(block)
+        for (dtype, steps), blocks in staged.items():
+            shapes = [(b.grad.shape[0], *b.wide) for b in blocks]
+            for batch in stage_batches(shapes, self.ns_batch_elements):
+                self._orthogonalize_and_apply([blocks[i] for i in batch], dtype, steps)
+
+    def _momentum_step(self, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """M <- mu M + G in place; the momentum buffer."""
         state = self.state[p]
-        grad = p.grad
         # Muon's math has no step count, but megatron's checkpoints keep one step shared by every
         # parameter (and give it to all of them on load): count it here as AdamW does.
         state["step"] = state.get("step", 0) + 1
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
-        torch.add(grad, buf, alpha=group["momentum"], out=buf)  # M <- mu M + G in one pass
-        u = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-        dtype = group["ns_dtype"]
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        shard = self._tp.get(id(p))
-        split = self._splits.get(id(p))
-        if shard is None:
-            update = orthogonalized_update(u, split, group["ns_steps"], dtype, group["scale_rms"])
-        else:  # orthogonalize the whole matrix (each whole block), keep this rank's slice
-            update = sharded_orthogonalized_update(u, split, *shard, group["ns_steps"], dtype, group["scale_rms"])
-        p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"])
+        torch.add(p.grad, buf, alpha=group["momentum"], out=buf)  # one pass
+        return buf
+
+    @staticmethod
+    def _orthogonalize_and_apply(blocks: List[_Block], dtype: torch.dtype, steps: int) -> None:
+        """One batched Newton-Schulz over `blocks` (all of one wide shape), each result added to its weight."""
+        m, n = blocks[0].wide
+        stage = torch.empty(sum(b.grad.shape[0] for b in blocks), m, n, dtype=dtype, device=blocks[0].grad.device)
+        spans, start = [], 0
+        for b in blocks:
+            span = stage[start : start + b.grad.shape[0]]
+            start += b.grad.shape[0]
+            span = span.mT if b.transposed else span
+            spans.append(span)
+            if b.nesterov_mu is None:
+                span.copy_(b.momentum)
+            else:  # u = G + mu M, rounded once into the stage
+                torch.add(b.grad, b.momentum, alpha=b.nesterov_mu, out=span)
+        x = newton_schulz_lowp(stage, steps, dtype)
+        start = 0
+        for b in blocks:
+            out = x[start : start + b.grad.shape[0]]
+            start += b.grad.shape[0]
+            b.param.add_(out.mT if b.transposed else out, alpha=b.coef)
 
     def _adamw_update(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]

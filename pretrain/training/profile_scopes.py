@@ -140,8 +140,8 @@ class ModelScopes:
                         self._patch(module, method, "output")
         from pretrain.optim import muon
 
-        self._patch(muon, "newton_schulz", "muon_ns")
-        self._patch(muon.Muon, "_muon_update", "muon")
+        self._patch(muon, "newton_schulz_lowp", "muon_ns")
+        self._patch(muon.Muon, "_muon_updates", "muon")
         self._patch(muon.Muon, "_adamw_update", "adamw")
         _active = True
 
