@@ -81,6 +81,24 @@ def visibility(mode: str, b: int, s: int, t: int):
     return keys, keys.rows(0, s).expand(b, -1, -1)
 
 
+def test_visible_ranges_the_kernels_cannot_take_are_refused(kern):
+    """A dense mask whose rows see non-contiguous keys, or ranges that move backwards: one-line errors
+    from `VisibleKeys.ranges`; the kernel's own check catches backwards ranges given to it directly."""
+    s = 8
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    holes, backwards = causal.clone(), causal.clone()
+    holes[5, 2] = False  # row 5 sees 0-1 and 3-5
+    backwards[4, :3] = False  # row 4 sees 3-4, row 5 sees 0-5: lo goes 3 -> 0
+    for visible, message in ((holes, "one contiguous range"), (backwards, "never move backwards")):
+        with pytest.raises(ValueError, match=message):
+            VisibleKeys(s, s, "cpu", attention_mask=(~visible)[None, None]).ranges()
+    lo = torch.tensor([[0, 0, 0, 0, 3, 0, 0, 0]], dtype=torch.int32)
+    hi = torch.arange(1, s + 1, dtype=torch.int32)[None]
+    q, k, w = torch.randn(1, s, 2, 16), torch.randn(1, s, 16), torch.randn(1, s, 2)
+    with pytest.raises(ValueError, match="never move backwards"):
+        kern["indexer_topk"].indexer_topk(q, k, w, 4, lo, hi)
+
+
 @pytest.mark.parametrize("mode", ["causal", "mask", "segments", "cp"])
 def test_indexer_scores_and_exact_selection(kern, mode):
     ktop = kern["indexer_topk"]
@@ -93,7 +111,8 @@ def test_indexer_scores_and_exact_selection(kern, mode):
     k[:, 3::5] = 0.0  # keys scoring exactly 0 for every query: ties at the top-k boundary
     keys, vis = visibility(mode, b, s, t)
     lo, hi = ktop.visible_ranges(*keys.ranges())
-    # ranges are the visible sets
+    # ranges are the visible sets, and never move backwards (what lets the model path skip the check)
+    assert bool((lo.diff(dim=-1) >= 0).all() & (hi.diff(dim=-1) >= 0).all())
     cols = torch.arange(t)
     assert torch.equal((cols >= lo[..., None]) & (cols < hi[..., None]), vis[: lo.shape[0]])
 

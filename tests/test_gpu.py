@@ -178,6 +178,35 @@ def test_dsa_topk_kernel_on_gpu(s, topk, mode):
     assert torch.equal(idx.long(), own)
 
 
+@pytest.mark.parametrize("mode", ["causal", "segments"])
+def test_dsa_triton_backend_makes_no_host_sync(mode):
+    """Top-k and sparse attention forward + backward as a DSA layer calls them (VisibleKeys from the
+    layer's inputs) run without a host sync: `set_sync_debug_mode("error")` raises on one. A sync per
+    layer stalls the launch queue (the kernel's range check was one)."""
+    from pretrain.model.dsa.backend import TritonBackend
+    from pretrain.model.dsa.indexer import VisibleKeys, segment_ids_from_cu_seqlens
+
+    s, backend = 2048, TritonBackend()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qi = torch.randn(1, s, 16, 128, device="cuda", generator=gen).bfloat16()
+    ki = torch.randn(1, s, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1, s, 16, device="cuda", generator=gen)
+    q = (torch.randn(1, s, 16, 576, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()
+    kv = torch.randn(1, s, 576, device="cuda", generator=gen).bfloat16().requires_grad_()
+    cu = torch.tensor([0, 700, 701, 1500, s], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seg = segment_ids_from_cu_seqlens(cu, s) if mode == "segments" else None
+        keys = VisibleKeys(s, s, "cuda", segment_ids=seg)
+        idx = backend.topk(qi, ki, w, 512, keys, chunk=1024)
+        out, _ = backend.sparse_attention(q, kv, idx, 576**-0.5, 512, chunk=1024)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+
+
 def _sparse_inputs(s, h, topk, seed):
     from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk
 

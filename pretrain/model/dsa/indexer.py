@@ -117,7 +117,10 @@ class VisibleKeys:
 
     def ranges(self, chunk: int = 1024):
         """(lo, hi) int32 [b | 1, s]: each query row's visible keys as one range [lo, hi) (what the
-        Triton kernels take). Raises ValueError if a dense mask gives some row non-contiguous keys."""
+        Triton kernels take), neither moving backwards along the sequence: causal and cu_seqlens
+        ranges are so by construction (query positions increase, under context parallelism too), a
+        dense mask's are checked. Raises ValueError if a dense mask gives some row non-contiguous
+        keys or ranges that move backwards."""
         causal_hi = self.query_positions + 1
         if self.attention_mask is None and self.segment_ids is None:
             return torch.zeros(1, self.s, dtype=torch.int32, device=self.device), causal_hi.clamp(max=self.t).int()[None]
@@ -138,7 +141,12 @@ class VisibleKeys:
                                  "model.dsa_kernel_backend=reference")
             los.append(lo)
             his.append(hi)
-        return torch.cat(los, 1).int(), torch.cat(his, 1).int()
+        lo, hi = torch.cat(los, 1).int(), torch.cat(his, 1).int()
+        if bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any()):
+            raise ValueError("the DSA Triton kernels need visible-key ranges that never move backwards along the "
+                             "sequence (causal attention within documents); this attention mask's do. Set "
+                             "model.dsa_kernel_backend=reference")
+        return lo, hi
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

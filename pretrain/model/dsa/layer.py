@@ -144,7 +144,7 @@ class DSAMLASelfAttention(MLASelfAttention):
             cu = packed_seq_params.cu_seqlens_q
             segment_ids = segment_ids_from_cu_seqlens(cu, s)
             positions = torch.arange(s, device=device) - cu.long().to(device)[segment_ids[0]]
-            length = int(positions.max().item()) + 1
+            length = s  # positions < s; their max would cost a host sync per layer
         else:
             # megatron's rotary modules take the global length and return this CP rank's positions
             positions, length = None, s * cp_size

@@ -164,24 +164,27 @@ def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: t
     return out
 
 
-def visible_ranges(lo: torch.Tensor, hi: torch.Tensor):
+def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
+    """lo / hi as the kernels take them; `check` that they never move backwards (a host sync: callers
+    whose ranges are non-decreasing by construction, as `VisibleKeys.ranges`, skip it)."""
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
-    if bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any()):
+    if check and bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any()):
         raise ValueError("the DSA top-k kernel needs visible-key ranges that never move backwards along the "
                          "sequence (causal attention within documents)")
     return lo, hi
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, lo: torch.Tensor, hi: torch.Tensor,
-                 buffer_bytes: int = 1 << 30, block_m: int = 0, block_n: int = 0, num_warps: int = 0) -> torch.Tensor:
+                 buffer_bytes: int = 1 << 30, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
+                 check_ranges: bool = True) -> torch.Tensor:
     """q [b, s, H_I, d], k [b, T, d], w [b, s, H_I] (fp32), lo / hi [b | 1, s] (visible keys [lo, hi)) ->
-    indices [b, s, min(topk, T)] int32, ascending per row, -1 padded."""
+    indices [b, s, min(topk, T)] int32, ascending per row, -1 padded. `check_ranges`: see `visible_ranges`."""
     b, s, h, d = q.shape
     t = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("indexer_topk needs the head dim contiguous in q and k")
     w = w.float()
-    lo, hi = visible_ranges(lo, hi)
+    lo, hi = visible_ranges(lo, hi, check_ranges)
     out = torch.empty(b, s, min(int(topk), t), dtype=torch.int32, device=q.device)
     rows = max(16, min(s, buffer_bytes // (4 * t * b)) // 16 * 16)
     buf = torch.empty(b, min(rows, s), t, dtype=torch.float32, device=q.device)
