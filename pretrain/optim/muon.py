@@ -347,12 +347,11 @@ class Muon(torch.optim.Optimizer):
         """One batched Newton-Schulz over `blocks` (all of one wide shape), each result added to its weight."""
         m, n = blocks[0].wide
         stage = torch.empty(sum(b.grad.shape[0] for b in blocks), m, n, dtype=dtype, device=blocks[0].grad.device)
-        spans, start = [], 0
+        start = 0
         for b in blocks:
             span = stage[start : start + b.grad.shape[0]]
             start += b.grad.shape[0]
             span = span.mT if b.transposed else span
-            spans.append(span)
             if b.nesterov_mu is None:
                 span.copy_(b.momentum)
             else:  # u = G + mu M, rounded once into the stage
