@@ -169,7 +169,8 @@ def sharded_orthogonalized_update(u: torch.Tensor, split: Optional[MuonSplit], d
     out = torch.empty_like(u)
     for src, dst in zip(split.blocks(u), split.blocks(out)):
         full = _gather(src, cut, group)
-        update = newton_schulz_lowp(full, steps, dtype) * (scale_rms * math.sqrt(max(full.shape[-2:])))
+        update = torch.empty_like(full)
+        _update_blocks([full], [update], steps, dtype, scale_rms)  # scaled by each block's own (rows, cols)
         dst.copy_(update.chunk(world, cut)[rank])
     return out
 
@@ -313,13 +314,12 @@ class Muon(torch.optim.Optimizer):
             mu = group["momentum"] if group["nesterov"] else None
             dtype = _dtype(group["ns_dtype"])
             split, shard = self._splits.get(id(p)), self._tp.get(id(p))
+            p.mul_(1.0 - group["lr"] * group["weight_decay"])  # decoupled decay; the update reads G and M only
             if shard is not None:  # orthogonalize the whole matrix (each whole block), keep this rank's slice
                 u = p.grad.add(buf, alpha=mu) if mu is not None else buf
                 update = sharded_orthogonalized_update(u, split, *shard, group["ns_steps"], dtype, group["scale_rms"])
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"])
                 continue
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])
             views = [split.blocks(t) if split is not None else [t[None]] for t in (p.grad, buf, p)]
             for grad, momentum, param in zip(*views):
                 coef = -group["lr"] * group["scale_rms"] * math.sqrt(max(grad.shape[-2:]))

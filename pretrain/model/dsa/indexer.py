@@ -142,11 +142,16 @@ class VisibleKeys:
             los.append(lo)
             his.append(hi)
         lo, hi = torch.cat(los, 1).int(), torch.cat(his, 1).int()
-        if bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any()):
+        if ranges_move_backwards(lo, hi):
             raise ValueError("the DSA Triton kernels need visible-key ranges that never move backwards along the "
                              "sequence (causal attention within documents); this attention mask's do. Set "
                              "model.dsa_kernel_backend=reference")
         return lo, hi
+
+
+def ranges_move_backwards(lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether some row's visible-key range [lo, hi) starts or ends before the previous row's (a host sync)."""
+    return bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any())
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

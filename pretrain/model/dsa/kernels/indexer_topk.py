@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.dsa.indexer import ranges_move_backwards
 from pretrain.model.dsa.kernels.common import dot_precision, pow2
 
 
@@ -168,7 +169,7 @@ def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
     """lo / hi as the kernels take them; `check` that they never move backwards (a host sync: callers
     whose ranges are non-decreasing by construction, as `VisibleKeys.ranges`, skip it)."""
     lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
-    if check and bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any()):
+    if check and ranges_move_backwards(lo, hi):
         raise ValueError("the DSA top-k kernel needs visible-key ranges that never move backwards along the "
                          "sequence (causal attention within documents)")
     return lo, hi
