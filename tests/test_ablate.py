@@ -185,3 +185,43 @@ def test_dry_runs_print_the_launch_commands(tmp_path, capsys):
     sbatch = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch")]
     assert len(sbatch) == 4 and all("--gpus-per-node=2" in s and " launch/slurm.sbatch --config" in s for s in sbatch)
     assert "'--dependency=afterok:<job id of dense/seed1>'" in sbatch[1] and "dependency" not in sbatch[0]
+
+
+def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_path):
+    """An interrupted sweep: the plain report flags the runs short of their planned steps; `--at-step` reports
+    every run as of one step (train loss average, last validation loss at or before it) and leaves out runs that
+    had not reached it. The expected numbers are computed here from the records written."""
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nreport: {average_last: 3}\n"
+                            "variants:\n  - {name: a}\n  - {name: b}\n")
+    path.write_text(path.read_text().replace("seeds: [1]", "seeds: [1, 2]").replace("tokens: 1024", "tokens: 10240"))
+    sweep = load_sweep(path, tmp_path / "out")
+    planned = sweep.runs[0].train_iters  # 10 with glm5-tiny's 8 x 128 tokens per step
+    reached = {("a", 1): planned, ("a", 2): 7, ("b", 1): 8, ("b", 2): 4}
+    loss = lambda v, s, k: 5.0 - 0.1 * k + 0.01 * s + (0.5 if v == "b" else 0.0)  # noqa: E731
+    for run in sweep.runs:
+        run.run_dir.mkdir(parents=True)
+        rows = [{"step": k, "loss": loss(run.variant, run.seed, k), "tokens_per_sec": 100.0 * k, "mfu": 0.01,
+                 "mem_peak_gb": 1.0, **({"valid_loss": 9.0 - k / 10 + run.seed} if k % 3 == 0 else {})}
+                for k in range(1, reached[(run.variant, run.seed)] + 1)]
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    from pretrain.ablate.report import collect
+
+    rows = {r["variant"]: r for r in collect(sweep)["variants"]}
+    assert rows["a"]["flags"] == [f"seed 2 unfinished: step 7 of {planned}"]
+    assert rows["b"]["flags"] == [f"seed 1 unfinished: step 8 of {planned}", f"seed 2 unfinished: step 4 of {planned}"]
+
+    cut = {r["variant"]: r for r in collect(sweep, at_step=6)["variants"]}
+    for v in ("a", "b"):
+        seeds = cut[v]["seeds"]
+        want_avg = [np.mean([loss(v, s, k) for k in (4, 5, 6)]) for s in seeds]
+        assert cut[v]["metrics"]["avg_loss"]["mean"] == pytest.approx(np.mean(want_avg))
+        assert cut[v]["metrics"]["final_loss"]["mean"] == pytest.approx(np.mean([loss(v, s, 6) for s in seeds]))
+        assert cut[v]["metrics"]["valid_loss"]["mean"] == pytest.approx(np.mean([8.4 + s for s in seeds]))
+    assert cut["a"]["seeds"] == [1, 2] and cut["a"]["flags"] == []
+    assert cut["b"]["seeds"] == [1] and cut["b"]["flags"] == [f"seed 2 left out: stopped at step 4 of {planned}"]
+    assert cut["b"]["metrics"]["valid_loss"]["spread"] is None
+
+    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
+    assert "as of step 6" in (tmp_path / "out/results.md").read_text()
+    assert (tmp_path / "out/loss_curves.png").stat().st_size > 0

@@ -12,6 +12,12 @@ The paper compares attention and MTP variants at equal parameters and equal trai
 variant whose parameter count (with the MTP layers, `pretrain.model.summary.count_parameters`) or
 training FLOPs per token (`pretrain.training.flops.configured_flops_per_step`) differs from the
 first reported variant's by more than 1% is flagged.
+
+A run that stopped before its planned steps (interrupted, out of time) is flagged with the step it reached.
+`at_step` reports every run as of one common step (a sweep compared before it finished): each run's records
+are cut at that step (the validation loss is then the last one at or before it), runs that had not reached it
+are left out and named in the flags, and the evaluations, which read a run's last checkpoint, are reported only
+for runs whose planned length `at_step` covers.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from pretrain.ablate.runner import EVAL_FILE
 from pretrain.ablate.sweep import Run, Sweep, rel
@@ -29,8 +35,14 @@ RUN_METRICS = ("final_loss", "avg_loss", "valid_loss", "tokens_per_sec", "mfu", 
 FLAG_TOLERANCE = 0.01
 
 
-def run_metrics(run: Run, average_last: int) -> Dict[str, Optional[float]]:
-    records = [r for r in read_metrics(run.run_dir) if not r.get("skipped")]
+def run_records(run: Run, at_step: Optional[int] = None) -> List[dict]:
+    """The run's metrics records (up to `at_step` when given)."""
+    records = read_metrics(run.run_dir)
+    return records if at_step is None else [r for r in records if r["step"] <= at_step]
+
+
+def run_metrics(run: Run, average_last: int, at_step: Optional[int] = None) -> Dict[str, Optional[float]]:
+    records = [r for r in run_records(run, at_step) if not r.get("skipped")]
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     valid = [r["valid_loss"] for r in records if r.get("valid_loss") is not None]
     second_half = records[len(records) // 2:]
@@ -49,6 +61,8 @@ def run_metrics(run: Run, average_last: int) -> Dict[str, Optional[float]]:
         "mfu": median("mfu"),
         "mem_peak_gb": max(mem) if mem else None,
     }
+    if at_step is not None and at_step < run.train_iters:
+        return out  # the evaluations read the last checkpoint, not the state at `at_step`
     for path in sorted(run.run_dir.glob(EVAL_FILE.format(name="*"))):
         out.update(json.loads(path.read_text(encoding="utf-8"))["metrics"])
     return out
@@ -77,18 +91,34 @@ def model_cost(run: Run) -> Dict[str, float]:
             "flops_per_token": configured_flops_per_step(cfg.model, seq, seq) / seq}
 
 
-def collect(sweep: Sweep) -> Dict[str, object]:
-    """{"variants": [row, ...]} over the reported variants that have runs with metrics."""
+def _reported_runs(sweep: Sweep, variant: str, at_step: Optional[int]) -> Tuple[List[Run], List[str]]:
+    """The variant's runs with metrics (those that reached `at_step`), and flags for unfinished or left-out runs."""
+    runs, flags = [], []
+    for run in [r for r in sweep.runs_of(variant) if (r.run_dir / "metrics.jsonl").is_file()]:
+        records = read_metrics(run.run_dir)
+        reached = records[-1]["step"] if records else 0
+        target = run.train_iters if at_step is None else min(at_step, run.train_iters)
+        if at_step is not None and reached < at_step:
+            flags.append(f"seed {run.seed} left out: stopped at step {reached} of {run.train_iters}")
+            continue
+        if reached < target:
+            flags.append(f"seed {run.seed} unfinished: step {reached} of {run.train_iters}")
+        runs.append(run)
+    return runs, flags
+
+
+def collect(sweep: Sweep, at_step: Optional[int] = None) -> Dict[str, object]:
+    """{"variants": [row, ...]} over the reported variants that have runs with metrics (as of `at_step`)."""
     rows = []
     for variant in [v for v in sweep.variants if v.report]:
-        runs = [r for r in sweep.runs_of(variant.name) if (r.run_dir / "metrics.jsonl").is_file()]
+        runs, flags = _reported_runs(sweep, variant.name, at_step)
         if not runs:
             continue
-        per_run = {str(r.seed): run_metrics(r, sweep.average_last) for r in runs}
+        per_run = {str(r.seed): run_metrics(r, sweep.average_last, at_step) for r in runs}
         keys = list(dict.fromkeys(k for m in per_run.values() for k in m if k != "steps"))
         row = {"variant": variant.name, "seeds": [r.seed for r in runs], **model_cost(runs[0]),
                "metrics": {k: _mean_spread([m.get(k) for m in per_run.values()]) for k in keys}, "runs": per_run,
-               "flags": []}
+               "flags": flags}
         rows.append(row)
     if rows:
         ref = rows[0]
@@ -96,7 +126,7 @@ def collect(sweep: Sweep) -> Dict[str, object]:
             for key, label in (("params", "params"), ("flops_per_token", "FLOPs")):
                 if abs(row[key] - ref[key]) > FLAG_TOLERANCE * ref[key]:
                     row["flags"].append(f"{label} {100 * (row[key] / ref[key] - 1):+.1f}% vs {ref['variant']}")
-    return {"sweep": rel(sweep.path), "average_last": sweep.average_last, "variants": rows}
+    return {"sweep": rel(sweep.path), "average_last": sweep.average_last, "at_step": at_step, "variants": rows}
 
 
 def _fmt(cell: Dict[str, Optional[float]], key: str) -> str:
@@ -121,7 +151,8 @@ def to_markdown(results: Dict[str, object]) -> str:
               "valid_loss": "valid loss", "tokens_per_sec": "tokens/s", "mfu": "MFU", "mem_peak_gb": "peak mem GiB"}
     head = ["variant", "seeds", "params (M)", "GFLOPs/token"] + [labels[k] for k in RUN_METRICS[:3]] + evals \
         + [labels[k] for k in RUN_METRICS[3:]] + ["flags"]
-    lines = [f"Sweep `{results['sweep']}`: mean ± sample std over seeds.", "",
+    when = f" as of step {results['at_step']}" if results.get("at_step") is not None else ""
+    lines = [f"Sweep `{results['sweep']}`{when}: mean ± sample std over seeds.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = r["metrics"]
@@ -134,7 +165,7 @@ def to_markdown(results: Dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1) -> Path:
+def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1, at_step: Optional[int] = None) -> Path:
     """Train loss per variant (mean over seeds, min-max band), validation loss as dots."""
     import matplotlib
 
@@ -145,8 +176,8 @@ def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = 0
     for variant in [v for v in sweep.variants if v.report]:
-        runs = [r for r in sweep.runs_of(variant.name) if (r.run_dir / "metrics.jsonl").is_file()]
-        curves = [dict(zip(*series(read_metrics(r.run_dir), "loss"))) for r in runs]
+        runs, _ = _reported_runs(sweep, variant.name, at_step)
+        curves = [dict(zip(*series(run_records(r, at_step), "loss"))) for r in runs]
         if not curves:
             continue
         color = colors[drawn % len(colors)]
@@ -158,14 +189,15 @@ def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1) -> Path:
             lo = smooth([min(c[s] for c in curves) for s in steps], smooth_window)
             hi = smooth([max(c[s] for c in curves) for s in steps], smooth_window)
             ax.fill_between(steps, lo, hi, color=color, alpha=0.2)
-        valid = [dict(zip(*series(read_metrics(r.run_dir), "valid_loss"))) for r in runs]
+        valid = [dict(zip(*series(run_records(r, at_step), "valid_loss"))) for r in runs]
         vsteps = sorted(set.intersection(*(set(v) for v in valid))) if valid else []
         if vsteps:
             ax.plot(vsteps, [statistics.fmean(v[s] for v in valid) for s in vsteps], "o", color=color, markersize=5)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(f"{sweep.path.stem}: train loss (lines, band = seed min-max), validation loss (dots)"
-                 + (f", moving average over {smooth_window}" if smooth_window > 1 else ""))
+                 + (f", moving average over {smooth_window}" if smooth_window > 1 else "")
+                 + (f", as of step {at_step}" if at_step is not None else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -175,14 +207,14 @@ def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1) -> Path:
     return out
 
 
-def write_report(sweep: Sweep, smooth_window: int = 1) -> Dict[str, Path]:
-    """results.md, results.json and loss_curves.png in the sweep's output directory."""
-    results = collect(sweep)
+def write_report(sweep: Sweep, smooth_window: int = 1, at_step: Optional[int] = None) -> Dict[str, Path]:
+    """results.md, results.json and loss_curves.png in the sweep's output directory (as of `at_step`)."""
+    results = collect(sweep, at_step)
     out = sweep.output_dir
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "results.md", "json": out / "results.json", "png": out / "loss_curves.png"}
     paths["markdown"].write_text(to_markdown(results), encoding="utf-8")
     paths["json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    plot_losses(sweep, paths["png"], smooth_window)
+    plot_losses(sweep, paths["png"], smooth_window, at_step)
     return paths
 
