@@ -161,3 +161,27 @@ def test_fused_flag_errors_where_kernels_cannot_run():
     p.grad = torch.randn(4, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="do not take weight torch.float64"):
         Muon([p], fused_elementwise=True).step()
+
+
+def test_path_choice_and_the_unfused_warning(monkeypatch, caplog):
+    """CPU tensors take the torch ops unless the kernels are asked for; a CUDA matrix that cannot use the
+    kernels (here: no triton) takes the torch ops with one warning per reason, or fails when asked for."""
+    from types import SimpleNamespace
+
+    from pretrain.optim import muon_staging
+
+    cpu = torch.zeros(2, 3)
+    cpu.grad = torch.zeros(2, 3)
+    assert not muon_staging.use_fused(cpu, torch.bfloat16, None)
+    assert muon_staging.use_fused(cpu, torch.bfloat16, True)  # through the interpreter (conftest sets it)
+    assert not muon_staging.use_fused(cpu, torch.bfloat16, False)
+    monkeypatch.setattr(muon_staging, "triton_available", lambda: False)
+    monkeypatch.setattr(muon_staging, "_logged_unfused", set())
+    cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32, grad=SimpleNamespace(dtype=torch.float32))
+    with caplog.at_level("WARNING", logger="pretrain.optim.muon_staging"):
+        assert not muon_staging.use_fused(cuda, torch.bfloat16, None)
+        assert not muon_staging.use_fused(cuda, torch.bfloat16, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Muon takes the unfused torch elementwise path: triton is not installed"]
+    with pytest.raises(ValueError, match="triton is not installed"):
+        muon_staging.use_fused(cuda, torch.bfloat16, True)

@@ -228,7 +228,6 @@ class Muon(torch.optim.Optimizer):
         self._foreign: set = set()
         self.ns_batch_elements = ns_batch_elements
         self.fused_elementwise = fused_elementwise
-        self._unfused_logged: set = set()
 
     def set_foreign(self, params: Iterable[torch.Tensor]) -> None:
         """Parameters another data-parallel rank updates (ZeRO-2, `pretrain.optim.zero2_grads`): skipped here,
@@ -290,7 +289,7 @@ class Muon(torch.optim.Optimizer):
             split, shard = self._splits.get(id(p)), self._tp.get(id(p))
             decay = 1.0 - group["lr"] * group["weight_decay"]
             fused = None
-            if shard is None and use_fused(p, dtype, self.fused_elementwise, self._unfused_logged):
+            if shard is None and use_fused(p, dtype, self.fused_elementwise):
                 fused = (group["momentum"], decay)
             if fused is None:
                 torch.add(p.grad, buf, alpha=group["momentum"], out=buf)  # M <- mu M + G, one pass

@@ -19,6 +19,7 @@ import torch
 from pretrain.model.dsa.kernels import interpreting, triton_available
 
 log = logging.getLogger(__name__)
+_logged_unfused: set = set()  # reasons the torch path was taken on CUDA, each logged once per process
 
 
 @dataclass
@@ -64,11 +65,11 @@ def stage_batches(shapes: List[Tuple[int, int, int]], max_elements: int) -> List
     return batches
 
 
-def use_fused(p: torch.Tensor, stage_dtype: torch.dtype, requested: Optional[bool], logged: set) -> bool:
+def use_fused(p: torch.Tensor, stage_dtype: torch.dtype, requested: Optional[bool]) -> bool:
     """Whether `p`'s momentum, staging, decay and update run as the fused kernels.
 
     `requested` (Muon's `fused_elementwise`) None: on CUDA tensors when triton is installed and the
-    dtypes are the kernels' (else the torch ops, logged once per reason into `logged`); CPU tensors
+    dtypes are the kernels' (else the torch ops, each reason logged once); CPU tensors
     take the torch ops (Triton's CPU interpreter is for tests: slow, and its unfused multiply-adds
     would move CPU runs off their bits). True: the kernels, on CPU through the interpreter
     (TRITON_INTERPRET=1); an error where they cannot run. False: the torch ops."""
@@ -88,7 +89,7 @@ def use_fused(p: torch.Tensor, stage_dtype: torch.dtype, requested: Optional[boo
         return bool(requested) or p.is_cuda
     if requested:
         raise ValueError(f"Muon's fused elementwise kernels cannot run: {why}")
-    if p.is_cuda and why not in logged:
-        logged.add(why)
+    if p.is_cuda and why not in _logged_unfused:
+        _logged_unfused.add(why)
         log.warning("Muon takes the unfused torch elementwise path: %s", why)
     return False
