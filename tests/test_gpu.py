@@ -404,3 +404,38 @@ def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
                and "Memcpy" not in e.name]
     compute = max(set(kernels), key=kernels.count)  # the default stream, where the model's kernels run
     assert side and compute not in side, (side, compute)
+
+
+def _muon_gpu_run(fused, specs, steps=3):
+    from pretrain.optim.muon import Muon
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, device="cuda") * 0.02) for _, shape in specs]
+    opt = Muon([{"params": params, "lr": 0.02, "weight_decay": 0.1}], momentum=0.95, nesterov=True,
+               splits={p: s for p, (s, _) in zip(params, specs) if s is not None}, fused_elementwise=fused)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step()
+    return [p.detach() for p in params], [opt.state[p]["momentum_buffer"] for p in params]
+
+
+def test_muon_fused_kernels_give_the_torch_path_bits():
+    """glm5-proxy-sized Muon matrices of every split kind (MLA heads [qk; v] on rows, output heads on
+    columns, grouped experts' memory chunks cut into gate | up, whole wide and tall), three steps: the
+    fused kernels (CUDA's default) against the torch ops. Both compute the scaled sums as one fma
+    and round the stage to nearest even, so momentum and weights agree bit for bit."""
+    from pretrain.optim.muon import MuonSplit
+
+    specs = [(MuonSplit(16, (192,), 0), (16 * 192, 768)),  # q up, per head
+             (MuonSplit(16, (128, 256), 0), (16 * 384, 512)),  # kv up: W_UK and W_UV per head
+             (MuonSplit(16, (256,), 1), (2048, 16 * 256)),  # output projection, per head: tall blocks
+             (MuonSplit(48, (2048,), 2, cols=(512, 512)), (2048, 48 * 1024)),  # expert fc1: gate | up
+             (MuonSplit(48, (512,), 2), (48 * 512, 2048)),  # expert fc2
+             (None, (2048, 5632)), (None, (5632, 2048)), (None, (777, 1001))]
+    w_fused, m_fused = _muon_gpu_run(None, specs)
+    w_torch, m_torch = _muon_gpu_run(False, specs)
+    for i, (wf, wt, mf, mt) in enumerate(zip(w_fused, w_torch, m_fused, m_torch)):
+        assert torch.equal(mf, mt), i
+        assert torch.equal(wf, wt), (i, (wf - wt).abs().max().item())

@@ -22,7 +22,10 @@ its matrix (or through every block of its split, as expert tensor parallelism cu
 matrix) is listed in `tp_shards` (parameter -> (partition dim, process group)): its update is
 orthogonalized on the matrix (each block) gathered over the group, and each rank keeps its slice:
 the update of a shard is the shard of the update of the whole matrix. Which weight of a GLM-5 model
-gets which split and which gather is decided in `pretrain.optim.roles`.
+gets which split and which gather is decided in `pretrain.optim.roles`. On CUDA the elementwise
+passes (momentum, staging, decay, update) run as two fused Triton kernels (`pretrain.optim.muon_kernels`;
+`fused_elementwise` False keeps the torch ops, True asks for the kernels, on CPU through Triton's
+interpreter).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from pretrain.model.dsa.kernels import triton_available
+from pretrain.optim.muon_staging import StagedBlock, stage_batches, use_fused
 
 # Quintic Newton-Schulz coefficients (Jordan et al., Muon): fast convergence of singular values
 # into a band around 1 rather than exactly to 1.
@@ -182,46 +188,6 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-@dataclass
-class _Block:
-    """One [groups, rows, cols] block of a Muon matrix, staged for a batched Newton-Schulz."""
-
-    grad: torch.Tensor
-    momentum: torch.Tensor
-    param: torch.Tensor
-    nesterov_mu: Optional[float]  # u = grad + mu * momentum; None: u = momentum
-    coef: float  # -lr * scale_rms * sqrt(max(rows, cols))
-
-    @property
-    def wide(self) -> Tuple[int, int]:
-        """(m, n) with m <= n: the orientation Newton-Schulz iterates on."""
-        return tuple(sorted(self.grad.shape[-2:]))
-
-    @property
-    def transposed(self) -> bool:
-        return self.grad.shape[-2] > self.grad.shape[-1]
-
-
-def stage_batches(shapes: List[Tuple[int, int, int]], max_elements: int) -> List[List[int]]:
-    """Indices of `shapes` ([groups, m, n] in the wide orientation) batched for Newton-Schulz: equal
-    (m, n) together, in order, each batch at most `max_elements` (a larger block goes alone)."""
-    by_shape: Dict[Tuple[int, int], List[int]] = {}
-    for i, (_, m, n) in enumerate(shapes):
-        by_shape.setdefault((m, n), []).append(i)
-    batches = []
-    for (m, n), idx in by_shape.items():
-        current, size = [], 0
-        for i in idx:
-            count = shapes[i][0] * m * n
-            if current and size + count > max_elements:
-                batches.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += count
-        batches.append(current)
-    return batches
-
-
 class Muon(torch.optim.Optimizer):
     """Muon for matrices, AdamW for everything else (see the module docstring)."""
 
@@ -241,11 +207,14 @@ class Muon(torch.optim.Optimizer):
         adamw_params: Iterable[torch.Tensor] = (),
         tp_shards: Optional[Dict[torch.Tensor, Tuple[int, object]]] = None,
         ns_batch_elements: int = NS_BATCH_ELEMENTS,
+        fused_elementwise: Optional[bool] = None,
     ):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if ns_steps < 1:
             raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+        if fused_elementwise and not triton_available():
+            raise ValueError("fused_elementwise=True needs triton (the Muon kernels are Triton kernels)")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, scale_rms=scale_rms, adam_betas=adam_betas, adam_eps=adam_eps,
                         use_muon=True)
@@ -258,6 +227,7 @@ class Muon(torch.optim.Optimizer):
                 self._splits[id(p)].shard_dim(dim)
         self._foreign: set = set()
         self.ns_batch_elements = ns_batch_elements
+        self.fused_elementwise = fused_elementwise
 
     def set_foreign(self, params: Iterable[torch.Tensor]) -> None:
         """Parameters another data-parallel rank updates (ZeRO-2, `pretrain.optim.zero2_grads`): skipped here,
@@ -307,44 +277,56 @@ class Muon(torch.optim.Optimizer):
         batched Newton-Schulz, staged in `ns_dtype`: the Nesterov sum is written straight into the
         stage in its wide orientation, and the result is added to the weight from there, scaled,
         so no fp32 copy of u or of the update is made. TP-sharded matrices gather and go one by one.
+        With the fused kernels (`muon_staging.use_fused`) the momentum step happens block by block
+        while staging and the decoupled decay while adding; the torch path does both on the whole
+        matrix first.
         """
-        staged: Dict[Tuple, List[_Block]] = {}
+        staged: Dict[Tuple, List[StagedBlock]] = {}
         for group, p in matrices:
-            buf = self._momentum_step(group, p)
+            buf = self._momentum_buffer(p)
             mu = group["momentum"] if group["nesterov"] else None
             dtype = _dtype(group["ns_dtype"])
             split, shard = self._splits.get(id(p)), self._tp.get(id(p))
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])  # decoupled decay; the update reads G and M only
+            decay = 1.0 - group["lr"] * group["weight_decay"]
+            fused = None
+            if shard is None and use_fused(p, dtype, self.fused_elementwise):
+                fused = (group["momentum"], decay)
+            if fused is None:
+                torch.add(p.grad, buf, alpha=group["momentum"], out=buf)  # M <- mu M + G, one pass
+                p.mul_(decay)  # decoupled decay; the update reads G and M only
             if shard is not None:  # orthogonalize the whole matrix (each whole block), keep this rank's slice
                 u = p.grad.add(buf, alpha=mu) if mu is not None else buf
                 update = sharded_orthogonalized_update(u, split, *shard, group["ns_steps"], dtype, group["scale_rms"])
                 p.add_(update, alpha=-group["lr"])
                 continue
             views = [split.blocks(t) if split is not None else [t[None]] for t in (p.grad, buf, p)]
+            if sum(b.numel() for b in views[2]) != p.numel():  # every element is updated once, by one block
+                raise RuntimeError(f"Muon blocks {[tuple(b.shape) for b in views[2]]} do not partition "
+                                   f"a matrix of shape {tuple(p.shape)}")
             for grad, momentum, param in zip(*views):
                 coef = -group["lr"] * group["scale_rms"] * math.sqrt(max(grad.shape[-2:]))
-                block = _Block(grad, momentum, param, mu, coef)
+                block = StagedBlock(grad, momentum, param, mu, coef, fused)
                 staged.setdefault((dtype, group["ns_steps"]), []).append(block)
         for (dtype, steps), blocks in staged.items():
             shapes = [(b.grad.shape[0], *b.wide) for b in blocks]
             for batch in stage_batches(shapes, self.ns_batch_elements):
                 self._orthogonalize_and_apply([blocks[i] for i in batch], dtype, steps)
 
-    def _momentum_step(self, group: dict, p: torch.Tensor) -> torch.Tensor:
-        """M <- mu M + G in place; the momentum buffer."""
+    def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """The momentum buffer of `p` (zeros at first); counts the step."""
         state = self.state[p]
         # Muon's math has no step count, but megatron's checkpoints keep one step shared by every
         # parameter (and give it to all of them on load): count it here as AdamW does.
         state["step"] = state.get("step", 0) + 1
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        torch.add(p.grad, buf, alpha=group["momentum"], out=buf)  # one pass
-        return buf
+        return state["momentum_buffer"]
 
     @staticmethod
-    def _orthogonalize_and_apply(blocks: List[_Block], dtype: torch.dtype, steps: int) -> None:
+    def _orthogonalize_and_apply(blocks: List[StagedBlock], dtype: torch.dtype, steps: int) -> None:
         """One batched Newton-Schulz over `blocks` (all of one wide shape), each result added to its weight."""
+        if any(b.fused is not None for b in blocks):
+            from pretrain.optim import muon_kernels
         m, n = blocks[0].wide
         stage = torch.empty(sum(b.grad.shape[0] for b in blocks), m, n, dtype=dtype, device=blocks[0].grad.device)
         start = 0
@@ -352,7 +334,9 @@ class Muon(torch.optim.Optimizer):
             span = stage[start : start + b.grad.shape[0]]
             start += b.grad.shape[0]
             span = span.mT if b.transposed else span
-            if b.nesterov_mu is None:
+            if b.fused is not None:  # M <- mu M + G and the stage in one pass
+                muon_kernels.momentum_and_stage(b.grad, b.momentum, span, b.fused[0], b.nesterov_mu)
+            elif b.nesterov_mu is None:
                 span.copy_(b.momentum)
             else:  # u = G + mu M, rounded once into the stage
                 torch.add(b.grad, b.momentum, alpha=b.nesterov_mu, out=span)
@@ -361,7 +345,11 @@ class Muon(torch.optim.Optimizer):
         for b in blocks:
             out = x[start : start + b.grad.shape[0]]
             start += b.grad.shape[0]
-            b.param.add_(out.mT if b.transposed else out, alpha=b.coef)
+            out = out.mT if b.transposed else out
+            if b.fused is not None:  # W <- W (1 - lr wd) + coef O in one pass
+                muon_kernels.decay_and_add(b.param, out, b.fused[1], b.coef)
+            else:
+                b.param.add_(out, alpha=b.coef)
 
     def _adamw_update(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]
