@@ -40,12 +40,28 @@ VARIANTS = {
     "muon_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],
     "muon_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=false"],
     "muon_glu_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=true", "optimizer.muon_split_glu=false"],
+    "muon_split_unfused": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],  # torch elementwise ops
     "muon_zero2": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2],
     "muon_zero2_bf16": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "parallel.grad_reduce_in_fp32=false"],
     "muon_zero2_step": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "optimizer.zero2_grad_reduce=step"],
 }
+
+
+UNFUSED = {"muon_split_unfused"}  # Muon's momentum/staging and decay/update as torch ops, not the fused kernels
+
+
+def muon_optimizers(opt) -> list:
+    """The `pretrain.optim.muon.Muon` instances inside the trainer's (possibly chained, wrapped) optimizer."""
+    from pretrain.optim.muon import Muon
+
+    if isinstance(opt, Muon):
+        return [opt]
+    inner = list(getattr(opt, "chained_optimizers", []) or [])
+    if getattr(opt, "optimizer", None) is not None:
+        inner.append(opt.optimizer)
+    return [m for o in inner for m in muon_optimizers(o)]
 
 
 class GradMemoryProbe:
@@ -76,6 +92,11 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
             "logging.log_interval=1000", f"logging.run_dir=/tmp/muon_step_{name}", "checkpoint.save=null",
             *VARIANTS[name], *extra]
     trainer = Trainer(load_config(config, over))
+    if name in UNFUSED:
+        found = muon_optimizers(trainer.optimizer)
+        assert found, "no Muon optimizer found to run unfused"
+        for muon in found:
+            muon.fused_elementwise = False
     opt_ms, step_ms = [], []
     original = trainer.optimizer.step
     probe = GradMemoryProbe(trainer)  # walks storages: only while warming up (untimed)
