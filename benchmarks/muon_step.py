@@ -40,6 +40,7 @@ VARIANTS = {
     "muon_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],
     "muon_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=false"],
     "muon_glu_whole": ["optimizer.optimizer=muon", "optimizer.muon_split=true", "optimizer.muon_split_glu=false"],
+    "muon_glu_split": ["optimizer.optimizer=muon", "optimizer.muon_split=true", "optimizer.muon_split_glu=true"],
     "muon_split_unfused": ["optimizer.optimizer=muon", "optimizer.muon_split=true"],  # torch elementwise ops
     "muon_zero2": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2],
     "muon_zero2_bf16": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,

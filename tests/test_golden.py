@@ -2,7 +2,7 @@
 
 The sequences in `tests/golden/losses.json` were recorded by `python -m tests.golden.record` on the
 code before the architecture pass (commit 46ed4cc; the Muon variants again when SwiGLU fc1's gate and
-up began to be orthogonalized apart) and are compared bit for bit: a restructure that
+up began to be orthogonalized apart, and once more when that became opt-in) and are compared bit for bit: a restructure that
 only moves code leaves every float unchanged on CPU. A change that is meant to alter numerics must
 re-record them in its own commit and say why.
 

@@ -170,19 +170,20 @@ def test_param_split_picks_the_up_projections_gqa_groups_and_experts():
     assert param_split(*kv_up, m) == MuonSplit(4, (24, 32), 0)
     fc1 = ("decoder.layers.0.mlp.linear_fc1.weight", torch.zeros(2 * 40, 64))
     shared_fc1 = ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", torch.zeros(2 * 16, 64))
-    assert param_split(*w1, m) == MuonSplit(8, (64,), 2, cols=(32, 32))  # each expert's [hidden, gate | up]
+    assert param_split(*w1, m, split_glu=True) == MuonSplit(8, (64,), 2, cols=(32, 32))  # each expert's [hidden, gate | up]
     assert param_split(*w2, m) == MuonSplit(8, (32,), 0)
-    assert param_split(*fc1, m) == MuonSplit(1, (40, 40), 0) and param_split(*shared_fc1, m) == MuonSplit(1, (16, 16), 0)
-    assert param_split(*w1, m, split_glu=False) == MuonSplit(8, (64,), 2) and param_split(*fc1, m, split_glu=False) is None
+    assert param_split(*fc1, m, split_glu=True) == MuonSplit(1, (40, 40), 0)
+    assert param_split(*shared_fc1, m, split_glu=True) == MuonSplit(1, (16, 16), 0)
+    assert param_split(*w1, m) == MuonSplit(8, (64,), 2) and param_split(*fc1, m) is None  # the default: whole
     assert param_split(*proj, m) is None and param_split(*indexer, m) is None and param_split(*norm, m) is None
     # this rank's share under TP = 2 (heads) and EP = 2 (experts)
     assert param_split(q_up[0], torch.zeros(2 * 32, 16), m, tp_size=2) == MuonSplit(2, (32,), 0)
-    assert param_split(w1[0], torch.zeros(64, 4 * 2 * 32), m, ep_size=2) == MuonSplit(4, (64,), 2, cols=(32, 32))
-    assert param_split(fc1[0], torch.zeros(40, 64), m, tp_size=2) == MuonSplit(1, (20, 20), 0)  # [gate_r; up_r]
+    assert param_split(w1[0], torch.zeros(64, 4 * 2 * 32), m, ep_size=2, split_glu=True) == MuonSplit(4, (64,), 2, cols=(32, 32))
+    assert param_split(fc1[0], torch.zeros(40, 64), m, tp_size=2, split_glu=True) == MuonSplit(1, (20, 20), 0)  # [gate_r; up_r]
     assert param_split(w2[0], torch.zeros(4 * 32, 64), m, ep_size=2) == MuonSplit(4, (32,), 0)
     # the ablation switch: attention whole, experts still per expert
     assert param_split(*q_up, m, split_attention=False) is None
-    assert param_split(*w1, m, split_attention=False) == MuonSplit(8, (64,), 2, cols=(32, 32))
+    assert param_split(*w1, m, split_attention=False, split_glu=True) == MuonSplit(8, (64,), 2, cols=(32, 32))
     # GQA: 8 heads in 2 query groups of head dim 16: per group [4 q heads; k; v]
     gqa = ModelConfig(multi_latent_attention=False, num_attention_heads=8, num_query_groups=2, kv_channels=16,
                       num_moe_experts=None)

@@ -48,7 +48,7 @@ def _shapes(rank, world_size, overrides):
 def test_parameter_roles(tmp_path):
     # the indexer trains (and so is in the optimizer) only with an indexer loss
     base = ["data.mock=true", f"logging.run_dir={tmp_path}", "model.dsa_indexer_loss_coeff=0.1", *MUON]
-    roles = run_ranks(_roles, 1, base)[0]
+    roles = run_ranks(_roles, 1, [*base, "optimizer.muon_split_glu=true"])[0]
     shape = run_ranks(_shapes, 1, base)[0]
     cfg_heads, qk, rope, v = 4, 24, 8, 32  # glm5-tiny
     assert sum(n.endswith("linear_fc1.weight") for n in roles) >= 3  # dense MLP, shared experts, MTP
@@ -69,9 +69,9 @@ def test_parameter_roles(tmp_path):
             assert (role, split) == ("muon", None), name
     assert any(".indexer." in n and r == "muon" for n, (r, _, _) in roles.items())
     assert sum(r == "muon" for r, _, _ in roles.values()) >= 10
-    # the ablation switch and the configurable placements
+    # the ablation switch and the configurable placements (SwiGLU fc1 whole: the default)
     off = run_ranks(_roles, 1, [*base, "optimizer.muon_split=false", "optimizer.muon_router=muon",
-                                "optimizer.muon_indexer=adamw", "optimizer.muon_split_glu=false"])[0]
+                                "optimizer.muon_indexer=adamw"])[0]
     for name, (role, split, _) in off.items():
         if name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_fc1.weight")):
             assert split is None

@@ -18,9 +18,10 @@ Which update each parameter takes:
   q up-projection per head (its rope slice inside the head's block, or its own block), the kv
   up-projection per head as W_UK and W_UV, a fused GQA QKV per query group (Q, K and V apart);
   grouped experts per expert, always (they are separate matrices stored side by side); with
-  `optimizer.muon_split_glu` (on by default) every SwiGLU fc1's gate and up halves apart, the
-  matrices a model with separate gate_proj / up_proj has (and 2.2x fewer Newton-Schulz FLOPs for
-  an expert's [2F, H] with 2F <= H).
+  `optimizer.muon_split_glu` (off by default) every SwiGLU fc1's gate and up halves apart, the
+  matrices a model with separate gate_proj / up_proj has (2.2x fewer Newton-Schulz FLOPs for an
+  expert's [2F, H] with 2F <= H; off because it trained worse in the optimizer ablation:
+  benchmarks/results/README.md, ablations/optimizer-short_h200).
 - Muon on the whole matrix: every other 2-D weight.
 
 Tensor parallelism (`tp_shard`) splits attention heads whole, so head blocks need no communication.
@@ -90,7 +91,7 @@ def param_role(name: str, p: torch.Tensor, optimizer_cfg: OptimizerConfig) -> st
 
 
 def param_split(name: str, p: torch.Tensor, model_cfg, *, tp_size: int = 1, ep_size: int = 1,
-                split_attention: bool = True, split_glu: bool = True,
+                split_attention: bool = True, split_glu: bool = False,
                 q_rope_own_block: bool = False) -> Optional[MuonSplit]:
     """The Muon Split blocks of this rank's shard of a matrix (megatron-core parameter names), or None.
 
