@@ -60,6 +60,11 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
     assert _losses(adamw) == reference["adamw"]  # exact resume: the same losses as the uninterrupted run
     assert _losses(muon) == reference["muon"]
 
+    # Both runs at once (--parallel 2) train exactly as one after the other did.
+    both = tmp_path / "smoke_parallel"
+    assert main([str(SMOKE), "--output-dir", str(both), "--parallel", "2"]) == 0
+    assert {n: _losses(both / f"{n}/seed1234") for n in reference} == reference
+
     # The evaluations on a finished run's checkpoint, through their command lines, land in the table.
     prefix = str(tmp_path / "heldout")
     with DatasetWriter(prefix, np.uint16) as writer:
@@ -225,3 +230,57 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
     assert "as of step 6" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/loss_curves.png").stat().st_size > 0
+
+
+def test_parallel_runs_share_the_machine_with_own_ports_and_wait_for_their_source(tmp_path, monkeypatch):
+    """`--parallel 2`: never more than two runs at once, concurrent runs on different MASTER_PORTs, a
+    continuation starts only after its source run ended, and after a failure no new run starts. The
+    runs are stand-ins (no training): each marks itself finished when its command returns."""
+    import threading
+    import time
+
+    from pretrain.ablate import runner
+
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense}\n"
+                            "  - {name: cont, overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n"
+                            "  - {name: other}\n")
+    path.write_text(path.read_text().replace("seeds: [1]", "seeds: [1, 2]"))
+    sweep = load_sweep(path, tmp_path / "out")
+    done, events, lock, fail = {}, [], threading.Lock(), set()
+
+    def execute(cmd, log, extra_env=None):
+        name = str(log.parent.relative_to(sweep.output_dir))
+        with lock:
+            events.append(("start", name, extra_env["MASTER_PORT"], time.monotonic()))
+        time.sleep(0.05)
+        with lock:
+            events.append(("end", name, extra_env["MASTER_PORT"], time.monotonic()))
+            if name not in fail:
+                done[name] = next(r.train_iters for r in sweep.runs if str(r.run_dir.relative_to(sweep.output_dir)) == name)
+        return 1 if name in fail else 0
+
+    monkeypatch.setattr(runner, "_execute", execute)
+    monkeypatch.setattr(runner, "finished_iteration",
+                        lambda run: done.get(str(run.run_dir.relative_to(sweep.output_dir))))
+    assert runner.run_local(sweep, sweep.runs, dry_run=False, say=lambda _: None, parallel=2) == 0
+    active, most = {}, 0
+    for kind, name, port, _ in events:
+        if kind == "start":
+            assert port not in active.values(), f"{name} shares port {port} with a running run"
+            active[name] = port
+            most = max(most, len(active))
+        else:
+            del active[name]
+    assert most == 2 and sorted(done) == sorted(str(r.run_dir.relative_to(sweep.output_dir)) for r in sweep.runs)
+    at = {(kind, name): t for kind, name, _, t in events}
+    for seed in (1, 2):
+        assert at[("start", f"cont/seed{seed}")] >= at[("end", f"dense/seed{seed}")]
+
+    # A failure: the run fails, what runs beside it finishes, nothing new starts.
+    done.clear()
+    events.clear()
+    fail.add("dense/seed1")
+    assert runner.run_local(sweep, sweep.runs, dry_run=False, say=lambda _: None, parallel=2) == 1
+    failed_at = next(t for kind, name, _, t in events if (kind, name) == ("end", "dense/seed1"))
+    assert all(t <= failed_at for kind, _, _, t in events if kind == "start")
+    assert {name for kind, name, _, _ in events if kind == "start"} == {"dense/seed1", "other/seed1"}

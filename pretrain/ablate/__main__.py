@@ -1,7 +1,7 @@
 """Run an ablation sweep, then write its table (Markdown, JSON) and loss curves (PNG).
 
     python -m pretrain.ablate SWEEP.yaml [--dry-run] [--only NAME ...] [--seeds N ...] [--slurm] [--report]
-                                         [--at-step N]
+                                         [--parallel N] [--at-step N]
 
 --dry-run      print the commands that would run (finished runs are listed as skipped), run nothing
 --only NAME    only these variants (a variant that starts from another's checkpoint needs it finished)
@@ -9,6 +9,7 @@
 --slurm        submit one sbatch job per unfinished run (launch/slurm.sbatch) instead of running here
 --report       only collect the table and plot from what has run
 --output-dir   put the runs somewhere else than the sweep's output_dir
+--parallel N   run up to N runs at once on this machine (runs of a small model sharing a GPU)
 --at-step N    report every run as of step N (a sweep compared before it finished; runs short of N left out)
 
 Results: <output_dir>/results.md, results.json, loss_curves.png. A bad sweep file stops with one
@@ -35,16 +36,24 @@ def main(argv=None) -> int:
     parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--parallel", type=int, default=1, metavar="N")
     parser.add_argument("--at-step", type=int, default=None, metavar="N")
     parser.add_argument("--smooth", type=int, default=1, metavar="N", help="moving average of the plotted curves")
     args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.parallel > 1 and args.slurm:
+        parser.error("--parallel runs several runs on this machine; with --slurm every run is its own job")
     if args.at_step is not None and args.at_step < 1:
         parser.error(f"--at-step must be >= 1, got {args.at_step}")
     try:
         sweep = load_sweep(args.sweep, args.output_dir)
         runs = select(sweep, args.only, args.seeds)
         if not args.report:
-            rc = (run_slurm if args.slurm else run_local)(sweep, runs, args.dry_run)
+            if args.slurm:
+                rc = run_slurm(sweep, runs, args.dry_run)
+            else:
+                rc = run_local(sweep, runs, args.dry_run, parallel=args.parallel)
             if rc or args.dry_run or args.slurm:
                 return rc
     except SweepError as err:

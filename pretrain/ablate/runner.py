@@ -3,7 +3,9 @@
 Each run is one command: `bash launch/train.sh --config BASE OVERRIDES...` (torchrun), or
 `python -m pretrain.train ...` (one process), or with `--slurm` one `sbatch launch/slurm.sbatch ...`
 job per run (a run that starts from another's checkpoint waits for it with `--dependency=afterok`).
-Commands run from the repository root, one after another; a run's output goes to `<run_dir>/train.log`.
+Commands run from the repository root, one after another, or up to N at a time with `parallel` (small
+models that leave a GPU idle: several runs share it; each torchrun run gets its own MASTER_PORT, and a
+run that starts from another's checkpoint waits for it); a run's output goes to `<run_dir>/train.log`.
 
 A run is finished when its checkpoint directory's `latest` marker names its last iteration (the
 trainer always saves at the end); a run with an earlier checkpoint is started again with the same
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import shutil
 import subprocess
 import sys
@@ -84,8 +88,8 @@ def _shell(cmd: List[str]) -> str:
     return " ".join(env + [shlex.join(cmd)])
 
 
-def _execute(cmd: List[str], log: Path) -> int:
-    env = dict(os.environ)
+def _execute(cmd: List[str], log: Path, extra_env: Optional[Dict[str, str]] = None) -> int:
+    env = dict(os.environ, **(extra_env or {}))
     while cmd and "=" in cmd[0] and not cmd[0].startswith("-"):
         key, _, value = cmd[0].partition("=")
         env[key] = value
@@ -106,32 +110,72 @@ def _check_dependency(sweep: Sweep, run: Run, selected: List[Run]) -> None:
                          f"--only {dep.variant})")
 
 
-def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
-    """Train (then evaluate) each run in turn; returns the number of runs that failed (0 or 1)."""
+def _run_one(sweep: Sweep, run: Run, dry_run: bool, say, extra_env: Optional[Dict[str, str]] = None) -> int:
+    """Train `run` unless finished, then its missing evaluations; 0, or 1 after saying why it stopped."""
+    done = finished_iteration(run)
+    if done is not None and done >= run.train_iters:
+        say(f"# {run.name}: finished ({run.train_iters} iterations), skipped")
+    else:
+        note = f"resumes from iteration {done}" if done is not None else f"{run.train_iters} iterations"
+        cmd = train_command(sweep, run)
+        say(f"# {run.name}: {note}; log {rel(run.run_dir / 'train.log')}")
+        say(_shell(cmd))
+        if not dry_run:
+            rc = _execute(cmd, run.run_dir / "train.log", extra_env)
+            if rc != 0 or not is_finished(run):
+                say(f"sweep stopped: {run.name} exited with code {rc} before its last checkpoint; see "
+                    f"{rel(run.run_dir / 'train.log')}")
+                return 1
+    for name, cmd in eval_commands(sweep, run).items():
+        say(_shell(cmd))
+        if not dry_run and _execute(cmd, run.run_dir / f"eval_{name}.log", extra_env) != 0:
+            say(f"sweep stopped: evaluation {name} of {run.name} failed; see "
+                f"{rel(run.run_dir / f'eval_{name}.log')}")
+            return 1
+    return 0
+
+
+def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel: int = 1) -> int:
+    """Train (then evaluate) each run, one at a time or up to `parallel` at once; returns 1 if a run
+    failed (no new run starts after a failure; those running finish), else 0."""
+    if parallel < 1:
+        raise SweepError(f"parallel must be >= 1, got {parallel}")
     for run in runs:
         _check_dependency(sweep, run, runs)
-    for run in runs:
-        done = finished_iteration(run)
-        if done is not None and done >= run.train_iters:
-            say(f"# {run.name}: finished ({run.train_iters} iterations), skipped")
-        else:
-            note = f"resumes from iteration {done}" if done is not None else f"{run.train_iters} iterations"
-            cmd = train_command(sweep, run)
-            say(f"# {run.name}: {note}; log {rel(run.run_dir / 'train.log')}")
-            say(_shell(cmd))
-            if not dry_run:
-                rc = _execute(cmd, run.run_dir / "train.log")
-                if rc != 0 or not is_finished(run):
-                    say(f"sweep stopped: {run.name} exited with code {rc} before its last checkpoint; see "
-                        f"{rel(run.run_dir / 'train.log')}")
-                    return 1
-        for name, cmd in eval_commands(sweep, run).items():
-            say(_shell(cmd))
-            if not dry_run and _execute(cmd, run.run_dir / f"eval_{name}.log") != 0:
-                say(f"sweep stopped: evaluation {name} of {run.name} failed; see "
-                    f"{rel(run.run_dir / f'eval_{name}.log')}")
+    if parallel == 1 or dry_run:
+        for run in runs:
+            if _run_one(sweep, run, dry_run, say):
                 return 1
-    return 0
+        return 0
+    lock = threading.Lock()
+
+    def locked_say(text: str) -> None:
+        with lock:
+            say(text)
+
+    base_port = int(os.environ.get("MASTER_PORT", "29500")) + 1  # torchrun's default stays free
+    pending, running, free, failed = list(runs), {}, list(range(parallel)), False
+    busy = lambda r: r in pending or any(r is other for other, _ in running.values())  # noqa: E731
+    with ThreadPoolExecutor(parallel) as pool:
+        while running or (pending and not failed):
+            for run in list(pending) if not failed else []:
+                source = next((r for r in sweep.runs if r.variant == run.depends_on and r.seed == run.seed), None)
+                if not free or (source is not None and busy(source)):
+                    continue  # a dependent run waits for its source run
+                slot = free.pop(0)
+                pending.remove(run)
+                env = {"MASTER_PORT": str(base_port + slot)}
+                running[pool.submit(_run_one, sweep, run, False, locked_say, env)] = (run, slot)
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                _, slot = running.pop(future)
+                free.append(slot)
+                failed = failed or future.result() != 0
+    if failed and pending:
+        say(f"not started after the failure: {', '.join(r.name for r in pending)}")
+    return 1 if failed else 0
 
 
 def run_slurm(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
