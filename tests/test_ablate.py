@@ -227,6 +227,10 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     assert cut["b"]["seeds"] == [1] and cut["b"]["flags"] == [f"seed 2 left out: stopped at step 4 of {planned}"]
     assert cut["b"]["metrics"]["valid_loss"]["spread"] is None
 
+    beyond = {r["variant"]: r for r in collect(sweep, at_step=planned + 5)["variants"]}  # past the planned end
+    assert beyond["a"]["seeds"] == [1] and beyond["a"]["flags"] == [f"seed 2 left out: stopped at step 7 of {planned}"]
+    assert beyond["a"]["metrics"]["final_loss"]["mean"] == pytest.approx(loss("a", 1, planned))
+
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
     assert "as of step 6" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/loss_curves.png").stat().st_size > 0

@@ -97,12 +97,12 @@ def _reported_runs(sweep: Sweep, variant: str, at_step: Optional[int]) -> Tuple[
     for run in [r for r in sweep.runs_of(variant) if (r.run_dir / "metrics.jsonl").is_file()]:
         records = read_metrics(run.run_dir)
         reached = records[-1]["step"] if records else 0
-        target = run.train_iters if at_step is None else min(at_step, run.train_iters)
-        if at_step is not None and reached < at_step:
+        if at_step is None:
+            if reached < run.train_iters:
+                flags.append(f"seed {run.seed} unfinished: step {reached} of {run.train_iters}")
+        elif reached < min(at_step, run.train_iters):  # a finished run shorter than at_step counts whole
             flags.append(f"seed {run.seed} left out: stopped at step {reached} of {run.train_iters}")
             continue
-        if reached < target:
-            flags.append(f"seed {run.seed} unfinished: step {reached} of {run.train_iters}")
         runs.append(run)
     return runs, flags
 
