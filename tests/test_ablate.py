@@ -231,6 +231,13 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     assert beyond["a"]["seeds"] == [1] and beyond["a"]["flags"] == [f"seed 2 left out: stopped at step 7 of {planned}"]
     assert beyond["a"]["metrics"]["final_loss"]["mean"] == pytest.approx(loss("a", 1, planned))
 
+    # Evaluations: as of step 6, those of the step-6 checkpoint; at the end, those of the last one.
+    a1 = next(r for r in sweep.runs if (r.variant, r.seed) == ("a", 1)).run_dir
+    (a1 / "eval_probe_step6.json").write_text(json.dumps({"metrics": {"probe": 0.25}}))
+    (a1 / "eval_probe.json").write_text(json.dumps({"metrics": {"probe": 0.75}}))
+    assert collect(sweep, at_step=6)["variants"][0]["runs"]["1"]["probe"] == 0.25
+    assert collect(sweep)["variants"][0]["runs"]["1"]["probe"] == 0.75
+
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
     assert "as of step 6" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/loss_curves.png").stat().st_size > 0
@@ -288,3 +295,39 @@ def test_parallel_runs_share_the_machine_with_own_ports_and_wait_for_their_sourc
     failed_at = next(t for kind, name, _, t in events if (kind, name) == ("end", "dense/seed1"))
     assert all(t <= failed_at for kind, _, _, t in events if kind == "start")
     assert {name for kind, name, _, _ in events if kind == "start"} == {"dense/seed1", "other/seed1"}
+
+
+def test_evaluate_at_runs_each_evaluation_on_the_step_checkpoint(tmp_path, monkeypatch, capsys):
+    """`--evaluate-at N`: every run that has a step-N checkpoint gets its evaluations on that checkpoint, into
+    eval_<name>_step<N>.json; a run without one is named and skipped; then the report as of step N."""
+    from pretrain.ablate import runner
+
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nreport: {evals: {retrieval: [--samples, '2']}}\n"
+                            "variants:\n  - {name: a}\n  - {name: b}\n")
+    path.write_text(path.read_text().replace("tokens: 1024", "tokens: 10240"))  # 10 steps: step 2 is mid-run
+    sweep = load_sweep(path, tmp_path / "out")
+    a, b = sweep.runs
+    (a.checkpoint_dir / "iter_0000002").mkdir(parents=True)
+    b.checkpoint_dir.mkdir(parents=True)
+    for run in (a, b):
+        run.run_dir.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": k, "loss": 5.0 - k}) + "\n" for k in range(1, 3)))
+    calls = []
+
+    def execute(cmd, log, extra_env=None):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--json") + 1])
+        (out if out.is_absolute() else ROOT / out).write_text(json.dumps({"metrics": {"retrieval@64": 0.5}}))
+        return 0
+
+    monkeypatch.setattr(runner, "_execute", execute)
+    monkeypatch.setattr(runner, "rel", lambda p: str(p))
+    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--evaluate-at", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert len(calls) == 1 and calls[0][calls[0].index("--checkpoint") + 1] == str(a.checkpoint_dir / "iter_0000002")
+    assert calls[0][calls[0].index("--json") + 1] == str(a.run_dir / "eval_retrieval_step2.json")
+    assert f"{b.name}: no checkpoint at step 2, not evaluated" in printed
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "out/results.json").read_text())["variants"]}
+    assert rows["a"]["metrics"]["retrieval@64"]["mean"] == 0.5 and "retrieval@64" not in rows["b"]["metrics"]
+    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--evaluate-at", "2"]) == 0  # nothing missing
+    assert len(calls) == 1

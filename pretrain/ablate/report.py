@@ -16,21 +16,24 @@ first reported variant's by more than 1% is flagged.
 A run that stopped before its planned steps (interrupted, out of time) is flagged with the step it reached.
 `at_step` reports every run as of one common step (a sweep compared before it finished): each run's records
 are cut at that step (the validation loss is then the last one at or before it), runs that had not reached it
-are left out and named in the flags, and the evaluations, which read a run's last checkpoint, are reported only
-for runs whose planned length `at_step` covers.
+are left out and named in the flags, and the evaluations are those of the run's checkpoint at that step
+(`eval_<name>_step<N>.json`, written by `python -m pretrain.ablate SWEEP --evaluate-at N`), or of its last
+checkpoint when `at_step` reaches the run's planned length.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from pretrain.ablate.runner import EVAL_FILE
+from pretrain.ablate.runner import EVAL_FILE, STEP_EVAL_FILE
 from pretrain.ablate.sweep import Run, Sweep, rel
 from pretrain.tools.plot import read_metrics, series, smooth
 
+_STEP_EVAL = re.compile(r"_step\d+\.json$")
 RUN_METRICS = ("final_loss", "avg_loss", "valid_loss", "tokens_per_sec", "mfu", "mem_peak_gb")
 FLAG_TOLERANCE = 0.01
 
@@ -61,9 +64,11 @@ def run_metrics(run: Run, average_last: int, at_step: Optional[int] = None) -> D
         "mfu": median("mfu"),
         "mem_peak_gb": max(mem) if mem else None,
     }
-    if at_step is not None and at_step < run.train_iters:
-        return out  # the evaluations read the last checkpoint, not the state at `at_step`
-    for path in sorted(run.run_dir.glob(EVAL_FILE.format(name="*"))):
+    if at_step is not None and at_step < run.train_iters:  # the evaluations of the checkpoint at that step
+        paths = run.run_dir.glob(STEP_EVAL_FILE.format(name="*", step=at_step))
+    else:  # those of the last checkpoint
+        paths = [p for p in run.run_dir.glob(EVAL_FILE.format(name="*")) if not _STEP_EVAL.search(p.name)]
+    for path in sorted(paths):
         out.update(json.loads(path.read_text(encoding="utf-8"))["metrics"])
     return out
 

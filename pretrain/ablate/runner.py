@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from pretrain.ablate.sweep import ROOT, Run, Sweep, SweepError, rel
-from pretrain.training.checkpoint_files import read_latest
+from pretrain.training.checkpoint_files import read_latest, step_dir_name
 
 EVAL_FILE = "eval_{name}.json"  # in the run dir, written by `python -m pretrain.eval.<name> --json`
+STEP_EVAL_FILE = "eval_{name}_step{step}.json"  # the same evaluation of the run's checkpoint at one step
 
 
 def finished_iteration(run: Run) -> Optional[int]:
@@ -66,16 +67,21 @@ def sbatch_command(sweep: Sweep, run: Run, dependency: Optional[str]) -> List[st
     return cmd + ["launch/slurm.sbatch", "--config", rel(run.config_path), *run.overrides]
 
 
-def eval_commands(sweep: Sweep, run: Run) -> Dict[str, List[str]]:
-    """Evaluation name -> command, for the evaluations whose result file is missing."""
+def eval_commands(sweep: Sweep, run: Run, step: Optional[int] = None) -> Dict[str, List[str]]:
+    """Evaluation name -> command, for the evaluations whose result file is missing (of the run's last
+    checkpoint, or of its checkpoint at `step`)."""
     variant = next(v for v in sweep.variants if v.name == run.variant)
     if not variant.report:
         return {}
     out = {}
     for name, args in (sweep.evals if variant.evals is None else variant.evals).items():
-        result = run.run_dir / EVAL_FILE.format(name=name)
+        if step is None:
+            result, checkpoint = run.run_dir / EVAL_FILE.format(name=name), run.checkpoint_dir
+        else:
+            result = run.run_dir / STEP_EVAL_FILE.format(name=name, step=step)
+            checkpoint = run.checkpoint_dir / step_dir_name(step)
         if not result.is_file():
-            out[name] = [python(), "-m", f"pretrain.eval.{name}", "--checkpoint", rel(run.checkpoint_dir),
+            out[name] = [python(), "-m", f"pretrain.eval.{name}", "--checkpoint", rel(checkpoint),
                          "--json", rel(result), *args]
     return out
 
@@ -176,6 +182,22 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
     if failed and pending:
         say(f"not started after the failure: {', '.join(r.name for r in pending)}")
     return 1 if failed else 0
+
+
+def evaluate_at(sweep: Sweep, runs: List[Run], step: int, dry_run: bool, say=print) -> int:
+    """Run the missing evaluations of each run's checkpoint at `step` (a sweep compared before it finished:
+    the report `--at-step` reads them); runs without a checkpoint at that step are named and skipped."""
+    for run in runs:
+        if not (run.checkpoint_dir / step_dir_name(step)).is_dir():
+            say(f"# {run.name}: no checkpoint at step {step}, not evaluated")
+            continue
+        for name, cmd in eval_commands(sweep, run, step).items():
+            say(_shell(cmd))
+            log = run.run_dir / f"eval_{name}_step{step}.log"
+            if not dry_run and _execute(cmd, log) != 0:
+                say(f"evaluation {name} of {run.name} at step {step} failed; see {rel(log)}")
+                return 1
+    return 0
 
 
 def run_slurm(sweep: Sweep, runs: List[Run], dry_run: bool, say=print) -> int:
