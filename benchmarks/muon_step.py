@@ -54,15 +54,11 @@ UNFUSED = {"muon_split_unfused"}  # Muon's momentum/staging and decay/update as 
 
 
 def muon_optimizers(opt) -> list:
-    """The `pretrain.optim.muon.Muon` instances inside the trainer's (possibly chained, wrapped) optimizer."""
+    """The `pretrain.optim.muon.Muon` instances inside the trainer's (chained, wrapped) optimizer."""
     from pretrain.optim.muon import Muon
+    from pretrain.optim.roles import sub_optimizers
 
-    if isinstance(opt, Muon):
-        return [opt]
-    inner = list(getattr(opt, "chained_optimizers", []) or [])
-    if getattr(opt, "optimizer", None) is not None:
-        inner.append(opt.optimizer)
-    return [m for o in inner for m in muon_optimizers(o)]
+    return [sub.optimizer for sub in sub_optimizers(opt) if isinstance(getattr(sub, "optimizer", None), Muon)]
 
 
 class GradMemoryProbe:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import threading
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -107,10 +107,17 @@ def _execute(cmd: List[str], log: Path, extra_env: Optional[Dict[str, str]] = No
         return subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
-def _check_dependency(sweep: Sweep, run: Run, selected: List[Run]) -> None:
+def source_run(sweep: Sweep, run: Run) -> Optional[Run]:
+    """The run whose checkpoint `run` starts from (same seed), or None."""
     if run.depends_on is None:
+        return None
+    return next(r for r in sweep.runs if r.variant == run.depends_on and r.seed == run.seed)
+
+
+def _check_dependency(sweep: Sweep, run: Run, selected: List[Run]) -> None:
+    dep = source_run(sweep, run)
+    if dep is None:
         return
-    dep = next(r for r in sweep.runs if r.variant == run.depends_on and r.seed == run.seed)
     if dep not in selected and not is_finished(dep):
         raise SweepError(f"{run.name} starts from {dep.name}, which is not finished and not selected (add "
                          f"--only {dep.variant})")
@@ -165,7 +172,7 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
     with ThreadPoolExecutor(parallel) as pool:
         while running or (pending and not failed):
             for run in list(pending) if not failed else []:
-                source = next((r for r in sweep.runs if r.variant == run.depends_on and r.seed == run.seed), None)
+                source = source_run(sweep, run)
                 if not free or (source is not None and busy(source)):
                     continue  # a dependent run waits for its source run
                 slot = free.pop(0)
