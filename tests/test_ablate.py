@@ -74,8 +74,15 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
     assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "2",
                             "--samples", "2", "--prompt-tokens", "16", "--new-tokens", "4",
                             "--json", str(muon / "eval_mtp_accept.json")]) == 0
-    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "4"]) == 2
-    assert capsys.readouterr().err.strip() == "mtp_accept: --draft-tokens must be in 1..3 (the model's MTP depths), got 4"
+    # Past the 3 trained depths the shared layer drafts on (its checkpoint loads into a 4-depth model).
+    deeper = tmp_path / "accept4.json"
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "4",
+                            "--samples", "2", "--prompt-tokens", "16", "--new-tokens", "4", "--json", str(deeper)]) == 0
+    assert "depths 4..4 apply the model's one MTP layer again" in capsys.readouterr().out
+    written = json.loads(deeper.read_text())
+    assert written["mtp_depths_trained"] == 3 and set(written["metrics"]) == {f"accept_len@{n}" for n in (1, 2, 3, 4)}
+    assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "mtp_accept: --draft-tokens must be >= 1, got 0"
     probes = tmp_path / "probes.jsonl"
     encode = lambda s: [ord(c) for c in s]  # noqa: E731  (any ids below the vocabulary do)
     probes.write_text("".join(json.dumps(p) + "\n" for p in make_probe(encode, filler_tokens(encode, None, 200),

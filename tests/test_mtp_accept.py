@@ -5,7 +5,7 @@ import torch
 
 from parallel.initialize import ensure_single_rank
 from pretrain.config import load_config
-from pretrain.eval.mtp_accept import accept_lengths, model_predictor, speculative_decode
+from pretrain.eval.mtp_accept import accept_lengths, draft_overrides, model_predictor, speculative_decode
 from pretrain.model.builder import build_model
 
 V = 97
@@ -110,3 +110,39 @@ def test_model_decoding_matches_slow_references(shared, prompts):
     metrics = accept_lengths(predict, prompts, new, 3, batch=2)
     assert metrics == pytest.approx({f"accept_len@{n}": sum(s) / len(s) for n, s in expected.items()})
     assert max(max(s) for s in expected.values()) > 1  # some drafts were accepted: the check has teeth
+
+
+def test_drafting_past_the_trained_depths_reapplies_the_one_mtp_layer():
+    """A model trained with one MTP depth drafts 3 tokens as DeepSeek-V3 does, its layer applied at every
+    depth: the logits equal megatron's one-layer-per-depth MTP holding three copies of that layer."""
+    overrides = ["model.vocab_size=12", "model.moe_token_dispatcher_type=allgather"]
+    one = load_config("configs/models/glm5-tiny.yaml", overrides + ["model.mtp_num_layers=1"])
+    ensure_single_rank()
+    torch.manual_seed(4)
+    trained = build_model(one).eval()
+    extra = draft_overrides(one.model, 3)
+    assert draft_overrides(one.model, 1) == []
+    reused = build_model(load_config("configs/models/glm5-tiny.yaml", overrides + ["model.mtp_num_layers=1"] + extra))
+    reused.load_state_dict(trained.state_dict())  # strict: the same parameters, no new ones
+    copies = build_model(load_config("configs/models/glm5-tiny.yaml", overrides + [
+        "model.mtp_num_layers=3", "model.mtp_use_repeated_layer=false"]))
+    src = trained.state_dict()
+    copies.load_state_dict({name: src[name if not name.startswith("mtp.layers.") else
+                                     "mtp.layers.0." + name.split(".", 3)[3]] for name in copies.state_dict()})
+    ids = torch.randint(0, 12, (2, 10), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(10).expand(2, -1)
+    with torch.no_grad():
+        got, expected = reused.eval().mtp_logits(ids, pos), copies.eval().mtp_logits(ids, pos)
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got[2], got[3])  # the depths differ: the layer really is applied again
+
+
+def test_per_depth_layers_cannot_draft_past_their_depths():
+    cfg = load_config("configs/models/glm5-tiny.yaml", ["model.mtp_use_repeated_layer=false"])
+    assert draft_overrides(cfg.model, 3) == []
+    with pytest.raises(ValueError, match=r"must be in 1\.\.3 \(the model's 3 MTP depths have layers of their own"):
+        draft_overrides(cfg.model, 4)
+    with pytest.raises(ValueError, match="no MTP layers"):
+        draft_overrides(load_config("configs/models/glm5-tiny.yaml", ["model.mtp_num_layers=0"]).model, 1)

@@ -22,7 +22,10 @@ kept as the reference the tests compare against). The accept length of a step is
 verifying forward, the bonus token included; at most N + 1); reported is its mean over all steps of
 all samples, for every N = 1..--draft-tokens. Forwards recompute the whole sequence (no KV cache):
 this measures the drafts' quality, not decoding speed. Shared (`mtp_use_repeated_layer`) and
-per-depth MTP layers both work; N is at most `mtp_num_layers`.
+per-depth MTP layers both work. N may exceed the trained depths D when the model's MTP parameters
+are one layer (shared depths, or D = 1): depths D+1..N apply that layer again, as DeepSeek-V3 drafts
+several tokens with its one MTP module, and as GLM-5 reports 4 steps of a 3-depth shared layer.
+Per-depth layers draft at most D tokens.
 
 Prompts are the first --prompt-tokens tokens of held-out documents (the end of the dataset, which
 megatron's split gives to validation and test); each sample decodes --new-tokens tokens.
@@ -129,12 +132,29 @@ def accept_lengths(predict: Predictor, prompts: Sequence[torch.Tensor], new_toke
     return metrics
 
 
+def draft_overrides(model_cfg, drafts: int) -> List[str]:
+    """Config overrides that let the model draft `drafts` tokens: none within its trained MTP depths; past
+    them, more depths applying its one MTP layer (ValueError where the depths have layers of their own)."""
+    depths = model_cfg.mtp_num_layers or 0
+    if depths == 0:
+        raise ValueError("the checkpoint's model has no MTP layers (model.mtp_num_layers=0): nothing drafts")
+    if drafts < 1:
+        raise ValueError(f"--draft-tokens must be >= 1, got {drafts}")
+    if drafts <= depths:
+        return []
+    if depths > 1 and not model_cfg.mtp_use_repeated_layer:
+        raise ValueError(f"--draft-tokens must be in 1..{depths} (the model's {depths} MTP depths have layers of "
+                         f"their own; drafting past them needs one shared layer), got {drafts}")
+    return [f"model.mtp_num_layers={drafts}", "model.mtp_use_repeated_layer=true"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.eval.mtp_accept", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint save dir (newest step) or step dir")
     parser.add_argument("--data", default=None, help="dataset prefix (default: the checkpoint's first data_path)")
-    parser.add_argument("--draft-tokens", type=int, default=None, help="N (default: the model's MTP depths)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="N (default: the model's MTP depths; more only with one shared MTP layer)")
     parser.add_argument("--samples", type=int, default=16, help="held-out documents (prompts)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per sample")
@@ -156,16 +176,16 @@ def main(argv=None) -> int:
         _, cfg = checkpoint_config(args.checkpoint)
         depths = cfg.model.mtp_num_layers or 0
         drafts = depths if args.draft_tokens is None else args.draft_tokens
-        if depths == 0:
-            raise ValueError("the checkpoint's model has no MTP layers (model.mtp_num_layers=0): nothing drafts")
-        if not 1 <= drafts <= depths:
-            raise ValueError(f"--draft-tokens must be in 1..{depths} (the model's MTP depths), got {drafts}")
+        overrides = draft_overrides(cfg.model, drafts)
         prefix = args.data or default_data_prefix(cfg)
         docs = held_out_documents(prefix, args.prompt_tokens, args.samples)
     except (FileNotFoundError, ValueError) as err:
         print(f"mtp_accept: {err}", file=sys.stderr)
         return 2
-    cfg, model = load_for_eval(args.checkpoint)
+    if overrides:
+        print(f"drafting {drafts} tokens with {depths} trained MTP depth{'s' * (depths > 1)}: depths "
+              f"{depths + 1}..{drafts} apply the model's one MTP layer again")
+    cfg, model = load_for_eval(args.checkpoint, overrides)
     device = device_of(model)
     prompts = [torch.as_tensor(d[: args.prompt_tokens], device=device) for d in docs]
     print(f"{len(prompts)} prompts of {args.prompt_tokens} tokens from {prefix}, {args.new_tokens} new tokens each")
@@ -173,7 +193,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metrics": metrics, "checkpoint": args.checkpoint, "data": prefix,
-                                         "samples": len(prompts), "prompt_tokens": args.prompt_tokens,
+                                         "mtp_depths_trained": depths, "samples": len(prompts), "prompt_tokens": args.prompt_tokens,
                                          "new_tokens": args.new_tokens}, indent=2) + "\n")
     return 0
 
