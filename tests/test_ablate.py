@@ -1,6 +1,7 @@
 """The ablation runner end to end on the CPU smoke sweep, and its refusals of bad sweep files."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from data_pipeline.indexed import DatasetWriter
 from data_pipeline.retrieval_probe import filler_tokens, make_probe
 from pretrain.ablate.__main__ import main
+from pretrain.ablate.runner import mps_running
 from pretrain.eval import mtp_accept, retrieval
 from pretrain.ablate.sweep import SweepError, is_sweep_file, load_sweep
 
@@ -25,7 +27,7 @@ def _losses(run_dir: Path):
     return [r["loss"] for r in rows]
 
 
-def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys):
+def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys, monkeypatch):
     out = tmp_path / "smoke"
     assert main([str(SMOKE), "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -62,8 +64,11 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
 
     # Both runs at once (--parallel 2) train exactly as one after the other did.
     both = tmp_path / "smoke_parallel"
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no_mps"))
+    capsys.readouterr()
     assert main([str(SMOKE), "--output-dir", str(both), "--parallel", "2"]) == 0
     assert {n: _losses(both / f"{n}/seed1234") for n in reference} == reference
+    assert "note: no NVIDIA MPS daemon found, so the GPU takes turns between the 2 runs" in capsys.readouterr().out
 
     # The evaluations on a finished run's checkpoint, through their command lines, land in the table.
     prefix = str(tmp_path / "heldout")
@@ -338,3 +343,10 @@ def test_evaluate_at_runs_each_evaluation_on_the_step_checkpoint(tmp_path, monke
     assert rows["a"]["metrics"]["retrieval@64"]["mean"] == 0.5 and "retrieval@64" not in rows["b"]["metrics"]
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--evaluate-at", "2"]) == 0  # nothing missing
     assert len(calls) == 1
+
+
+def test_mps_daemon_is_found_by_its_control_pipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    os.mkfifo(tmp_path / "control")  # what nvidia-cuda-mps-control -d creates
+    assert mps_running()
