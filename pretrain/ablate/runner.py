@@ -169,8 +169,8 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
         return 0
     if not mps_running():
         say(f"note: no NVIDIA MPS daemon found, so the GPU takes turns between the {parallel} runs; start it "
-            "first (nvidia-cuda-mps-control -d) for their kernels to share it (2.1x the throughput of eight "
-            "glm5-ablate runs on an H200)")
+            "first (nvidia-cuda-mps-control -d) for their kernels to share it (about 1.5x the throughput of "
+            "eight glm5-ablate runs on an H200)")
     lock = threading.Lock()
 
     def locked_say(text: str) -> None:
