@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.test_parallel_equivalence import global_param_names, param_meta, rank_coords, rel_err, shard_like
+from tests.parallel_helpers import global_param_names, param_meta, rank_coords, rel_err, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"

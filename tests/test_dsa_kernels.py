@@ -12,7 +12,7 @@ Every kernel is compared with something it does not compute itself:
   reference backend's losses and gradients.
 
 Shapes are tiny and ragged (S not a multiple of any block, heads / dims padded inside the kernels).
-The same kernels run compiled on the GPU in tests/test_gpu.py.
+The same kernels run compiled on the GPU in tests/test_gpu_dsa_kernels.py.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def rank_saved_bytes(rank: int, world_size: int) -> Dict[str, List[dict]]:
     from pretrain.config import load_config
     from pretrain.model.builder import build_model
     from pretrain.training.saved_activations import SavedTensors
-    from tests.test_parallel_equivalence import TINY
+    from tests.parallel_helpers import TINY
 
     # the flash kernel, as on GPU (see the module docstring)
     core_attention.sdpa_kernel = lambda backends, set_priority=False: sdpa_kernel([SDPBackend.FLASH_ATTENTION])

@@ -370,7 +370,7 @@ TP_PARAMS = list(TP_CASES)
 
 def _tp_config(case: str, parallel: bool):
     from pretrain.config import load_config
-    from tests.test_parallel_equivalence import BASE_OVERRIDES, TINY
+    from tests.parallel_helpers import BASE_OVERRIDES, TINY
 
     model, layout = TP_CASES[case]
     return load_config(TINY, BASE_OVERRIDES + model + (layout if parallel else []))
@@ -389,7 +389,7 @@ def _tp_step(model, batch: torch.Tensor):
 def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torch.Tensor) -> dict:
     from parallel.initialize import destroy_parallel, initialize_parallel
     from pretrain.model.builder import build_model
-    from tests.test_parallel_equivalence import SEED, grads_of, state_of
+    from tests.parallel_helpers import SEED, grads_of, state_of
 
     out = {}
     try:
@@ -420,7 +420,7 @@ def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torc
 def rank_dsa_parallel(rank: int, world_size: int, cases: List[str], batch: torch.Tensor, states: dict) -> dict:
     from parallel.initialize import destroy_parallel, initialize_parallel
     from pretrain.model.builder import build_model
-    from tests.test_parallel_equivalence import SEED, grads_of, param_meta, rank_coords, shard_like
+    from tests.parallel_helpers import SEED, grads_of, param_meta, rank_coords, shard_like
 
     out = {}
     try:
@@ -447,7 +447,7 @@ def rank_dsa_parallel(rank: int, world_size: int, cases: List[str], batch: torch
 
 @pytest.fixture(scope="module")
 def tp_runs():
-    from tests.test_parallel_equivalence import RANK_ENV, make_batch
+    from tests.parallel_helpers import RANK_ENV, make_batch
 
     batch = make_batch()
     cases = list(TP_CASES)
@@ -459,7 +459,7 @@ def tp_runs():
 
 @pytest.mark.parametrize("case", TP_PARAMS)
 def test_tp2_dsa_matches_single_rank(tp_runs, case):
-    from tests.test_parallel_equivalence import SEQ, compare_grads, rel_err, shard_like
+    from tests.parallel_helpers import SEQ, compare_grads, rel_err, shard_like
 
     ref_all, par_all = tp_runs
     ref, results = ref_all[case], [r[case] for r in par_all]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.test_parallel_equivalence import (
+from tests.parallel_helpers import (
     BASE_OVERRIDES,
     LAYOUTS,
     RANK_ENV,

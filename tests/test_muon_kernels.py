@@ -4,7 +4,7 @@ Each kernel against the float64 formula on the strided block views Muon hands it
 rows and columns, a grouped expert weight's memory chunks cut into GLU halves, a tall block whose stage
 is a transposed view), with sizes that are no multiple of the 64 x 64 tile; then whole Muon steps with
 the kernels against Muon's torch path on the same parameters and gradients. The same comparison at
-real sizes runs compiled on the GPU in tests/test_gpu.py.
+real sizes runs compiled on the GPU in tests/test_gpu_training.py.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_momentum_and_stage_matches_float64(kernels, case, nesterov_mu, stage_dt
         u = w if nesterov_mu is None else g.double() + nesterov_mu * w
         # one rounding of the fp32 sum (which carries M's fp32 error) into the stage: within one ulp,
         # 2^-7 relative in bf16, since Triton 3.6's interpreter casts fp32 to bf16 by truncation (the
-        # GPU rounds to nearest even: tests/test_gpu.py checks the bits against torch)
+        # GPU rounds to nearest even: tests/test_gpu_training.py checks the bits against torch)
         ulp = 2.0**-7 if stage_dtype == torch.bfloat16 else 2.0**-23
         tol = ulp * u.abs() + 2.0**-20 * (g.double().abs() + m_old.abs())
         assert ((stage.double() - u).abs() <= tol).all(), case

@@ -5,7 +5,7 @@ Shapes are tiny and ragged: vocabulary widths that are no multiple of the kernel
 chunks that do not divide the tokens, masked tokens (weight 0) and non-binary weights, labels outside a
 rank's vocabulary slice. Tensor parallelism is simulated in one process: each simulated rank runs the
 kernels on its slice and `combine_rank_stats` reduces through a thread barrier exactly as the all-reduces
-would. The same kernels run compiled on the GPU in tests/test_gpu.py.
+would. The same kernels run compiled on the GPU in tests/test_gpu_output_loss.py.
 """
 
 from __future__ import annotations
