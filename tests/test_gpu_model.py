@@ -29,13 +29,13 @@ def test_sdpa_core_attention_mla_shapes_match_fp64():
     """cuDNN-first SDPA at GLM-5's MLA head dims (qk 256, v 256), bf16, against float64."""
     import torch.nn.functional as F
 
-    from pretrain.model.core_attention import _GPU_BACKENDS
+    from pretrain.model.core_attention import GPU_BACKENDS
     from torch.nn.attention import sdpa_kernel
 
     b, h, s = 2, 16, 1024
     q, k = (torch.randn(b, h, s, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(b, h, s, 256, device="cuda", dtype=torch.bfloat16)
-    with sdpa_kernel(_GPU_BACKENDS, set_priority=True):
+    with sdpa_kernel(GPU_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=256**-0.5)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=256**-0.5)
     assert rel(out, ref) < 1e-2

@@ -29,7 +29,7 @@ from pretrain.model.sliding_window import combine, sliding_window_mask
 
 
 # cuDNN first on GPU: on Hopper it is the fastest SDPA kernel at MLA's head dims (qk 256, v 256).
-_GPU_BACKENDS = [
+GPU_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -97,7 +97,7 @@ class SDPACoreAttention(MegatronModule):
         if self.window_size is not None:  # the window is causal too (right = 0), so it replaces is_causal
             window = sliding_window_mask(q.shape[2], k.shape[2], self.window_size, q.device)
             attn_mask, is_causal = combine(window, attention_mask), False
-        backends = _GPU_BACKENDS if q.is_cuda else [SDPBackend.MATH]
+        backends = GPU_BACKENDS if q.is_cuda else [SDPBackend.MATH]
         with sdpa_kernel(backends, set_priority=True):
             out = F.scaled_dot_product_attention(
                 q,
