@@ -15,7 +15,7 @@ From these the test recomputes in float64, without the trackers, the auto-scaler
   averaged over MoE layers, micro-batches and ranks;
 * `indexer_loss`: per layer the mean of its losses over micro-batches (and MTP depths), then the
   mean over layers, averaged over ranks; also the per-layer keys. (The KL itself is checked against
-  a naive reference in tests/test_dsa_model.py; here the reductions are.)
+  a naive reference in tests/test_dsa_model_indexer_loss.py; here the reductions are.)
 
 The LM loss is recomputed from the main head's logits too, which also pins which output-layer call
 is which. With 2 ranks (data parallel) each rank sees other micro-batches: the reference averages

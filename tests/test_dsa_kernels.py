@@ -2,7 +2,7 @@
 
 Every kernel is compared with something it does not compute itself:
 
-* index scores: the float64 formula (tests/test_dsa_ops.py's naive loops' einsum form);
+* index scores: the float64 formula (tests/dsa_references.py's naive loops' einsum form);
 * top-k selection: a naive Python sort implementing the documented rule (ties to the lower key
   index), applied to the kernel's own scores, so the check is exact; and the whole `indexer_topk`
   against the reference `pretrain.model.dsa.indexer.indexer_topk` where no ties straddle the boundary;
@@ -29,7 +29,7 @@ from pretrain.model.dsa.indexer import (  # noqa: E402
     VisibleKeys, gather_keys, index_scores_at, indexer_topk, segment_ids_from_cu_seqlens,
 )
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
-from tests.test_dsa_ops import NEG_INF, ref_topk  # noqa: E402
+from tests.dsa_references import NEG_INF, ref_topk  # noqa: E402
 
 F64 = torch.float64
 
@@ -238,7 +238,7 @@ def interpret(kern):
 
 def test_triton_backend_matches_transformers(interpret, tmp_path):
     from pretrain.convert import load_hf_model
-    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, positions, relative_error, tokens
+    from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, positions, relative_error, tokens
 
     hf = hf_checkpoint(tmp_path, 41, layers=2, dense=1, index_topk=7, index_n_heads=NO_TIE_INDEX_HEADS)
     ids = tokens(41, 2, 21)
@@ -255,7 +255,7 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
     """Sparse attention + sparse indexer loss, LM and indexer gradients: Triton vs reference backend
     (same weights, same tokens), with the deterministic backward too."""
     from pretrain.convert import load_hf_model
-    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
+    from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
 
     hf_checkpoint(tmp_path, 42, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
     ids_all = tokens(42, 2, 20)
@@ -287,9 +287,9 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
 def test_triton_backend_dense_attention_sparse_kl(interpret, tmp_path):
     """Dense attention with the selected-keys KL (dsa_indexer_use_sparse_loss=true): the Triton top-k
     and index-score kernels give the reference backend's indexer loss and gradients (the reference
-    is checked against a float64 KL in tests/test_dsa_model.py)."""
+    is checked against a float64 KL in tests/test_dsa_model_indexer_loss.py)."""
     from pretrain.convert import load_hf_model
-    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
+    from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
 
     hf_checkpoint(tmp_path, 43, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
     ids_all = tokens(43, 2, 18)

@@ -104,7 +104,7 @@ def test_sparse_core_matches_float64_composition(backend, recompute):
 def test_core_attn_recompute_of_sparse_layers_matches_the_plain_run(tmp_path):
     from pretrain.convert import load_hf_model
     from pretrain.model.dsa import DSACoreAttention
-    from tests.test_dsa_model import NO_TIE_INDEX_HEADS, document_mask, hf_checkpoint, lm_step, tokens
+    from tests.dsa_helpers import NO_TIE_INDEX_HEADS, document_mask, hf_checkpoint, lm_step, tokens
 
     hf_checkpoint(tmp_path, 81, layers=3, dense=1, index_topk=5, indexer_types=["full", "shared", "full"],
                   index_n_heads=NO_TIE_INDEX_HEADS)

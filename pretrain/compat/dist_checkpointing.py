@@ -82,7 +82,7 @@ WORKAROUNDS = [
         target="megatron.core.dist_checkpointing.strategies.filesystem_async (FileSystemWriterAsync)",
         reason="every torch_dist save hangs without psutil; on CPU the forked writers leave a spawn server behind",
         upstream="open",
-        test="tests/test_dsa_training.py::test_hf_to_checkpoint_cli_finishes_without_psutil",
+        test="tests/test_dsa_training_hf_start.py::test_hf_to_checkpoint_cli_finishes_without_psutil",
         install=patch_dist_checkpoint_writer,
     ),
 ]

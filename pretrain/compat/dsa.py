@@ -53,7 +53,7 @@ WORKAROUNDS = [
         reason="megatron-core never sets the DSA indexer-loss scale: its gradient is not averaged over "
                "micro-batches; the trainer sets it every step",
         upstream="open",
-        test="tests/test_dsa_model.py::test_indexer_gradient_follows_the_loss_scale",
+        test="tests/test_dsa_model_indexer_loss.py::test_indexer_gradient_follows_the_loss_scale",
         install=None,
     ),
 ]

@@ -1,7 +1,7 @@
 """Tensor/sequence parallelism on megatron-core 0.16.1's torch-native backend (part of `pretrain.compat`).
 
 Three problems, each found by comparing a TP = 2 run with a single-rank run
-(tests/test_parallel_equivalence.py, tests/test_dsa_model.py):
+(tests/test_parallel_equivalence.py, tests/test_dsa_model_tensor_parallel.py):
 
 * `mappings._reduce` returns a non-contiguous input unreduced;
 * MLA's shared rope key loses the other ranks' share of its gradient (Megatron-LM issue 1699);
@@ -124,7 +124,7 @@ WORKAROUNDS = [
         target="megatron.core.tensor_parallel.mappings._reduce",
         reason="a non-contiguous tensor comes back unreduced, so TP ranks keep only their own heads' gradient",
         upstream="open",
-        test="tests/test_dsa_model.py::test_tp2_dsa_matches_single_rank",
+        test="tests/test_dsa_model_tensor_parallel.py::test_tp2_dsa_matches_single_rank",
         install=patch_tp_reduce_noncontiguous,
     ),
     Workaround(

@@ -1,15 +1,12 @@
-"""The DSA continued-pretraining recipe through the trainer: weights-only starts, warm-up freezing,
-the indexer loss over micro-batches, HF starts, the new config rules and the launch script.
+"""The DSA continued-pretraining recipe via the trainer: warm-up freezing, micro-batches, weight-only starts, launch."""
 
-References the code under test does not compute itself:
-
-* the dense checkpoint's own saved tensors, read with torch.distributed.checkpoint directly (not
-  through megatron's loader), for what a warm-up loads;
-* the model's state dict before training, for what a frozen warm-up must leave untouched;
-* a run whose global batch is a single micro-batch, for the 2-micro-batch indexer gradient;
-* transformers' `GlmMoeDsaForCausalLM`, for a model started from an HF checkpoint;
-* means computed here from metrics.jsonl, for the numbers of the recipe's report.
-"""
+# References the code under test does not compute itself:
+#
+# * the dense checkpoint's own saved tensors, read with torch.distributed.checkpoint directly (not
+#   through megatron's loader), for what a warm-up loads;
+# * the model's state dict before training, for what a frozen warm-up must leave untouched;
+# * a run whose global batch is a single micro-batch, for the 2-micro-batch indexer gradient;
+# * means computed here from metrics.jsonl, for the numbers of the recipe's report.
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,20 +23,23 @@ import pytest
 import torch
 
 from tests.distributed import free_port, run_ranks
+from tests.dsa_helpers import (
+    ROOT,
+    TINY,
+    convert,
+    hf_dir,  # noqa: F401  (a module-scoped fixture)
+    is_indexer,
+    relative_error,
+    saved_tensors,
+    single_rank_model,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs/models/glm5-tiny.yaml"
 WARMUP = ROOT / "configs/dsa/glm5-tiny-dsa-warmup.yaml"
 SPARSE = ROOT / "configs/dsa/glm5-tiny-dsa-sparse.yaml"
 DENSE_CONTINUE = ROOT / "configs/dsa/glm5-tiny-dense-continue.yaml"
-INDEXER = ".core_attention.indexer."
 # Every layer with attention: the two decoder layers and the (shared) MTP layer.
 ATTENTION_LAYERS = ("decoder.layers.0.", "decoder.layers.1.", "mtp.layers.0.")
 PER_LAYER = ("layer_01", "layer_02", "mtp")
-
-
-def is_indexer(name: str) -> bool:
-    return INDEXER in name
 
 
 def data_overrides(data: Path, seq: int = 64) -> List[str]:
@@ -72,15 +71,6 @@ def step_dir(ckpt: Path) -> Path:
     return steps[-1]
 
 
-def saved_tensors(ckpt_dir: Path, tmp: Path) -> Dict[str, torch.Tensor]:
-    """The tensors of a torch_dist checkpoint, read by torch.distributed.checkpoint itself."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / f"{ckpt_dir.name}.pt"
-    dcp_to_torch_save(str(ckpt_dir), str(out))
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
-
-
 def saved_layout(name: str, tensor: torch.Tensor, saved: Dict[str, torch.Tensor]):
     """(checkpoint key, the model tensor in the checkpoint's layout). Grouped-GEMM expert weights are
     stored per expert as SequentialMLP's fc1 [E, 2F, H] / fc2 [E, H, F]; in memory weight1 holds
@@ -94,12 +84,6 @@ def saved_layout(name: str, tensor: torch.Tensor, saved: Dict[str, torch.Tensor]
         e, h, _ = saved[key].shape
         return key, tensor.reshape(e, -1, h).transpose(1, 2)
     return name, tensor
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = ref.abs().max().item()
-    diff = (out - ref).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,24 +143,6 @@ def dense_ckpt(stdlib_data, tmp_path_factory):
         stdlib_data, root / "run", "model.experimental_attention_variant=null", "train.train_iters=2",
         f"checkpoint.save={root / 'ckpt'}"))
     return root / "ckpt"
-
-
-def convert(hf_dir, out_dir, **overrides) -> Path:
-    """`hf_to_checkpoint` in this process."""
-    from pretrain.convert.training_checkpoint import hf_to_checkpoint
-
-    return Path(hf_to_checkpoint(str(hf_dir), str(out_dir), **overrides))
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny GLM-5 HF directory with its MTP layer; returns (path, the HF model of the main layers).
-    32 index heads: no index-score ties at the top-k boundary, where transformers' torch.topk and our
-    documented rule (lowest key index) may pick different keys."""
-    from tests.hf_fixtures import write_hf_checkpoint
-
-    path = tmp_path_factory.mktemp("hf") / "glm5"
-    return path, write_hf_checkpoint(str(path), 5, layers=2, dense=1, mtp=True, index_n_heads=32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,21 +256,13 @@ def test_indexer_gradient_is_averaged_over_microbatches(stdlib_data, tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def _single_rank_model(cfg):
-    from parallel.initialize import ensure_single_rank
-    from pretrain.model.builder import build_model
-
-    ensure_single_rank()
-    return build_model(cfg)
-
-
 def test_missing_tensors_other_than_the_indexer_are_errors(stdlib_data, dense_ckpt, hf_dir, tmp_path):
     from pretrain.config import load_config
     from pretrain.training.pretrained import load_pretrained_weights
 
     # positive control: a DSA model from the dense checkpoint; only the indexer is missing, and it
     # keeps its initialization while everything else takes the checkpoint's values
-    model = _single_rank_model(load_config(str(TINY), data_overrides(stdlib_data)))
+    model = single_rank_model(load_config(str(TINY), data_overrides(stdlib_data)))
     init = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     fresh = load_pretrained_weights(str(dense_ckpt), [model])
     assert sorted(fresh) == sorted(k for k in init if is_indexer(k)) and fresh
@@ -316,17 +274,17 @@ def test_missing_tensors_other_than_the_indexer_are_errors(stdlib_data, dense_ck
     deeper = load_config(str(TINY), [*data_overrides(stdlib_data), "model.num_layers=3",
                                      "model.moe_layer_freq=[0,1,1]"])
     with pytest.raises(RuntimeError, match=r"decoder\.layers\.2\."):
-        load_pretrained_weights(str(dense_ckpt), [_single_rank_model(deeper)])
+        load_pretrained_weights(str(dense_ckpt), [single_rank_model(deeper)])
 
     # an HF model converted without its MTP layer, into a target with MTP
     path, _ = hf_dir
     no_mtp = convert(path, tmp_path / "no_mtp", mtp_num_layers=None)
     plain_cfg = load_config(str(no_mtp / "config.yaml"))
     assert not plain_cfg.model.mtp_num_layers
-    assert load_pretrained_weights(str(no_mtp), [_single_rank_model(plain_cfg)]) == []  # positive control
+    assert load_pretrained_weights(str(no_mtp), [single_rank_model(plain_cfg)]) == []  # positive control
     with_mtp = load_config(str(no_mtp / "config.yaml"), ["model.mtp_num_layers=3"])
     with pytest.raises(RuntimeError, match=r"mtp\.layers\.0\."):
-        load_pretrained_weights(str(no_mtp), [_single_rank_model(with_mtp)])
+        load_pretrained_weights(str(no_mtp), [single_rank_model(with_mtp)])
 
     with pytest.raises(FileNotFoundError, match="checkpoint.pretrained"):
         load_pretrained_weights(str(tmp_path / "nowhere"), [model])
@@ -346,150 +304,7 @@ def test_nonexistent_pretrained_fails_before_any_process_group(stdlib_data, tmp_
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. an HF checkpoint as the starting point
-# ------------------------------------------------------------------------------------------------
-
-
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model.eval()(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1), None)
-
-
-def test_hf_to_checkpoint_starts_a_model_with_transformers_logits(hf_dir, tmp_path, capsys):
-    from transformers import GlmMoeDsaForCausalLM
-
-    from pretrain.config import load_config
-    from pretrain.convert.cli import main as convert_cli
-    from pretrain.training.pretrained import WEIGHTS_MARKER, load_pretrained_weights
-
-    path, hf = hf_dir
-    out = convert(path, tmp_path / "weights")
-    assert (out / WEIGHTS_MARKER).is_file()
-    cfg = load_config(str(out / "config.yaml"))
-    assert cfg.model.mtp_num_layers == 3 and cfg.model.dsa_sparse_attention  # the HF import sets both
-    model = _single_rank_model(cfg)
-    assert load_pretrained_weights(str(out), [model]) == []  # the HF checkpoint has the indexers
-    seq = 24
-    assert hf.config.index_topk >= seq  # every causal key is selected: sparse attention is dense here
-    ids = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    ours = _logits(model, ids)
-    assert ours.shape == ref.shape
-    assert relative_error(ours, ref) <= 1e-5
-
-    # the sparse regime: the same weights with index_topk below the sequence length
-    sparse_hf_dir = tmp_path / "hf_sparse"
-    shutil.copytree(path, sparse_hf_dir)
-    config = json.loads((sparse_hf_dir / "config.json").read_text())
-    config["index_topk"] = 6
-    (sparse_hf_dir / "config.json").write_text(json.dumps(config))
-    sparse_out = convert(sparse_hf_dir, tmp_path / "weights_sparse")
-    sparse_cfg = load_config(str(sparse_out / "config.yaml"))
-    assert sparse_cfg.model.dsa_sparse_attention and sparse_cfg.model.dsa_indexer_topk == 6
-    sparse_model = _single_rank_model(sparse_cfg)
-    assert load_pretrained_weights(str(sparse_out), [sparse_model]) == []
-    sparse_ref_model = GlmMoeDsaForCausalLM.from_pretrained(str(sparse_hf_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        sparse_ref = sparse_ref_model(ids).logits
-    assert relative_error(_logits(sparse_model, ids), sparse_ref) <= 1e-5
-    assert relative_error(sparse_ref, ref) > 1e-3  # top-6 of 24 keys really differs from dense
-
-    # the CLI refuses an existing output directory, with a message and exit code 2
-    capsys.readouterr()
-    assert convert_cli(["hf-to-checkpoint", str(path), str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "exists" in err and str(out) in err and "Traceback" not in err
-
-
-def _run_killing_group(cmd: List[str], timeout: float) -> tuple:
-    """(exit code or None on timeout, stderr); on timeout the command's whole process group (it and the
-    writer processes it forked) is killed."""
-    import signal
-
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-        return proc.returncode, err
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        return None, err
-
-
-def test_hf_to_checkpoint_cli_finishes_without_psutil(hf_dir, tmp_path):
-    """Regression (megatron's forked checkpoint writer hung without psutil before the writer patch).
-    `python -m pretrain.convert.cli hf-to-checkpoint HF OUT` in a fresh process (about 5 s here when it
-    works) exits 0 with the tensors of an in-process conversion, and refuses an existing OUT with 2."""
-    path, _ = hf_dir
-    cli_out = tmp_path / "weights_cli"
-    cmd = [sys.executable, "-m", "pretrain.convert.cli", "hf-to-checkpoint", str(path), str(cli_out)]
-    code, err = _run_killing_group(cmd, timeout=25)
-    assert code is not None, f"hf-to-checkpoint did not finish in 25 s:\n{err[-2000:]}"
-    assert code == 0, err[-2000:]
-    a, b = saved_tensors(cli_out, tmp_path), saved_tensors(convert(path, tmp_path / "weights"), tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    code, err = _run_killing_group(cmd, timeout=60)
-    assert code == 2 and "exists" in err
-
-
-# ------------------------------------------------------------------------------------------------
-# 5. the DSA config rules
-# ------------------------------------------------------------------------------------------------
-
-DSA_RULES = [
-    # (overrides that break a rule, the key the message names, overrides that satisfy it)
-    (["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.5", "model.dsa_indexer_use_sparse_loss=false"],
-     "model.dsa_indexer_use_sparse_loss",
-     ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.5", "model.dsa_indexer_use_sparse_loss=true"]),
-    (["model.dsa_sparse_attention=true", "model.attention_dropout=0.1"], "model.attention_dropout",
-     ["model.dsa_sparse_attention=false", "model.attention_dropout=0.1"]),
-    (["model.dsa_indexer_types=[full]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,full]"]),
-    (["model.dsa_indexer_types=[full,full,full]"], "model.dsa_indexer_types",
-     ["model.dsa_indexer_types=[full,shared]"]),
-    (["model.dsa_indexer_types=[full,sparse]"], "model.dsa_indexer_types", ["model.dsa_indexer_types=[full,shared]"]),
-    (["model.dsa_indexer_types=[shared,full]"], "model.dsa_indexer_types[0]", ["model.dsa_indexer_types=[full,full]"]),
-    (["model.dsa_indexer_types=[full,shared]", "parallel.pipeline_model_parallel_size=2"], "model.dsa_indexer_types",
-     ["model.dsa_indexer_types=[full,full]", "parallel.pipeline_model_parallel_size=2"]),
-    (["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=0.0"], "train.trainable_params",
-     ["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0"]),
-    (["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0",
-      "model.experimental_attention_variant=null"], "train.trainable_params",
-     ["train.trainable_params=dsa_indexer", "model.dsa_indexer_loss_coeff=1.0"]),
-    (["model.dsa_indexer_hadamard=true", "model.dsa_indexer_head_dim=12"], "model.dsa_indexer_hadamard",
-     ["model.dsa_indexer_hadamard=true", "model.dsa_indexer_head_dim=16"]),
-    (["model.dsa_chunk_size=0"], "model.dsa_chunk_size", ["model.dsa_chunk_size=8"]),
-    (["model.dsa_chunk_size=-4"], "model.dsa_chunk_size", ["model.dsa_chunk_size=null"]),
-    (["model.dsa_kernel_backend=cuda"], "model.dsa_kernel_backend", ["model.dsa_kernel_backend=triton"]),
-    (["model.dsa_sparse_recompute_attention=true"], "model.dsa_sparse_recompute_attention",
-     ["model.dsa_sparse_recompute_attention=true", "model.dsa_sparse_attention=true"]),
-]
-
-
-@pytest.mark.parametrize("bad, key, good", DSA_RULES, ids=[f"{i}-{r[1]}" for i, r in enumerate(DSA_RULES)])
-def test_dsa_config_rules(bad, key, good):
-    from pretrain.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError) as err:
-        load_config(str(TINY), bad)
-    assert key in str(err.value)
-    load_config(str(TINY), good)  # the nearest valid config loads
-
-
-def test_pipeline_rule_names_the_stage_starting_layers():
-    from pretrain.config import ConfigError, load_config
-
-    types = "model.dsa_indexer_types=[full,shared,full,shared]"
-    base = [types, "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]"]
-    load_config(str(TINY), [*base, "parallel.pipeline_model_parallel_size=2"])  # layers 0 and 2 start stages
-    with pytest.raises(ConfigError, match=r"layers \[1, 3\]") as err:
-        load_config(str(TINY), [*base, "parallel.pipeline_model_parallel_size=4"])
-    assert "model.dsa_indexer_types" in str(err.value)
-
-
-# ------------------------------------------------------------------------------------------------
-# 6. the launch script
+# 4. the launch script
 # ------------------------------------------------------------------------------------------------
 
 
