@@ -193,8 +193,9 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metrics": metrics, "checkpoint": args.checkpoint, "data": prefix,
-                                         "mtp_depths_trained": depths, "samples": len(prompts), "prompt_tokens": args.prompt_tokens,
-                                         "new_tokens": args.new_tokens}, indent=2) + "\n")
+                                         "mtp_depths_trained": depths, "samples": len(prompts),
+                                         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+                                        indent=2) + "\n")
     return 0
 
 
