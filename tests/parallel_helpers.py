@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -303,6 +303,23 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def check_grad(label: str, got: Optional[torch.Tensor], want: Optional[torch.Tensor], failures: List[str]) -> Optional[float]:
+    """One gradient against its reference: a mismatch is appended to `failures` (a gradient where the
+    reference has none, none where it has one, or a relative max-abs error above TOL). Returns the error,
+    or None where there was nothing to compare."""
+    if want is None:
+        if got is not None and got.any():
+            failures.append(f"{label}: has a gradient, the reference none")
+        return None
+    if got is None:
+        failures.append(f"{label}: no gradient")
+        return None
+    err = rel_err(got, want)
+    if not err <= TOL:
+        failures.append(f"{label}: relative max-abs error {err:.2e}")
+    return err
+
+
 def compare_grads(reference: dict, results: List[dict], reduce: bool, skip=lambda name: False) -> float:
     """Assert that every rank's gradient (combined by `reduced_grad` when `reduce`) equals its shard
     of the reference gradient; return the worst relative error. A parameter without a reference
@@ -314,17 +331,10 @@ def compare_grads(reference: dict, results: List[dict], reduce: bool, skip=lambd
             if skip(name):
                 continue
             got = reduced_grad(results, rank, name) if reduce else res["grads"][name]
-            if full is None:
-                if got is not None and got.any():
-                    failures.append(f"rank {rank} {name}: has a gradient, the reference none")
-                continue
-            if got is None:
-                failures.append(f"rank {rank} {name}: no gradient")
-                continue
-            err = rel_err(got, shard_like(name, full, res["meta"][name], res["coords"]))
-            worst, compared = max(worst, err), compared + 1
-            if not err <= TOL:
-                failures.append(f"rank {rank} {name}: relative max-abs error {err:.2e}")
+            want = None if full is None else shard_like(name, full, res["meta"][name], res["coords"])
+            err = check_grad(f"rank {rank} {name}", got, want, failures)
+            if err is not None:
+                worst, compared = max(worst, err), compared + 1
     assert not failures, "gradients differ from the single-rank run:\n" + "\n".join(failures)
     assert compared > 0
     return worst
