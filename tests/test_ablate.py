@@ -314,6 +314,60 @@ def test_parallel_runs_share_the_machine_with_own_ports_and_wait_for_their_sourc
     assert {name for kind, name, _, _ in events if kind == "start"} == {"dense/seed1", "other/seed1"}
 
 
+def test_two_sweeps_on_one_machine_take_different_ports(tmp_path, monkeypatch):
+    """Two sweeps started at once on one machine, each with `--parallel 2`: every run's torchrun can listen on
+    its MASTER_PORT (the stand-in binds it for the run's duration, as torchrun's rendezvous store does), so
+    no run fails on a port another sweep holds. With MASTER_PORT set, runs take MASTER_PORT + 1 + slot."""
+    import errno
+    import socket
+    import threading
+    import time
+
+    from pretrain.ablate import runner
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: a}\n  - {name: b}\n")
+    sweeps = [load_sweep(path, tmp_path / f"out{i}") for i in range(2)]
+    done, ports, lock = {}, [], threading.Lock()
+    start = threading.Barrier(2)
+
+    def execute(cmd, log, extra_env=None):
+        port = int(extra_env["MASTER_PORT"])
+        with lock:
+            ports.append(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as err:
+                assert err.errno == errno.EADDRINUSE
+                return 1
+            sock.listen()
+            time.sleep(0.3)
+        done[log.parent] = 1
+        return 0
+
+    monkeypatch.setattr(runner, "_execute", execute)
+    monkeypatch.setattr(runner, "finished_iteration", lambda run: done.get(run.run_dir))
+    results = [None, None]
+
+    def sweep_thread(i):
+        start.wait()
+        results[i] = runner.run_local(sweeps[i], sweeps[i].runs, dry_run=False, say=lambda _: None, parallel=2)
+
+    threads = [threading.Thread(target=sweep_thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [0, 0] and len(ports) == 4 and len(set(ports)) == 4, ports
+
+    monkeypatch.setenv("MASTER_PORT", "31000")
+    done.clear()
+    ports.clear()
+    assert runner.run_local(sweeps[0], sweeps[0].runs, dry_run=False, say=lambda _: None, parallel=2) == 0
+    assert sorted(ports) == [31001, 31002]
+
+
 def test_evaluate_at_runs_each_evaluation_on_the_step_checkpoint(tmp_path, monkeypatch, capsys):
     """`--evaluate-at N`: every run that has a step-N checkpoint gets its evaluations on that checkpoint, into
     eval_<name>_step<N>.json; a run without one is named and skipped; then the report as of step N."""

@@ -4,8 +4,10 @@ Each run is one command: `bash launch/train.sh --config BASE OVERRIDES...` (torc
 `python -m pretrain.train ...` (one process), or with `--slurm` one `sbatch launch/slurm.sbatch ...`
 job per run (a run that starts from another's checkpoint waits for it with `--dependency=afterok`).
 Commands run from the repository root, one after another, or up to N at a time with `parallel` (small
-models that leave a GPU idle: several runs share it; each torchrun run gets its own MASTER_PORT, and a
-run that starts from another's checkpoint waits for it); a run's output goes to `<run_dir>/train.log`.
+models that leave a GPU idle: several runs share it; a run that starts from another's checkpoint waits for
+it); a run's output goes to `<run_dir>/train.log`. Each local run gets its own torchrun MASTER_PORT: one the
+OS reports free when the run starts, so that two sweeps on one machine do not collide; with MASTER_PORT set,
+runs take MASTER_PORT + 1, + 2, ... (one per concurrent run) instead.
 
 A run is finished when its checkpoint directory's `latest` marker names its last iteration (the
 trainer always saves at the end); a run with an earlier checkpoint is started again with the same
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -148,6 +151,25 @@ def _run_one(sweep: Sweep, run: Run, dry_run: bool, say, extra_env: Optional[Dic
     return 0
 
 
+def free_local_port(taken=()) -> int:
+    """A TCP port that the OS reports free on this machine now and that is not in `taken` (the ports of runs
+    this sweep started, which their torchrun may not have bound yet)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
+
+
+def _port_env(slot: int, taken) -> Dict[str, str]:
+    """MASTER_PORT for a run in concurrency slot `slot`: MASTER_PORT + 1 + slot when the user set MASTER_PORT
+    (torchrun's own port stays free), else a port free now."""
+    if "MASTER_PORT" in os.environ:
+        return {"MASTER_PORT": str(int(os.environ["MASTER_PORT"]) + 1 + slot)}
+    return {"MASTER_PORT": str(free_local_port(taken))}
+
+
 def mps_running() -> bool:
     """Whether NVIDIA's MPS control daemon has its pipe on this machine (`$CUDA_MPS_PIPE_DIRECTORY`, by
     default /tmp/nvidia-mps): under MPS the kernels of several processes run on one GPU side by side;
@@ -164,7 +186,7 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
         _check_dependency(sweep, run, runs)
     if parallel == 1 or dry_run:
         for run in runs:
-            if _run_one(sweep, run, dry_run, say):
+            if _run_one(sweep, run, dry_run, say, None if dry_run else _port_env(0, ())):
                 return 1
         return 0
     if not mps_running():
@@ -177,9 +199,8 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
         with lock:
             say(text)
 
-    base_port = int(os.environ.get("MASTER_PORT", "29500")) + 1  # torchrun's default stays free
     pending, running, free, failed = list(runs), {}, list(range(parallel)), False
-    busy = lambda r: r in pending or any(r is other for other, _ in running.values())  # noqa: E731
+    busy = lambda r: r in pending or any(r is other for other, _, _ in running.values())  # noqa: E731
     with ThreadPoolExecutor(parallel) as pool:
         while running or (pending and not failed):
             for run in list(pending) if not failed else []:
@@ -188,13 +209,13 @@ def run_local(sweep: Sweep, runs: List[Run], dry_run: bool, say=print, parallel:
                     continue  # a dependent run waits for its source run
                 slot = free.pop(0)
                 pending.remove(run)
-                env = {"MASTER_PORT": str(base_port + slot)}
-                running[pool.submit(_run_one, sweep, run, False, locked_say, env)] = (run, slot)
+                env = _port_env(slot, {int(e["MASTER_PORT"]) for _, _, e in running.values()})
+                running[pool.submit(_run_one, sweep, run, False, locked_say, env)] = (run, slot, env)
             if not running:
                 break
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                _, slot = running.pop(future)
+                _, slot, _ = running.pop(future)
                 free.append(slot)
                 failed = failed or future.result() != 0
     if failed and pending:
