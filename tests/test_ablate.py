@@ -1,7 +1,6 @@
 """The ablation runner end to end on the CPU smoke sweep, and its refusals of bad sweep files."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,9 +12,9 @@ import pytest
 from data_pipeline.indexed import DatasetWriter
 from data_pipeline.retrieval_probe import filler_tokens, make_probe
 from pretrain.ablate.__main__ import main
-from pretrain.ablate.runner import mps_running
 from pretrain.eval import mtp_accept, retrieval
 from pretrain.ablate.sweep import SweepError, is_sweep_file, load_sweep
+from tests.ablate_helpers import write_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs/ablations/smoke.yaml"
@@ -102,13 +101,6 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
     assert "accept_len@2" in (out / "results.md").read_text()
 
 
-def _sweep(tmp_path, body: str) -> Path:
-    path = tmp_path / "sweep.yaml"
-    path.write_text(f"base: {ROOT / 'configs/models/glm5-tiny.yaml'}\noutput_dir: runs/x\ntokens: 1024\n"
-                    f"seeds: [1]\n{body}")
-    return path
-
-
 @pytest.mark.parametrize("body, message", [
     ("variants:\n  - {name: a, overrides: [model.num_layerz=2]}\n", "unknown key model.num_layerz"),
     ("variants:\n  - {name: a}\n  - {name: a}\n", "variant name 'a' appears twice"),
@@ -120,7 +112,7 @@ def _sweep(tmp_path, body: str) -> Path:
     ("report: {evals: {bleu: []}}\nvariants:\n  - {name: a}\n", "unknown evaluation 'bleu'"),
 ])
 def test_bad_sweep_files_fail_before_any_run_with_one_line(tmp_path, capsys, body, message):
-    path = _sweep(tmp_path, body)
+    path = write_sweep(tmp_path, body)
     with pytest.raises(SweepError, match=message.replace("(", r"\(")):
         load_sweep(path, tmp_path / "out")
     assert main([str(path), "--output-dir", str(tmp_path / "out")]) == 2
@@ -130,7 +122,7 @@ def test_bad_sweep_files_fail_before_any_run_with_one_line(tmp_path, capsys, bod
 
 
 def test_command_line_reports_a_bad_sweep_in_one_line(tmp_path):
-    path = _sweep(tmp_path, "variants:\n  - {name: a, overrides: [model.hidden_sise=8]}\n")
+    path = write_sweep(tmp_path, "variants:\n  - {name: a, overrides: [model.hidden_sise=8]}\n")
     proc = subprocess.run([sys.executable, "-m", "pretrain.ablate", str(path), "--output-dir", str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -139,7 +131,7 @@ def test_command_line_reports_a_bad_sweep_in_one_line(tmp_path):
 
 
 def test_token_budget_sets_iterations_and_dependencies_point_at_the_same_seed(tmp_path):
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense, tokens: 3000}\n"
+    path = write_sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense, tokens: 3000}\n"
                             "  - {name: cont, overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n")
     sweep = load_sweep(path, tmp_path / "out")
     dense, cont = sweep.runs
@@ -187,7 +179,7 @@ def test_shipped_sweeps_build_every_run_config(path):
 
 
 def test_dry_runs_print_the_launch_commands(tmp_path, capsys):
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nnproc_per_node: 2\nseeds: [1, 2]\nvariants:\n"
+    path = write_sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nnproc_per_node: 2\nseeds: [1, 2]\nvariants:\n"
                             "  - {name: dense, seeds: [1]}\n"
                             "  - {name: cont, seeds: [1], overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n"
                             "  - {name: other}\n")
@@ -213,7 +205,7 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     """An interrupted sweep: the plain report flags the runs short of their planned steps; `--at-step` reports
     every run as of one step (train loss average, last validation loss at or before it) and leaves out runs that
     had not reached it. The expected numbers are computed here from the records written."""
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nreport: {average_last: 3}\n"
+    path = write_sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nreport: {average_last: 3}\n"
                             "variants:\n  - {name: a}\n  - {name: b}\n")
     path.write_text(path.read_text().replace("seeds: [1]", "seeds: [1, 2]").replace("tokens: 1024", "tokens: 10240"))
     sweep = load_sweep(path, tmp_path / "out")
@@ -258,154 +250,3 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
     assert "as of step 6" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/loss_curves.png").stat().st_size > 0
-
-
-def test_parallel_runs_share_the_machine_with_own_ports_and_wait_for_their_source(tmp_path, monkeypatch):
-    """`--parallel 2`: never more than two runs at once, concurrent runs on different MASTER_PORTs, a
-    continuation starts only after its source run ended, and after a failure no new run starts. The
-    runs are stand-ins (no training): each marks itself finished when its command returns."""
-    import threading
-    import time
-
-    from pretrain.ablate import runner
-
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: dense}\n"
-                            "  - {name: cont, overrides: ['checkpoint.pretrained={checkpoint:dense}']}\n"
-                            "  - {name: other}\n")
-    path.write_text(path.read_text().replace("seeds: [1]", "seeds: [1, 2]"))
-    sweep = load_sweep(path, tmp_path / "out")
-    done, events, lock, fail = {}, [], threading.Lock(), set()
-
-    def execute(cmd, log, extra_env=None):
-        name = str(log.parent.relative_to(sweep.output_dir))
-        with lock:
-            events.append(("start", name, extra_env["MASTER_PORT"], time.monotonic()))
-        time.sleep(0.05)
-        with lock:
-            events.append(("end", name, extra_env["MASTER_PORT"], time.monotonic()))
-            if name not in fail:
-                done[name] = next(r.train_iters for r in sweep.runs if str(r.run_dir.relative_to(sweep.output_dir)) == name)
-        return 1 if name in fail else 0
-
-    monkeypatch.setattr(runner, "_execute", execute)
-    monkeypatch.setattr(runner, "finished_iteration",
-                        lambda run: done.get(str(run.run_dir.relative_to(sweep.output_dir))))
-    assert runner.run_local(sweep, sweep.runs, dry_run=False, say=lambda _: None, parallel=2) == 0
-    active, most = {}, 0
-    for kind, name, port, _ in events:
-        if kind == "start":
-            assert port not in active.values(), f"{name} shares port {port} with a running run"
-            active[name] = port
-            most = max(most, len(active))
-        else:
-            del active[name]
-    assert most == 2 and sorted(done) == sorted(str(r.run_dir.relative_to(sweep.output_dir)) for r in sweep.runs)
-    at = {(kind, name): t for kind, name, _, t in events}
-    for seed in (1, 2):
-        assert at[("start", f"cont/seed{seed}")] >= at[("end", f"dense/seed{seed}")]
-
-    # A failure: the run fails, what runs beside it finishes, nothing new starts.
-    done.clear()
-    events.clear()
-    fail.add("dense/seed1")
-    assert runner.run_local(sweep, sweep.runs, dry_run=False, say=lambda _: None, parallel=2) == 1
-    failed_at = next(t for kind, name, _, t in events if (kind, name) == ("end", "dense/seed1"))
-    assert all(t <= failed_at for kind, _, _, t in events if kind == "start")
-    assert {name for kind, name, _, _ in events if kind == "start"} == {"dense/seed1", "other/seed1"}
-
-
-def test_two_sweeps_on_one_machine_take_different_ports(tmp_path, monkeypatch):
-    """Two sweeps started at once on one machine, each with `--parallel 2`: every run's torchrun can listen on
-    its MASTER_PORT (the stand-in binds it for the run's duration, as torchrun's rendezvous store does), so
-    no run fails on a port another sweep holds. With MASTER_PORT set, runs take MASTER_PORT + 1 + slot."""
-    import errno
-    import socket
-    import threading
-    import time
-
-    from pretrain.ablate import runner
-
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: a}\n  - {name: b}\n")
-    sweeps = [load_sweep(path, tmp_path / f"out{i}") for i in range(2)]
-    done, ports, lock = {}, [], threading.Lock()
-    start = threading.Barrier(2)
-
-    def execute(cmd, log, extra_env=None):
-        port = int(extra_env["MASTER_PORT"])
-        with lock:
-            ports.append(port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError as err:
-                assert err.errno == errno.EADDRINUSE
-                return 1
-            sock.listen()
-            time.sleep(0.3)
-        done[log.parent] = 1
-        return 0
-
-    monkeypatch.setattr(runner, "_execute", execute)
-    monkeypatch.setattr(runner, "finished_iteration", lambda run: done.get(run.run_dir))
-    results = [None, None]
-
-    def sweep_thread(i):
-        start.wait()
-        results[i] = runner.run_local(sweeps[i], sweeps[i].runs, dry_run=False, say=lambda _: None, parallel=2)
-
-    threads = [threading.Thread(target=sweep_thread, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == [0, 0] and len(ports) == 4 and len(set(ports)) == 4, ports
-
-    monkeypatch.setenv("MASTER_PORT", "31000")
-    done.clear()
-    ports.clear()
-    assert runner.run_local(sweeps[0], sweeps[0].runs, dry_run=False, say=lambda _: None, parallel=2) == 0
-    assert sorted(ports) == [31001, 31002]
-
-
-def test_evaluate_at_runs_each_evaluation_on_the_step_checkpoint(tmp_path, monkeypatch, capsys):
-    """`--evaluate-at N`: every run that has a step-N checkpoint gets its evaluations on that checkpoint, into
-    eval_<name>_step<N>.json; a run without one is named and skipped; then the report as of step N."""
-    from pretrain.ablate import runner
-
-    path = _sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nreport: {evals: {retrieval: [--samples, '2']}}\n"
-                            "variants:\n  - {name: a}\n  - {name: b}\n")
-    path.write_text(path.read_text().replace("tokens: 1024", "tokens: 10240"))  # 10 steps: step 2 is mid-run
-    sweep = load_sweep(path, tmp_path / "out")
-    a, b = sweep.runs
-    (a.checkpoint_dir / "iter_0000002").mkdir(parents=True)
-    b.checkpoint_dir.mkdir(parents=True)
-    for run in (a, b):
-        run.run_dir.joinpath("metrics.jsonl").write_text("".join(
-            json.dumps({"step": k, "loss": 5.0 - k}) + "\n" for k in range(1, 3)))
-    calls = []
-
-    def execute(cmd, log, extra_env=None):
-        calls.append(cmd)
-        out = Path(cmd[cmd.index("--json") + 1])
-        (out if out.is_absolute() else ROOT / out).write_text(json.dumps({"metrics": {"retrieval@64": 0.5}}))
-        return 0
-
-    monkeypatch.setattr(runner, "_execute", execute)
-    monkeypatch.setattr(runner, "rel", lambda p: str(p))
-    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--evaluate-at", "2"]) == 0
-    printed = capsys.readouterr().out
-    assert len(calls) == 1 and calls[0][calls[0].index("--checkpoint") + 1] == str(a.checkpoint_dir / "iter_0000002")
-    assert calls[0][calls[0].index("--json") + 1] == str(a.run_dir / "eval_retrieval_step2.json")
-    assert f"{b.name}: no checkpoint at step 2, not evaluated" in printed
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "out/results.json").read_text())["variants"]}
-    assert rows["a"]["metrics"]["retrieval@64"]["mean"] == 0.5 and "retrieval@64" not in rows["b"]["metrics"]
-    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--evaluate-at", "2"]) == 0  # nothing missing
-    assert len(calls) == 1
-
-
-def test_mps_daemon_is_found_by_its_control_pipe(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert not mps_running()
-    os.mkfifo(tmp_path / "control")  # what nvidia-cuda-mps-control -d creates
-    assert mps_running()
