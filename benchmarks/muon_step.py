@@ -14,6 +14,11 @@ reduce buckets), measured after each parameter's gradient arrives and when the o
 during the warm-up steps (which the timings exclude). Then Newton-Schulz alone on the model's Muon matrices as the
 optimizer batches them (blocks of equal shape in one batched call), with its TFLOP/s: per iteration
 on X [m, n] (m <= n) 4 m^2 n + 2 m^3 (single process only).
+
+`--overlap-probe` (one CUDA GPU) asks whether Muon's Newton-Schulz could hide behind the next step's forward and
+backward: one training step with the optimizer's step skipped, Newton-Schulz alone, and both at once (Newton-Schulz
+on a side stream, launched just before the step), medians of `--steps` each; `hidden` is the share of Newton-Schulz
+time that running them together saved.
 Timings use wall clock around synchronized CUDA work (CPU runs, for a smoke test, also work).
 """
 
@@ -79,7 +84,7 @@ class GradMemoryProbe:
         self.hooks = []
 
 
-def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
+def run(config: str, name: str, extra, steps: int, warmup: int, overlap_probe: bool = False) -> dict:
     from pretrain import compat
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
@@ -135,6 +140,8 @@ def run(config: str, name: str, extra, steps: int, warmup: int) -> dict:
               "tokens_per_s": trainer.timer.tokens_per_step / step * 1e3}
     if name.startswith("muon") and world == 1:
         result["newton_schulz"] = newton_schulz_bench(trainer)
+        if overlap_probe:
+            result["overlap"] = overlap_bench(trainer, original, steps)
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -147,10 +154,10 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def newton_schulz_bench(trainer) -> dict:
-    """Newton-Schulz on this rank's Muon matrices, batched as the optimizer batches them: blocks of one
+def ns_batches(trainer) -> list:
+    """Random bf16 stand-ins for this rank's Muon matrices, batched as the optimizer batches them: blocks of one
     shape from every matrix in one call, up to `NS_BATCH_ELEMENTS` each (TP-gathered matrices aside)."""
-    from pretrain.optim import muon_roles, newton_schulz
+    from pretrain.optim import muon_roles
     from pretrain.optim.muon import NS_BATCH_ELEMENTS, stage_batches
 
     blocks = []
@@ -158,8 +165,15 @@ def newton_schulz_bench(trainer) -> dict:
         if role == "muon":
             blocks.extend(split.blocks(p.detach()) if split is not None else [p.detach()[None]])
     shapes = [(b.shape[0], *sorted(b.shape[-2:])) for b in blocks]
-    batches = [torch.randn(sum(shapes[i][0] for i in batch), *shapes[batch[0]][1:], device=blocks[0].device,
-                           dtype=torch.bfloat16) for batch in stage_batches(shapes, NS_BATCH_ELEMENTS)]
+    return [torch.randn(sum(shapes[i][0] for i in batch), *shapes[batch[0]][1:], device=blocks[0].device,
+                        dtype=torch.bfloat16) for batch in stage_batches(shapes, NS_BATCH_ELEMENTS)]
+
+
+def newton_schulz_bench(trainer) -> dict:
+    """Newton-Schulz on this rank's Muon matrices as the optimizer batches them (`ns_batches`), with TFLOP/s."""
+    from pretrain.optim import newton_schulz
+
+    batches = ns_batches(trainer)
     steps = trainer.cfg.optimizer.muon_num_ns_steps
     flops = sum(x.shape[0] * steps * (4 * x.shape[1] ** 2 * x.shape[2] + 2 * x.shape[1] ** 3) for x in batches)
     for x in batches:  # warm-up
@@ -173,6 +187,49 @@ def newton_schulz_bench(trainer) -> dict:
     return {"calls": len(batches), "ms": ms, "tflops": flops / ms / 1e9, "tflop": flops / 1e12}
 
 
+def overlap_bench(trainer, optimizer_step, reps: int) -> dict:
+    """Medians over `reps` of: a training step whose optimizer step is skipped (forward + backward, gradient
+    handling), Newton-Schulz on the model's Muon matrices alone, and both at once with Newton-Schulz on a side
+    stream launched just before the step. hidden = (step + ns - both) / ns."""
+    from pretrain.optim import newton_schulz
+
+    batches, ns_steps = ns_batches(trainer), trainer.cfg.optimizer.muon_num_ns_steps
+    side = torch.cuda.Stream()
+
+    def ns():
+        for x in batches:
+            newton_schulz(x, ns_steps)
+
+    def step():
+        trainer.train_step()
+
+    def concurrent():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ns()
+        step()
+        torch.cuda.current_stream().wait_stream(side)
+
+    # forward + backward and gradient handling, no update: the weights stay as they are
+    trainer.optimizer.step = lambda *a, **k: (True, 0.0, None)
+    try:
+        times = {}
+        for name, fn in (("step_ms", step), ("ns_ms", ns), ("both_ms", concurrent)):
+            fn()  # warm-up
+            samples = []
+            for _ in range(reps):
+                _sync()
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[name] = statistics.median(samples)
+    finally:
+        trainer.optimizer.step = optimizer_step
+    times["hidden"] = (times["step_ms"] + times["ns_ms"] - times["both_ms"]) / times["ns_ms"]
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/models/glm5-proxy.yaml")
@@ -181,11 +238,15 @@ def main():
     ap.add_argument("--variants", default="adamw,muon_split,muon_whole")
     ap.add_argument("--out", default=None)
     ap.add_argument("--nproc", type=int, default=1, help="GPUs per variant (one torchrun launch each)")
+    ap.add_argument("--overlap-probe", action="store_true",
+                    help="Muon variants: can Newton-Schulz hide behind the next step's forward + backward (one CUDA GPU)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     variants = args.variants.split(",")
+    if args.overlap_probe and (args.nproc != 1 or not torch.cuda.is_available()):
+        ap.error("--overlap-probe needs one CUDA GPU (--nproc 1): it times CUDA streams")
     if len(variants) == 1 and args.nproc == 1:
-        results = [run(args.config, variants[0], args.overrides, args.steps, args.warmup)]
+        results = [run(args.config, variants[0], args.overrides, args.steps, args.warmup, args.overlap_probe)]
         if int(os.environ.get("RANK", "0")) != 0:
             return
     else:  # one process per variant: nothing of one run's model or optimizer survives into the next
@@ -198,7 +259,8 @@ def main():
                 launcher = [sys.executable] if args.nproc == 1 else [
                     sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
                 subprocess.run([*launcher, __file__, "--config", args.config, "--steps", str(args.steps),
-                                "--warmup", str(args.warmup), "--variants", v, "--out", tmp.name, *args.overrides],
+                                "--warmup", str(args.warmup), "--variants", v, "--out", tmp.name,
+                                *(["--overlap-probe"] if args.overlap_probe else []), *args.overrides],
                                check=True)
                 with open(tmp.name) as f:
                     results.extend(json.load(f)["results"])
@@ -214,6 +276,11 @@ def main():
         print(f"{r['variant']:<16}{r['world_size']:>5}{r['step_ms']:>10.1f}{r['optimizer_step_ms']:>9.1f}"
               f"{r['optimizer_share']:>7.1%}{r['tokens_per_s']:>10.0f}{ns:>11.1f}{r['peak_mem_gib']:>9.2f}"
               f"{r['grad_storage_gib']:>9.2f}")
+    for r in results:
+        if "overlap" in r:
+            o = r["overlap"]
+            print(f"{r['variant']}: step without optimizer {o['step_ms']:.1f} ms, Newton-Schulz {o['ns_ms']:.1f} ms, "
+                  f"both at once {o['both_ms']:.1f} ms: {o['hidden']:.0%} of Newton-Schulz hidden")
 
 
 if __name__ == "__main__":
