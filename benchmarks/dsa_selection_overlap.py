@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     k = cfg.model.dsa_indexer_topk
     layers = {str(layer): overlap_stats(torch.cat(idx), blocks) for layer, idx in sorted(per_layer.items())}
     every = overlap_stats(torch.cat([torch.cat(v) for v in per_layer.values()]), blocks)
-    print(f"top-{k} of {cfg.data.seq_length} keys, {args.sequences} sequences, {len(layers)} DSA layers with their own indexer")
+    print(f"top-{k} of {cfg.data.seq_length} keys, {args.sequences} sequences, "
+          f"{len(layers)} DSA layers with their own indexer")
     print(f"{'T':>4}{'reduction':>11}{'|U| / k':>9}   (all layers; per layer in --out)")
     for t, row in every.items():
         print(f"{t:>4}{row['reduction']:>11.2f}{row['union_per_k']:>9.2f}")

@@ -239,7 +239,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--nproc", type=int, default=1, help="GPUs per variant (one torchrun launch each)")
     ap.add_argument("--overlap-probe", action="store_true",
-                    help="Muon variants: can Newton-Schulz hide behind the next step's forward + backward (one CUDA GPU)")
+                    help="Muon variants: can Newton-Schulz hide behind the next step's forward + backward "
+                         "(one CUDA GPU)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     variants = args.variants.split(",")
