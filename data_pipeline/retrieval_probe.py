@@ -1,4 +1,4 @@
-"""Synthetic long-context retrieval probes: key-value and passkey needles in a haystack of real text.
+"""Synthetic long-context retrieval probes: key-value, passkey and copy needles in a haystack of real text.
 
     python -m data_pipeline.retrieval_probe --tokenizer data/tokenizer.json --data data/stdlib \\
         --lengths 1024 4096 --samples 50 --output probe.jsonl
@@ -12,6 +12,14 @@ a model trained on source code can read it:
     kv:       needle  `\\nkey_qzpx = "48213"\\n`   query  `\\nassert key_qzpx == "`   answer  `48213"`
     passkey:  needle  `\\npasskey = 48213  # remember the passkey\\n`   query  `\\nassert passkey == `
               answer  `48213\\n`
+
+    copy:     needle  a span of COPY_SPAN tokens drawn at random from the filler's tokens   query  its first
+              COPY_PREFIX tokens   answer  the rest of the span
+
+A copy probe is induction-style retrieval (Olsson et al. 2022): nothing but the earlier span predicts the answer,
+and a model copies it only if it attends back to where the prefix occurred, `distance` tokens before the query. A
+sliding window shorter than the distance cannot; dense attention and DSA's selection can. Small models learn to
+copy early in training, where key-value retrieval of a value named in text comes much later.
 
 With `pairs` > 1 (kv only) the other needles carry other keys and values (distractors). The answer's
 tokens are what the tokenizer gives for query + answer beyond its common prefix with the query
@@ -32,7 +40,8 @@ import sys
 from typing import Callable, Dict, List, Sequence
 
 Encode = Callable[[str], List[int]]
-KINDS = ("kv", "passkey")
+KINDS = ("kv", "passkey", "copy")
+COPY_SPAN, COPY_PREFIX = 24, 4  # copy probes: span tokens, of which the query repeats the first COPY_PREFIX
 NEUTRAL_FILLER = "# The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 
 
@@ -54,8 +63,14 @@ def make_sample(encode: Encode, filler: Sequence[int], length: int, rng: random.
     """One probe of exactly `length` tokens (see the module docstring); `filler` must be long enough."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "passkey" and pairs != 1:
-        raise ValueError("passkey probes have one needle (pairs=1)")
+    if kind in ("passkey", "copy") and pairs != 1:
+        raise ValueError(f"{kind} probes have one needle (pairs=1)")
+    if kind == "copy":
+        if not filler:
+            raise ValueError("copy probes draw their span from the filler, which is empty")
+        span = [filler[rng.randrange(len(filler))] for _ in range(COPY_SPAN)]
+        return _assemble(kind, length, [span], 0, span[:COPY_PREFIX], span[COPY_PREFIX:], filler, rng,
+                         " ".join(map(str, span[:COPY_PREFIX])), " ".join(map(str, span[COPY_PREFIX:])))
     keys = set()
     while len(keys) < pairs:
         keys.add("key_" + "".join(rng.choice(string.ascii_lowercase) for _ in range(4)))
@@ -67,6 +82,12 @@ def make_sample(encode: Encode, filler: Sequence[int], length: int, rng: random.
     query_ids, full = encode(query), encode(query + answer_text)
     cut = _common_prefix(query_ids, full)
     query_ids, answer = full[:cut], full[cut:]
+    return _assemble(kind, length, needles, target, query_ids, answer, filler, rng, keys[target], values[target])
+
+
+def _assemble(kind: str, length: int, needles: List[List[int]], target: int, query_ids: List[int],
+              answer: List[int], filler: Sequence[int], rng: random.Random, key: str, value: str) -> Dict[str, object]:
+    """Filler with the needles at random depths, then the query: a sample of exactly `length` tokens."""
     room = length - len(query_ids) - len(answer) - sum(len(n) for n in needles)
     if room < 0:
         raise ValueError(f"length {length} is too short for the needles and the query ({length - room} tokens)")
@@ -83,8 +104,8 @@ def make_sample(encode: Encode, filler: Sequence[int], length: int, rng: random.
         prompt += needle
         prev = cut_at
     prompt += hay[prev:] + query_ids
-    return {"kind": kind, "length": length, "prompt": prompt, "answer": answer, "key": keys[target],
-            "value": values[target], "needle_at": needle_at, "depth": needle_at / len(prompt)}
+    return {"kind": kind, "length": length, "prompt": prompt, "answer": answer, "key": key, "value": value,
+            "needle_at": needle_at, "depth": needle_at / len(prompt), "distance": len(prompt) - needle_at}
 
 
 def make_probe(encode: Encode, filler: Sequence[int], lengths: Sequence[int], samples: int, seed: int = 0,

@@ -12,7 +12,7 @@ import pytest
 from data_pipeline.indexed import DatasetWriter
 from data_pipeline.retrieval_probe import filler_tokens, make_probe
 from pretrain.ablate.__main__ import main
-from pretrain.eval import mtp_accept, retrieval
+from pretrain.eval import mtp_accept, retrieval, retrieval_copy
 from pretrain.ablate.sweep import SweepError, is_sweep_file, load_sweep
 from tests.ablate_helpers import write_sweep
 
@@ -93,11 +93,17 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
                                                                        [48, 64], samples=2)))
     assert retrieval.main(["--checkpoint", str(muon / "checkpoints"), "--probes", str(probes),
                            "--json", str(muon / "eval_retrieval.json")]) == 0
+    copies = tmp_path / "copies.jsonl"
+    copies.write_text("".join(json.dumps(p) + "\n" for p in make_probe(encode, filler_tokens(encode, None, 200),
+                                                                        [64], samples=2, kind="copy")))
+    assert retrieval_copy.main(["--checkpoint", str(muon / "checkpoints"), "--probes", str(copies),
+                                "--json", str(muon / "eval_retrieval_copy.json")]) == 0
     assert main([str(SMOKE), "--output-dir", str(out), "--report"]) == 0
     rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["variants"]}
     accept = rows["muon"]["metrics"]["accept_len@2"]["mean"]
     assert 1.0 <= accept <= 3.0 and 1.0 <= rows["muon"]["metrics"]["accept_len@1"]["mean"] <= 2.0
     assert rows["muon"]["metrics"]["retrieval@64"]["mean"] in (0.0, 0.5, 1.0)
+    assert rows["muon"]["metrics"]["copy@64"]["mean"] in (0.0, 0.5, 1.0) and "copy_nll@64" in rows["muon"]["metrics"]
     assert "accept_len@2" in (out / "results.md").read_text()
 
 

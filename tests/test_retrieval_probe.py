@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from data_pipeline.retrieval_probe import filler_tokens, make_probe, make_sample
+from data_pipeline.retrieval_probe import COPY_PREFIX, COPY_SPAN, filler_tokens, make_probe, make_sample
+from pretrain.eval import retrieval_copy
 from pretrain.eval.retrieval import scores_by_length
 
 
@@ -111,3 +112,58 @@ def test_accuracy_per_length_against_an_oracle_with_a_known_window():
     got = scores_by_length(windowed_oracle(window), probes)
     assert {k: v["accuracy"] for k, v in got.items()} == pytest.approx(expected)
     assert {k: v["nll"] for k, v in got.items()} == pytest.approx(expected_nll)
+
+
+def test_copy_probe_format():
+    filler = list(range(1000, 6000))  # distinct tokens: the span's prefix occurs only where it was put
+    for probe in make_probe(chars, filler, [100, 300], samples=6, seed=4, kind="copy"):
+        prompt, answer, at = probe["prompt"], probe["answer"], probe["needle_at"]
+        span = prompt[at : at + COPY_SPAN]
+        assert len(prompt) + len(answer) == probe["length"] and set(span) <= set(filler)
+        assert prompt[-COPY_PREFIX:] == span[:COPY_PREFIX] and answer == span[COPY_PREFIX:]
+        assert probe["distance"] == len(prompt) - at and probe["depth"] == at / len(prompt)
+        assert probe["key"] == " ".join(map(str, span[:COPY_PREFIX]))
+    with pytest.raises(ValueError, match="copy probes have one needle"):
+        make_sample(chars, filler, 100, random.Random(0), kind="copy", pairs=2)
+
+
+def induction_oracle(window: int, vocab: int):
+    """At each position, finds the latest earlier occurrence of the last COPY_PREFIX tokens within the last
+    `window` tokens and predicts the token after it (token 0 when there is none)."""
+
+    def logits(tokens):
+        ids = tokens.tolist()
+        out = torch.zeros(len(ids), vocab)
+        for p in range(len(ids)):
+            key, guess = ids[p - COPY_PREFIX + 1 : p + 1], 0
+            for q in range(p - COPY_PREFIX, max(p - window, -1), -1):
+                if q >= 0 and ids[q : q + COPY_PREFIX] == key and q + COPY_PREFIX <= p:
+                    guess = ids[q + COPY_PREFIX]
+                    break
+            out[p, guess] = 1.0
+        return out
+
+    return logits
+
+
+def test_copy_accuracy_against_an_oracle_with_a_known_window():
+    """A copy probe is right for a windowed copier exactly when the span's start lies within its window of the
+    query: what tells a sliding window from full attention."""
+    filler, window, vocab = list(range(1000, 6000)), 150, 6000
+    probes = make_probe(chars, filler, [100, 300], samples=10, seed=5, kind="copy")
+    got = scores_by_length(induction_oracle(window, vocab), probes)
+    for length in (100, 300):
+        mine = [p for p in probes if p["length"] == length]
+        # the first answer token is predicted at the query's last position, len(prompt) - 1: the window reaches back
+        # to len(prompt) - window, so the span (at len(prompt) - distance) is found when distance <= window; each
+        # later answer position moves the window and the span's next tokens by one alike
+        seen = [p["distance"] <= window for p in mine]
+        assert got[length]["accuracy"] == pytest.approx(sum(seen) / len(seen))
+        wrong = math.log(math.e + vocab - 1)
+        assert got[length]["nll"] == pytest.approx(sum(wrong - s for s in seen) / len(seen))
+    assert got[100]["accuracy"] == 1.0 and 0.0 < got[300]["accuracy"] < 1.0
+
+
+def test_copy_eval_refuses_another_kind(capsys):
+    assert retrieval_copy.main(["--checkpoint", "x", "--kind", "kv"]) == 2
+    assert "--kind is copy here" in capsys.readouterr().err

@@ -44,7 +44,7 @@ from pretrain.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("torchrun", "python")
-EVALS = ("mtp_accept", "retrieval")
+EVALS = ("mtp_accept", "retrieval", "retrieval_copy")
 _SWEEP_KEYS = {"base", "output_dir", "tokens", "seeds", "launcher", "nproc_per_node", "overrides", "report", "variants"}
 _VARIANT_KEYS = {"name", "base", "overrides", "tokens", "report", "seeds", "evals"}
 _REPORT_KEYS = {"average_last", "evals"}

@@ -1,6 +1,7 @@
-"""Long-context retrieval accuracy per length (synthetic key-value / passkey probes).
+"""Long-context retrieval accuracy per length (synthetic key-value / passkey / copy probes).
 
     python -m pretrain.eval.retrieval --checkpoint CKPT --lengths 1024 2048 4096 [--samples 50] [--kind kv]
+    python -m pretrain.eval.retrieval_copy --checkpoint CKPT --lengths 1024 2048   # = --kind copy
 
 Probes come from `data_pipeline.retrieval_probe` (needles in held-out text of the checkpoint's
 dataset, tokenized with its tokenizer; or --probes FILE written by that module). A probe is correct
@@ -10,7 +11,8 @@ forward). Reported per length: accuracy, and the answer's mean negative log-like
 (nats, teacher-forced), a graded reading for models too small or too briefly trained to retrieve
 exactly: a model that finds the needle gives its value a lower NLL than one that guesses. Lengths
 beyond the trained `data.seq_length` are evaluated with a warning: the probe is meant for lengths
-the model was trained on.
+the model was trained on. Metrics: `retrieval@L` and `retrieval_nll@L` (kv, passkey), `copy@L` and
+`copy_nll@L` (copy).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+
+from data_pipeline.retrieval_probe import KINDS
 
 # tokens [n] -> logits [n, vocab] (or anything whose argmax over the last dim is the greedy choice)
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -59,13 +63,13 @@ def model_logits_fn(model) -> LogitsFn:
     return logits
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.eval.retrieval", description=__doc__,
+def main(argv=None, prog: str = "python -m pretrain.eval.retrieval") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint save dir (newest step) or step dir")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default: the trained seq_length")
     parser.add_argument("--samples", type=int, default=50, help="probes per length")
-    parser.add_argument("--kind", choices=("kv", "passkey"), default="kv")
+    parser.add_argument("--kind", choices=KINDS, default="kv")
     parser.add_argument("--pairs", type=int, default=1, help="key-value needles per probe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default=None, help="filler dataset prefix (default: the checkpoint's)")
@@ -98,11 +102,11 @@ def main(argv=None) -> int:
         warnings.warn(f"probes up to {longest} tokens, longer than the trained data.seq_length={cfg.data.seq_length}",
                       stacklevel=1)
     scores = scores_by_length(model_logits_fn(model), probes, device_of(model))
-    metrics = {}
+    metrics, name = {}, "copy" if all(p.get("kind") == "copy" for p in probes) else "retrieval"
     for length, got in scores.items():
         print(f"length {length:>7}: accuracy {got['accuracy']:.3f}, answer NLL {got['nll']:.3f} nats/token")
-        metrics[f"retrieval@{length}"] = got["accuracy"]
-        metrics[f"retrieval_nll@{length}"] = got["nll"]
+        metrics[f"{name}@{length}"] = got["accuracy"]
+        metrics[f"{name}_nll@{length}"] = got["nll"]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metrics": metrics, "checkpoint": args.checkpoint, "kind": args.kind,
