@@ -18,8 +18,8 @@ a model trained on source code can read it:
 
 A copy probe is induction-style retrieval (Olsson et al. 2022): nothing but the earlier span predicts the answer,
 and a model copies it only if it attends back to where the prefix occurred, `distance` tokens before the query. A
-sliding window shorter than the distance cannot; dense attention and DSA's selection can. Small models learn to
-copy early in training, where key-value retrieval of a value named in text comes much later.
+sliding window shorter than the distance cannot; dense attention and DSA's selection can. It asks only for induction
+heads (a mechanism models form early in training, Olsson et al.), not for reading what a key in the text names.
 
 With `pairs` > 1 (kv only) the other needles carry other keys and values (distractors). The answer's
 tokens are what the tokenizer gives for query + answer beyond its common prefix with the query
