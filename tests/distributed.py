@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -57,11 +56,10 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free now (the OS picks it)."""
+    from pretrain.ablate.runner import free_local_port
+
+    return free_local_port()
 
 
 def to_cpu(value: Any) -> Any:

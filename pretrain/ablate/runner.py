@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -152,12 +151,13 @@ def _run_one(sweep: Sweep, run: Run, dry_run: bool, say, extra_env: Optional[Dic
 
 
 def free_local_port(taken=()) -> int:
-    """A TCP port that the OS reports free on this machine now and that is not in `taken` (the ports of runs
-    this sweep started, which their torchrun may not have bound yet)."""
+    """A TCP port that the OS reports free on this machine now (torch elastic's `get_free_port`, as torchrun
+    --standalone picks its own) and that is not in `taken` (the ports of runs this sweep started, which their
+    torchrun may not have bound yet)."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = get_free_port()
         if port not in taken:
             return port
 
