@@ -8,7 +8,9 @@ tile config (the default `kernel_config`, then each of --configs): forward and b
 TFLOP/s in `benchmarks/dsa_kernels.py`'s convention (all S * k slots; forward
 2 * S * k * h * (576 + 512), backward 2.53x that), and the errors of output, dq and dkv against
 the fp32 PyTorch reference on the same bf16 inputs (S = 4096, default config only). glm5-proxy
-has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8.
+has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8. With --dkv-modes, the
+backward again by key-gradient path (`dkv_rows`), e.g.
+`--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, timed  # noqa: E40
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla_dkv as tsm_dkv  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
 
@@ -43,7 +46,36 @@ def errors(q, kv, idx, g):
     return {"out_rel": rel(out, rout), "dq_rel": rel(dq, rdq), "dkv_rel": rel(dkv, rdkv)}
 
 
-def point(h, s, gen, reps, configs):
+DKV_MODES = {"split": 5, "fused": 0, "none": 2, "compute_only": 3}  # name: the backward kernel's DKV
+
+
+def dkv_rows(h, s, q, kv, idx, g, reps, modes, dkv_configs):
+    """Backward ms by key-gradient mode (`_bwd_kernel`'s DKV): the separate pass over stored dS and P (at
+    each of `dkv_configs` too), the fused kernel's atomics, the key gradient computed in the fused kernel
+    but not written, none at all (what the rest of the backward costs)."""
+    rows = []
+    fl = 2 * s * TOPK * h * (C + D) * 2.53
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    original = tsm_dkv.dkv_config
+    try:
+        for name in modes:
+            for cfg in [None] + (dkv_configs if name == "split" else []):
+                if cfg is not None:
+                    tsm_dkv.dkv_config = lambda hh, c, cfg=cfg: cfg
+                tsm.DKV_MODE = DKV_MODES[name]
+                o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+                ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+                rows.append({"heads": h, "S": s, "dkv_mode": name, "dkv_config": list(tsm_dkv.dkv_config(h, C)),
+                             "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
+                tsm_dkv.dkv_config = original
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        tsm.DKV_MODE = None
+        tsm_dkv.dkv_config = original
+    return rows
+
+
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -72,7 +104,7 @@ def point(h, s, gen, reps, configs):
             tsm.kernel_config = original
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows
+    return rows + (dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else [])
 
 
 def main():
@@ -84,14 +116,21 @@ def main():
                     help="tile configs BN x warps x stages x CC also timed at --config-heads (the defaults: the "
                          "earlier 64-head forward and backward configs, for before / after)")
     ap.add_argument("--config-heads", default="8,16,32")
+    ap.add_argument("--dkv-modes", default="", help="also time the backward by key-gradient mode: comma list of "
+                    + ", ".join(DKV_MODES))
+    ap.add_argument("--dkv-configs", default="", help="configs BN x DS x warps x stages of the key-gradient pass "
+                    "also timed with --dkv-modes split")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
+    dkv_configs = [tuple(int(x) for x in c.split("x")) for c in args.dkv_configs.split(",") if c]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
-            res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [])
+            modes = [m for m in args.dkv_modes.split(",") if m]
+            res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
+                                 dkv_configs)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -43,7 +43,7 @@ def kern():
     if not torch.cuda.is_available() and not interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
     return {name: importlib.import_module(f"pretrain.model.dsa.kernels.{name}")
-            for name in ["segment_sum", "sparse_mla", "indexer_kl", "indexer_topk"]}
+            for name in ["segment_sum", "sparse_mla", "sparse_mla_dkv", "indexer_kl", "indexer_topk"]}
 
 
 def rel(a, b) -> float:
@@ -169,12 +169,19 @@ def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
     return q, kv, idx
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dkv", ["split", "fused_atomic", "deterministic"])
 @pytest.mark.parametrize("config", [None, (16, 4, 1, 16)], ids=["default", "small_tiles"])
-def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, deterministic, config):
+def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
+    """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
+    kernel's atomics (the default below), the deterministic reduction."""
     sm = kern["sparse_mla"]
-    if config is not None:  # several key blocks and latent column slices per token
+    deterministic = dkv == "deterministic"
+    monkeypatch.setattr(sm, "DKV_MODE", {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv])
+    if config is not None:  # several key blocks and latent column slices per token; blocks of query rows
         monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: config if backward else config[:3])
+        dkv_mod = kern["sparse_mla_dkv"]
+        monkeypatch.setattr(dkv_mod, "dkv_config", lambda h, c: (16, 16, 4, 1))
+        monkeypatch.setattr(dkv_mod, "SCRATCH_BYTES", 2 * 12 * 2 * 5 * 4 * 10)  # 10 of 37 rows per block
     q, kv, idx = sparse_case(3)
     scale = 0.3
     q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()

@@ -11,7 +11,9 @@ Backward per token recomputes P = exp(s - lse), dP = dO kv[:, :C]^T, dS = P (dP 
 Delta = rowsum(dO * O), and forms dq = dS kv and the key/value gradient of each gathered block,
 dkv[S_t[j]] += dS^T q  (+ P^T dO on the latent part). Keys are shared between tokens, so that sum
 runs either through fp32 atomics (fast, order-dependent rounding) or, with `deterministic=True`,
-through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`).
+through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`). From 32
+heads the atomic sum comes from a second pass over dS and P stored per (token, slot)
+(`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pretrain.model.dsa.kernels.common import (
     LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2,
 )
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
+from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows, separate_pass_pays
 
 @triton.jit
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
@@ -104,9 +107,14 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         p_t = tl.trans(p.to(k_lat.dtype))
         dk_rope = tl.dot(ds_t, q_rope, input_precision=PREC)
         # DKV: 0 = fp32 atomics into dkv, 1 = per-(token, slot) rows into part (deterministic),
-        # 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only).
+        # 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only),
+        # 5 = dS and P stored per (token, slot) for the separate key-gradient pass (sparse_mla_dkv).
         pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
         db = dkv_ptr + (bid * T + row) * (C + R)
+        if DKV == 5:
+            sb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[None, :] * s_pj + h[:, None]
+            tl.store(sb, dsc, mask=ok[None, :] & hm[:, None])
+            tl.store(sb + H, p.to(k_lat.dtype), mask=ok[None, :] & hm[:, None])
         if DKV == 1:
             tl.store(pb + C + r[None, :], dk_rope, mask=ok[:, None] & (r[None, :] < R))
         elif DKV == 0:
@@ -184,7 +192,10 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     bn, warps, stages, cc = kernel_config(h, c, backward=True)
     prec = dot_precision(q)
 
-    mode = DKV_MODE if DKV_MODE is not None else int(deterministic)
+    if DKV_MODE is not None:
+        mode = DKV_MODE
+    else:
+        mode = 1 if deterministic else (5 if separate_pass_pays(h) else 0)
 
     def launch(r0, rows, part, dkv_mode):
         pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
@@ -197,6 +208,14 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
+    elif mode == 5:
+        k = indices.shape[-1]
+        block = scratch_rows(b, k, h, s, q.element_size())
+        part = empty_scratch(q, k, block)
+        for r0 in range(0, s, block):
+            rows = min(block, s - r0)
+            launch(r0, rows, part, 5)
+            key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec)
     else:
         launch(0, s, dkv, mode)
     return dq, dkv.to(kv.dtype)

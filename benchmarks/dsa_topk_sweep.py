@@ -1,0 +1,78 @@
+"""The DSA indexer's top-k on one GPU: score GEMM against radix selection, by selection block.
+
+    python benchmarks/dsa_topk_sweep.py --seqs 16384,32768,131072 --out topk.json
+
+GLM-5's indexer shapes (32 heads x 128, top-k 2048) on random inputs, batch 1, causal. Per S: the whole
+`indexer_topk` (scores of each block of query rows into a buffer, then the exact selection), the score
+kernel alone over the same blocks (TFLOP/s over the causal pairs: S^2 / 2 * 32 * 128 * 2), and the whole
+top-k at each (SELECT_BLOCK, SELECT_WARPS) of --select; every variant's indices are checked equal to the
+default's (the selection is exact, so they must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.dsa_kernels import TOPK, inputs, timed  # noqa: E402
+from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
+from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+
+
+def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30):
+    """The score kernel over the row blocks `indexer_topk` uses, without the selection."""
+    s, t = qi.shape[1], ki.shape[1]
+    rows = max(16, min(s, buffer_bytes // (4 * t)) // 16 * 16)
+    buf = torch.empty(1, min(rows, s), t, dtype=torch.float32, device=qi.device)
+    for r0 in range(0, s, rows):
+        ttopk.index_score_rows(qi, ki, w.float(), lo, hi, r0, min(rows, s - r0), buf)
+
+
+def point(s, gen, reps, selects):
+    _, _, qi, ki, w = inputs(s, gen)
+    lo, hi = ttopk.visible_ranges(*VisibleKeys(s, s, "cuda").ranges())
+    row = {"S": s, "scores_ms": timed(lambda: scores_only(qi, ki, w, lo, hi), reps)}
+    row["scores_tflops"] = s * s / 2 * 32 * 128 * 2 / row["scores_ms"] / 1e9
+    default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS)
+    ref = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+    row["topk"] = []
+    try:
+        for cfg in [default] + [c for c in selects if c != default]:
+            ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = cfg
+            got = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+            ms = timed(lambda: ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi), reps)
+            row["topk"].append({"block_warps": list(cfg), "topk_ms": ms, "select_ms": ms - row["scores_ms"],
+                                "same_indices": bool(torch.equal(got, ref))})
+            print(json.dumps({"S": s, **row["topk"][-1]}), flush=True)
+    finally:
+        ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = default
+    print(json.dumps({k: v for k, v in row.items() if k != "topk"}), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", default="16384,32768,131072")
+    ap.add_argument("--select", default="512x4,1024x8", help="SELECT_BLOCK x SELECT_WARPS variants")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    selects = [tuple(int(x) for x in c.split("x")) for c in args.select.split(",") if c]
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for s in (int(x) for x in args.seqs.split(",")):
+        res["rows"].append(point(s, gen, args.reps, selects))
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
