@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, timed  # noqa: E402
+from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
@@ -123,8 +123,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
-    dkv_configs = [tuple(int(x) for x in c.split("x")) for c in args.dkv_configs.split(",") if c]
+    configs = tile_configs(args.configs)
+    dkv_configs = tile_configs(args.dkv_configs)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
@@ -132,9 +132,7 @@ def main():
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
                                  dkv_configs)
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,18 @@ def timed(fn, reps: int, warmup: int = 2):
     return statistics.median(out)
 
 
+def tile_configs(text: str) -> list:
+    """'64x8x2,32x4x3' -> [(64, 8, 2), (32, 4, 3)]: the sweeps' tile-config arguments."""
+    return [tuple(int(x) for x in c.split("x")) for c in text.split(",") if c]
+
+
+def save_json(res: dict, path) -> None:
+    """A sweep's results to `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

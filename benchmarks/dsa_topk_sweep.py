@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.dsa_kernels import TOPK, inputs, timed  # noqa: E402
+from benchmarks.dsa_kernels import TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 
@@ -64,14 +64,12 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    selects = [tuple(int(x) for x in c.split("x")) for c in args.select.split(",") if c]
+    selects = tile_configs(args.select)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
         res["rows"].append(point(s, gen, args.reps, selects))
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, args.out)
 
 
 if __name__ == "__main__":
