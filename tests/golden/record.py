@@ -26,6 +26,23 @@ VARIANTS = {
 }
 
 
+def cpu_fingerprint() -> str:
+    """What decides the CPU kernels' floating-point summation order: torch's vector ISA level and the matrix /
+    dot-product extensions oneDNN and MKL pick kernels by. Goldens match bit for bit only on the same one."""
+    import torch
+
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "avx_vnni"))
+    return f"{torch.backends.cpu.get_cpu_capability()}:{','.join(wanted)}"
+
+
 def run_variant(name: str, run_dir: Path) -> dict:
     """Train the tiny model for STEPS steps through `python -m pretrain.train`; the loss and grad norm per step."""
     args = [sys.executable, "-m", "pretrain.train", "--config", str(ROOT / "configs/models/glm5-tiny.yaml"),
@@ -39,7 +56,7 @@ def run_variant(name: str, run_dir: Path) -> dict:
 
 
 def main() -> None:
-    out = {}
+    out = {"cpu": cpu_fingerprint()}
     for name in VARIANTS:
         with tempfile.TemporaryDirectory() as tmp:
             out[name] = run_variant(name, Path(tmp))
