@@ -12,7 +12,8 @@ backward's time, `benchmarks/dsa_heads_sweep.py --dkv-modes`). Here the backward
 dS and P (bf16, as the fused kernel rounds them before its products) per (token, slot) as rows of
 2H values, and this pass reads them as the A operand [slots, heads] of one product per column slice:
 [dS | P] [BN, 2H] x [q ; dO] [2H, DS], q and dO only ever as B operands, each program owning one
-(token, column slice). Its rows go into dkv through fp32 atomics as in the fused kernel.
+(token, column slice). Its rows go into dkv through fp32 atomics as in the fused kernel. The buffer is
+transient backward memory: 2 k H bf16 per query row, at most SCRATCH_BYTES (blocks of query rows).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0,
                 s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_pb, s_pt, s_pj,
                 C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
                 NSL: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
-    # program = (token, column slice); slices of one token are neighbours in the grid, so the token's
-    # [dS | P] rows are read from HBM once and from L2 by the other slices.
+    # program = (token, column slice); the slices of one token are neighbours in the grid, so they read the
+    # token's [dS | P] rows at about the same time (L2 can serve all but the first).
     pid = tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     t = r0 + pid // NSL
@@ -73,7 +74,7 @@ def dkv_config(h: int, c: int):
 
 def separate_pass_pays(h: int) -> bool:
     """Whether the backward takes this pass instead of the fused kernel's key gradient: from 32 heads (H200,
-    S = 4K / 16K: 1.7x / 1.9x at 64 heads, 1.15x / 1.13x at 32). At 8-16 heads the fused kernel is 1.2x faster:
+    S = 4K / 16K: 1.7x / 1.9x at 64 heads, 1.14x / 1.13x at 32). At 8-16 heads the fused kernel is 1.2x faster:
     its key-side products are small there and hide behind the gathers, while this pass adds the [dS | P]
     round trip."""
     return pow2(h) >= 32
