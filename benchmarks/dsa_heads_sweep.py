@@ -122,13 +122,17 @@ def main():
                     "also timed with --dkv-modes split")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
     configs = tile_configs(args.configs)
     dkv_configs = tile_configs(args.dkv_configs)
+    modes = [m for m in args.dkv_modes.split(",") if m]
+    if set(modes) - set(DKV_MODES):
+        ap.error(f"unknown --dkv-modes {sorted(set(modes) - set(DKV_MODES))}; choose from {list(DKV_MODES)}")
+    if any(len(c) != 4 for c in dkv_configs):
+        ap.error("--dkv-configs entries are BN x DS x warps x stages, e.g. 32x128x4x3")
+    gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
-            modes = [m for m in args.dkv_modes.split(",") if m]
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
                                  dkv_configs)
             torch.cuda.empty_cache()

@@ -63,8 +63,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
     selects = tile_configs(args.select)
+    if any(len(c) != 2 for c in selects):
+        ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS, e.g. 512x4")
+    gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
         res["rows"].append(point(s, gen, args.reps, selects))
