@@ -108,7 +108,7 @@ ORIGINAL_CONFIG = tsm.kernel_config
 
 
 def kl_breakdown(res, gen, s):
-    """Where the sparse indexer loss spends its time."""
+    """Where the sparse indexer loss spends its time (its target comes from the attention backward)."""
     from benchmarks.dsa_kernels import sparse_kl_triton
     from pretrain.model.dsa.indexer_loss import kl_sum
     from pretrain.model.dsa.kernels import indexer_kl as tkl
@@ -116,24 +116,22 @@ def kl_breakdown(res, gen, s):
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
-    _, lse = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+    out, lse = tsm.sparse_mla_forward(q, kv, idx, SCALE, C)
+    g = torch.randn_like(out)
+    head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
+    tsm.sparse_mla_backward(q, kv, idx, lse, tsm.output_delta(g, out), g, SCALE, C, head_sums=head_sums)
     qi, ki, w = qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
-    out = {"S": s}
-    for stages in (1, 2, 3):
-        tkl.PROBS_STAGES = stages
-        out[f"probs_ms_stages{stages}"] = timed(lambda: tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s), 3)
-    tkl.PROBS_STAGES = 2
-    out["scores_at_fwd_ms"] = timed(lambda: tkl.index_scores_at(qi, ki, w, idx, 0, s), 3)
+    res_kl = {"S": s}
+    res_kl["scores_at_fwd_ms"] = timed(lambda: tkl.index_scores_at(qi, ki, w, idx, 0, s), 3)
     sc = tkl.index_scores_at(qi, ki, w, idx, 0, s)
     gsc = torch.randn_like(sc)
-    out["scores_at_bwd_ms"] = timed(lambda: torch.autograd.grad(sc, (qi, ki, w), gsc, retain_graph=True), 3)
-    p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, 0, s)
+    res_kl["scores_at_bwd_ms"] = timed(lambda: torch.autograd.grad(sc, (qi, ki, w), gsc, retain_graph=True), 3)
+    p = head_sums / head_sums.sum(-1, keepdim=True)
     logits = sc.detach().requires_grad_()
-    out["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(kl_sum(p / p.sum(-1, keepdim=True), logits, idx >= 0),
-                                                                  logits), 3)
-    out["total_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q, kv, lse).backward(), 3)
-    res["kl"] = out
-    print("kl", out, flush=True)
+    res_kl["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(kl_sum(p, logits, idx >= 0), logits), 3)
+    res_kl["total_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi.detach(), ki.detach(), w.detach(), idx, head_sums), 3)
+    res["kl"] = res_kl
+    print("kl", res_kl, flush=True)
 
 
 def main():

@@ -5,7 +5,9 @@
 Per sequence length S (batch 1, causal), GLM-5 attention shapes: 64 heads, absorbed MLA keys of
 576 = 512 latent + 64 rope dims, values 512, top-k 2048, indexer 32 heads x 128.
 
-(a) ours (Triton): indexer scores + exact top-k, sparse MLA attention, sparse indexer KL loss;
+(a) ours (Triton): indexer scores + exact top-k, sparse MLA attention, sparse indexer KL loss, run as
+    the DSA layer runs them (`pretrain.model.dsa.backend.TritonBackend`): the KL in backward, its target
+    the head sums of P that the attention backward forms;
 (b) dense causal attention, SDPA with the cuDNN backend (flash if cuDNN refuses), the equivalent
     multi-head shapes (q/k 256, v 256, 64 heads);
 (c) the reference path (`pretrain.model.dsa`: `indexer` / `sparse_mla` / `indexer_loss`, PyTorch).
@@ -32,14 +34,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
-from pretrain.model.dsa.kernels import indexer_kl as tkl  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
 SCALE = 256**-0.5  # MLA: (qk_head_dim 192 + rope 64)^-1/2
+BACKEND = TritonBackend()
 
 
 def timed(fn, reps: int, warmup: int = 2):
@@ -88,46 +90,44 @@ def inputs(s: int, gen: torch.Generator):
     return q, kv, qi, ki, w
 
 
-def sparse_kl_triton(qi, ki, w, idx, q, kv, lse, chunk: int = 1 << 14):
-    """The sparse indexer loss through the Triton pieces (what the DSA layer runs)."""
-    from pretrain.model.dsa.indexer_loss import kl_sum
+def sparse_kl_triton(qi, ki, w, idx, head_sums):
+    """The sparse indexer loss as the DSA layer runs it in backward (`indexer_loss.kl_from_attention_backward`):
+    target = the attention backward's head sums, renormalized; index scores at the selected keys and the KL,
+    with their gradients into (q_I, k_I, w). -> (loss, grads)."""
+    from pretrain.model.dsa.indexer_loss import normalize_heads
 
-    s = q.shape[1]
-    total = 0.0
-    for r0 in range(0, s, chunk):
-        r1 = min(s, r0 + chunk)
-        p = tkl.head_summed_probs(q, kv, idx, lse, SCALE, C, r0, r1)
-        p = p / p.sum(-1, keepdim=True)
-        logits = tkl.index_scores_at(qi, ki, w, idx, r0, r1)
-        total = total + kl_sum(p, logits, idx[:, r0:r1] >= 0)
-    return total / s
+    p = normalize_heads(head_sums, None)
+    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: p[:, r0:r1], 0)
+    loss, grads, _ = plan(qi, ki, w)
+    return loss, grads
 
 
 def ours(s, q, kv, qi, ki, w, reps):
+    """The DSA layer's kernels in the layer's order: top-k; sparse attention forward; its backward, which
+    also sums P over heads (the KL's target); the indexer KL and its gradient from those sums."""
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
-    q, kv = q.requires_grad_(), kv.requires_grad_()
-    qi, ki, w = qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    idx = ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi)
-    res = {"topk_ms": timed(lambda: ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi), reps)}
-    res["attn_fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
-    out, lse = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
+    idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+    res = {"topk_ms": timed(lambda: ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi), reps)}
+    res["attn_fwd_ms"] = timed(lambda: BACKEND.attention_forward(q, kv, idx, SCALE, C, 0), reps)
+    out, lse = BACKEND.attention_forward(q, kv, idx, SCALE, C, 0)
 
-    def attn_fb():
-        o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C)
-        o.backward(g)
+    def attn_bwd(head_sums=None):
+        return BACKEND.attention_backward(q, kv, idx, lse, g, out, SCALE, C, 0, head_sums=head_sums)
 
-    res["attn_fwdbwd_ms"] = timed(attn_fb, reps)
-    res["attn_bwd_ms"] = res["attn_fwdbwd_ms"] - res["attn_fwd_ms"]
-    res["kl_fwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q.detach(), kv.detach(), lse), reps)
-    res["kl_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, q.detach(), kv.detach(), lse).backward(), reps)
+    res["attn_bwd_ms"] = timed(lambda: attn_bwd(torch.zeros(idx.shape, dtype=torch.float32, device="cuda")), reps)
+    res["attn_bwd_no_target_ms"] = timed(attn_bwd, reps)
+    head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
+    attn_bwd(head_sums)
+    res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums), reps)
 
     def whole(backward: bool):
-        ix = ttopk.indexer_topk(qi.detach(), ki.detach(), w.detach(), TOPK, lo, hi)
-        o, ls = tsm.sparse_mla_attention(q, kv, ix, SCALE, C)
-        loss = sparse_kl_triton(qi, ki, w, ix, q.detach(), kv.detach(), ls)
+        ix = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+        o, ls = BACKEND.attention_forward(q, kv, ix, SCALE, C, 0)
         if backward:
-            torch.autograd.backward([o, loss], [g, torch.ones_like(loss)])
+            hs = torch.zeros(ix.shape, dtype=torch.float32, device="cuda")
+            BACKEND.attention_backward(q, kv, ix, ls, g, o, SCALE, C, 0, head_sums=hs)
+            sparse_kl_triton(qi, ki, w, ix, hs)
 
     res["fwd_ms"] = timed(lambda: whole(False), reps)
     res["fwdbwd_ms"] = timed(lambda: whole(True), reps)
@@ -141,7 +141,6 @@ def ours(s, q, kv, qi, ki, w, reps):
     frac = valid / (s * TOPK)
     res["attn_fwd_tflops_valid"] = res["attn_fwd_tflops"] * frac
     res["attn_bwd_tflops_valid"] = res["attn_bwd_tflops"] * frac
-    q.grad = kv.grad = qi.grad = ki.grad = w.grad = None
     return res
 
 

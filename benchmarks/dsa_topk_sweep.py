@@ -5,8 +5,9 @@
 GLM-5's indexer shapes (32 heads x 128, top-k 2048) on random inputs, batch 1, causal. Per S: the whole
 `indexer_topk` (scores of each block of query rows into a buffer, then the exact selection), the score
 kernel alone over the same blocks (TFLOP/s over the causal pairs: S^2 / 2 * 32 * 128 * 2), and the whole
-top-k at each (SELECT_BLOCK, SELECT_WARPS) of --select; every variant's indices are checked equal to the
-default's (the selection is exact, so they must be).
+top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY]) of --select (capacity 0: no compaction after
+two radix passes, the five-pass selection); every variant's indices are checked equal to the default's (the
+selection is exact, so they must be).
 """
 
 from __future__ import annotations
@@ -39,19 +40,19 @@ def point(s, gen, reps, selects):
     lo, hi = ttopk.visible_ranges(*VisibleKeys(s, s, "cuda").ranges())
     row = {"S": s, "scores_ms": timed(lambda: scores_only(qi, ki, w, lo, hi), reps)}
     row["scores_tflops"] = s * s / 2 * 32 * 128 * 2 / row["scores_ms"] / 1e9
-    default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS)
+    default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY)
     ref = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     row["topk"] = []
     try:
         for cfg in [default] + [c for c in selects if c != default]:
-            ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = cfg
+            ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY = cfg
             got = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
             ms = timed(lambda: ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi), reps)
-            row["topk"].append({"block_warps": list(cfg), "topk_ms": ms, "select_ms": ms - row["scores_ms"],
+            row["topk"].append({"block_warps_capacity": list(cfg), "topk_ms": ms, "select_ms": ms - row["scores_ms"],
                                 "same_indices": bool(torch.equal(got, ref))})
             print(json.dumps({"S": s, **row["topk"][-1]}), flush=True)
     finally:
-        ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = default
+        ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY = default
     print(json.dumps({k: v for k, v in row.items() if k != "topk"}), flush=True)
     return row
 
@@ -59,13 +60,15 @@ def point(s, gen, reps, selects):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="16384,32768,131072")
-    ap.add_argument("--select", default="512x4,1024x8", help="SELECT_BLOCK x SELECT_WARPS variants")
+    ap.add_argument("--select", default="512x4x0,512x4x2,512x4x4",
+                    help="SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY] variants")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     selects = tile_configs(args.select)
-    if any(len(c) != 2 for c in selects):
-        ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS, e.g. 512x4")
+    if any(len(c) not in (2, 3) for c in selects):
+        ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY], e.g. 512x4 or 512x4x2")
+    selects = [c if len(c) == 3 else (*c, ttopk.SELECT_CAPACITY) for c in selects]
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):

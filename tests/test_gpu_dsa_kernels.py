@@ -100,6 +100,7 @@ def _sparse_inputs(s, h, topk, seed):
                                       (1000, 8, 256), (2000, 32, 512)])
 def test_sparse_mla_kernels_on_gpu(s, h, topk):
     """Every head count's tile config (kernel_config) against the fp32 reference."""
+    from pretrain.model.dsa.indexer import gather_keys
     from pretrain.model.dsa.kernels import sparse_mla as km
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
 
@@ -121,6 +122,17 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
         assert _relmax(out, ref) < 1e-2 and _relmax(lse, ref_lse) < 1e-3
         assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
         results[det] = (dq, dkv)
+        # the indexer loss's target, sum_h P_h, as the backward's by-product
+        head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
+        km.sparse_mla_backward(q, kv, idx, lse, km.output_delta(g, out.detach()), g, scale, 512, det,
+                               head_sums=head_sums)
+        want = ref_lse.new_zeros(idx.shape)
+        for r0 in range(0, s, 512):  # float32 softmax over the selected keys, summed over heads
+            sel = gather_keys(kv.float(), idx[:, r0:r0 + 512].long())
+            logits = torch.einsum("bchd,bckd->bchk", q[:, r0:r0 + 512].float(), sel) * scale
+            want[:, r0:r0 + 512] = logits.masked_fill((idx[:, r0:r0 + 512] < 0)[:, :, None], float("-inf")
+                                                      ).softmax(-1).sum(2)
+        assert not head_sums.isnan().any() and _relmax(head_sums, want) < 1e-2
     qb, kvb = q.clone().requires_grad_(), kv.clone().requires_grad_()
     dq2, dkv2 = torch.autograd.grad(km.sparse_mla_attention(qb, kvb, idx, scale, 512, True)[0], (qb, kvb), g)
     assert torch.equal(dq2, results[True][0]) and torch.equal(dkv2, results[True][1])  # deterministic mode
@@ -129,7 +141,6 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
 def test_indexer_kl_kernels_on_gpu():
     from pretrain.model.dsa.indexer import gather_keys, index_scores_at
     from pretrain.model.dsa.kernels import indexer_kl as kk
-    from pretrain.model.dsa.kernels import sparse_mla as km
 
     s, topk = 1500, 512
     q, kv, idx = _sparse_inputs(s, 64, topk, 7)
@@ -152,10 +163,3 @@ def test_indexer_kl_kernels_on_gpu():
         ref_grads = torch.autograd.grad(ref.masked_fill(~valid, 0), ref_leaves, gout)
         for a, e in zip(grads, ref_grads):
             assert not a.isnan().any() and _relmax(a, e) < 2e-2
-    _, lse = km.sparse_mla_attention(q, kv, idx, 256**-0.5, 512)
-    _poison()
-    probs = kk.head_summed_probs(q, kv, idx, lse, 256**-0.5, 512, r0, r1)
-    sel = gather_keys(kv.float(), idx[:, r0:r1].long())
-    logits = torch.einsum("bchd,bckd->bchk", q[:, r0:r1].float(), sel) * 256**-0.5
-    want = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).sum(2)
-    assert not probs.isnan().any() and _relmax(probs, want) < 1e-2

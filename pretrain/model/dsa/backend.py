@@ -7,9 +7,9 @@ device of its tensors) and calls the same four methods whichever it got:
 - `sparse_attention`: absorbed sparse MLA attention over those keys, forward and backward (an
   autograd function); `attention_forward` / `attention_backward`: the same two passes as plain
   functions, for `sparse_core`, which wraps them with MLA's up-projections in one autograd function;
-- `sparse_target`: the sparse indexer loss's target, the attention's head-summed probabilities at
-  the selected keys (from the attention's saved log-sum-exp);
-- `sparse_kl`: the sparse indexer KL and its gradient.
+- `sparse_kl_plan` / `sparse_kl`: the sparse indexer KL and its gradient, given a target (the
+  attention backward's head-summed probabilities at the selected keys, `attention_backward`'s
+  `head_sums`, or dense attention's at the selected keys).
 
 `ReferenceBackend` is PyTorch (`indexer`, `sparse_mla`, `indexer_loss`: any device, the oracle of
 the kernels); `TritonBackend` runs the kernels of `pretrain.model.dsa.kernels` (CUDA tensors, or CPU
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.model.dsa.indexer import VisibleKeys, default_chunk, indexer_topk
-from pretrain.model.dsa.indexer_loss import indexer_kl_sparse, normalize_heads, sparse_target
+from pretrain.model.dsa.indexer_loss import apply_kl, sparse_kl_plan
 from pretrain.model.dsa.kernels import interpreting, triton_available
 from pretrain.config.schema import ModelConfig
 from pretrain.model.dsa.sparse_mla import output_delta, sparse_mla_attention, sparse_mla_backward, sparse_mla_forward
@@ -54,20 +54,22 @@ class ReferenceBackend:
         """`sparse_attention`'s forward, no autograd: (out, lse)."""
         return sparse_mla_forward(q_abs, kv, indices, scale, v_dim, chunk)
 
-    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int):
-        """`sparse_attention`'s backward, no autograd: (dq_abs, dkv) from the forward's out and lse."""
+    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int,
+                           head_sums=None):
+        """`sparse_attention`'s backward, no autograd: (dq_abs, dkv) from the forward's out and lse;
+        `head_sums` (zeroed [b, s, K] fp32) receives sum_h P_h at the selected keys, the KL's target."""
         delta = output_delta(grad_out, out, chunk)
-        return sparse_mla_backward(q_abs, kv, indices, lse, delta, grad_out, scale, v_dim, chunk)
+        return sparse_mla_backward(q_abs, kv, indices, lse, delta, grad_out, scale, v_dim, chunk, head_sums)
 
-    def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
-        """Target rows (r0, r1, indices rows) -> [b, r1 - r0, K] of the sparse attention (inputs detached)."""
-        return sparse_target(q_abs, kv, scale, tp_group)
+    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None) -> Callable:
+        """`indexer_loss.sparse_kl_plan` with `chunk` query rows per block (at most `max_rows`: what the
+        target's own blocks allow)."""
+        return sparse_kl_plan(indices, target, chunk if max_rows is None else min(chunk, max_rows))
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
-        """(mean sparse KL, recall) with `chunk` query rows per block (at most `max_rows`: what the
-        target's own blocks allow); `params`: see `indexer_loss.indexer_kl_dense`."""
-        rows = chunk if max_rows is None else min(chunk, max_rows)
-        return indexer_kl_sparse(q, k, w, indices, target, rows, params=params)
+        """(mean sparse KL, recall) of that plan, its gradient formed in forward; `params`: see
+        `indexer_loss.apply_kl`."""
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows), params)
 
 
 class TritonBackend:
@@ -98,23 +100,16 @@ class TritonBackend:
 
         return kernel(q_abs, kv, indices, scale, v_dim)
 
-    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int):
-        """As the reference's (the kernel's backward)."""
+    def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int,
+                           head_sums=None):
+        """As the reference's (the kernel's backward, which sums P over heads as it goes)."""
         from pretrain.model.dsa.kernels.sparse_mla import output_delta as delta_of, sparse_mla_backward as kernel
 
         grad_out = grad_out.contiguous()
-        return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic)
+        return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic,
+                      head_sums)
 
-    def sparse_target(self, q_abs, kv, indices, lse, scale: float, v_dim: int, tp_group=None) -> Callable:
-        """As the reference, reusing the attention's log-sum-exp (no max / sum pass)."""
-        from pretrain.model.dsa.kernels.indexer_kl import head_summed_probs
-
-        def rows(r0: int, r1: int, _indices_rows: torch.Tensor) -> torch.Tensor:
-            return normalize_heads(head_summed_probs(q_abs, kv, indices, lse, scale, v_dim, r0, r1), tp_group)
-
-        return rows
-
-    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
+    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None) -> Callable:
         """As the reference, with the index scores at the selected keys from a kernel (no gathered
         [rows, K, d_I] block, so rows per block follow K alone)."""
         from pretrain.model.dsa.kernels.indexer_kl import index_scores_at
@@ -126,7 +121,11 @@ class TritonBackend:
 
         rows = default_chunk(8 * indices.shape[-1])
         rows = rows if max_rows is None else min(rows, max_rows)
-        return indexer_kl_sparse(q, k, w, indices, target, rows, scores_at=scores_at, params=params)
+        return sparse_kl_plan(indices, target, rows, scores_at=scores_at)
+
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
+        """As the reference's."""
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows), params)
 
 
 _WARNED_NO_TRITON = False

@@ -29,11 +29,13 @@ Top-k recall, the share of p[t, :] on t's selected keys, is measured in dense mo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
 
+from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.dsa.indexer import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
 
 
@@ -88,6 +90,12 @@ def dense_target_selected(query: torch.Tensor, key: torch.Tensor, scale: float, 
     return rows
 
 
+def grads_through(through, params, grads) -> tuple:
+    """Gradients of `params` given `grads` of the tensors `through` that were computed from them."""
+    out = torch.autograd.grad(through, params, grads, allow_unused=True)
+    return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(params, out))
+
+
 class _IndexerKL(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, its gradient; backward scales that gradient.
 
@@ -103,8 +111,7 @@ class _IndexerKL(torch.autograd.Function):
             loss, grads, recall = plan(*inputs)
         else:
             loss, grads, recall = plan(*(t.detach() for t in through))
-            grads = torch.autograd.grad(through, inputs, grads, allow_unused=True)
-            grads = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(inputs, grads))
+            grads = grads_through(through, inputs, grads)
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(recall)
         return loss, recall
@@ -114,7 +121,9 @@ class _IndexerKL(torch.autograd.Function):
         return (None, None, *(g * grad_loss for g in ctx.saved_tensors))
 
 
-def _apply_kl(q, k, w, plan, params):
+def apply_kl(q, k, w, plan, params=()):
+    """(loss, recall) of `plan(q, k, w) -> (loss, (dq, dk, dw), recall)`, its gradient computed in forward
+    (`_IndexerKL`); given the indexer's weights `params`, it goes on through (q, k, w)'s graph at once."""
     params = tuple(params)
     if params:
         return _IndexerKL.apply(plan, (q, k, w), *params)
@@ -156,19 +165,19 @@ def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, ch
         recall = (p.gather(-1, idx.clamp(min=0)) * (idx >= 0)).sum()
         return kl_sum(p, logits, visible), recall
 
-    return _apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
+    return apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
 
 
 def _scores_at_reference(qc, kc, wc, idx):
     return index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(idx < 0, float("-inf"))
 
 
-def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
-                      scores_at: Callable = _scores_at_reference, params=()):
-    """Sparse-mode loss over the selected keys `indices` [b, s, K] -> (mean KL, recall = 1).
-    `scores_at(q_rows, k, w_rows, idx_rows)` gives the index scores at the selected keys (-inf on
-    empty slots): the reference gathers keys, the Triton backend (`backend.TritonBackend`) does not.
-    `params`: as `indexer_kl_dense`'s."""
+def sparse_kl_plan(indices: torch.Tensor, target: Callable, chunk: int,
+                   scores_at: Callable = _scores_at_reference) -> Callable:
+    """The sparse-mode loss over the selected keys `indices` [b, s, K] as a plan for `apply_kl`:
+    (q, k, w) -> (mean KL, its gradients, recall = 1). `scores_at(q_rows, k, w_rows, idx_rows)` gives the
+    index scores at the selected keys (-inf on empty slots): the reference gathers keys, the Triton
+    backend (`backend.TritonBackend`) does not."""
 
     def rows(r0, r1, qc, kc, wc):
         idx = indices[:, r0:r1]
@@ -177,7 +186,70 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
         p = target(r0, r1, idx)
         return kl_sum(p, logits, valid), p.sum()
 
-    return _apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
+    return lambda q, k, w: _run_chunks(q, k, w, chunk, rows)
+
+
+def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
+                      scores_at: Callable = _scores_at_reference, params=()):
+    """Sparse-mode loss (`sparse_kl_plan`) -> (mean KL, recall = 1); `params`: as `indexer_kl_dense`'s."""
+    return apply_kl(q, k, w, sparse_kl_plan(indices, target, chunk, scores_at), params)
+
+
+@dataclasses.dataclass
+class DeferredKL:
+    """What `kl_from_attention_backward` needs in backward: `project(x, qr)` -> (q_I, k_I, w) attached to
+    the indexer's weights, `plan(indices, target)` -> a plan for `apply_kl`, the loss coefficient, the
+    layer's metrics slot and the TP group whose heads the target sums."""
+
+    project: Callable
+    plan: Callable
+    coeff: float
+    layer: int
+    tp_group: object = None
+
+
+class _KLFromAttentionBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: DeferredKL, x, qr, indices, *params):
+        ctx.spec, ctx.params = spec, params
+        ctx.save_for_backward(x, qr, indices)
+        # stride 0: the channel costs 4 bytes; its gradient (the head sums) is a full [b, s, K] tensor
+        return torch.zeros(1, dtype=torch.float32, device=indices.device).expand(indices.shape)
+
+    @staticmethod
+    def backward(ctx, head_sums):
+        if head_sums is None:
+            raise RuntimeError("the sparse indexer loss got no target: pass its channel to sparse_mla_core")
+        x, qr, indices = ctx.saved_tensors
+        spec = ctx.spec
+        p = normalize_heads(head_sums.float().contiguous(), spec.tp_group)
+        with torch.enable_grad():
+            through = spec.project(x, qr)
+        loss, grads, _ = spec.plan(indices, lambda r0, r1, _idx: p[:, r0:r1])(*(t.detach() for t in through))
+        scale = IndexerLossAutoScaler.main_loss_backward_scale
+        scale = spec.coeff * (1.0 if scale is None else scale)
+        DSAMetrics.record("indexer_loss", spec.layer, loss)
+        return (None, None, None, None, *grads_through(through, ctx.params, tuple(g * scale for g in grads)))
+
+
+def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tensor, indices: torch.Tensor,
+                               params) -> torch.Tensor:
+    """The joint stage's sparse KL (sparse attention, `dsa_indexer_use_sparse_loss`), formed in backward.
+
+    Its target p = sum_h P_h / sum is what the sparse attention's backward forms anyway (P = exp(s - lse)
+    at every selected key); in forward it would take a second gather of kv and 2 h K (C + R) FLOPs per
+    token (13 ms per layer at 32K with 16 heads on an H200, `benchmarks/results/README.md`). So this
+    returns `channel` [b, s, K] (zeros, stride 0) for `sparse_core.sparse_mla_core`, whose backward
+    hands the head sums back as the channel's gradient; autograd runs this function's backward after
+    it: the KL, its gradient into (q_I, k_I, w) and on through the indexer's projection, recomputed from
+    its detached inputs x and qr (tensors the layer keeps anyway), into the indexer's weights `params`.
+    The gradient is that of coeff * L_I scaled as `IndexerLossAutoScaler` scales it; the loss is
+    recorded for logging (`DSAMetrics`) when backward forms it. Same loss and gradient as
+    `indexer_kl_sparse` with `sparse_target`, up to floating-point rounding."""
+    params = tuple(params)
+    if not params:
+        raise ValueError("kl_from_attention_backward needs the indexer's trained weights")
+    return _KLFromAttentionBackward.apply(spec, x.detach(), qr.detach(), indices, *params)
 
 
 class DSAMetrics:

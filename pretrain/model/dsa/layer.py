@@ -11,7 +11,9 @@ the key/value up-projection to `DSACoreAttention`, the attention spec's core-att
   sparsely over the top-k keys in absorbed form (`dsa_sparse_attention`, `sparse_core`), through the
   backend it picks once (`pretrain.model.dsa.backend`: Triton kernels or the PyTorch reference), and
 - adds the indexer KL loss (`pretrain.model.dsa.indexer_loss`) when `dsa_indexer_loss_coeff > 0`:
-  over the selected keys with `dsa_indexer_use_sparse_loss`, else over every visible key.
+  over the selected keys with `dsa_indexer_use_sparse_loss`, else over every visible key. Under
+  sparse attention the KL is formed in backward, from the probabilities the attention backward forms
+  anyway (`indexer_loss.kl_from_attention_backward`).
 
 Tensor parallelism splits the attention heads; the indexer is replicated (every TP rank computes the
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
@@ -51,7 +53,9 @@ from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa.backend import select_backend
 from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, segment_ids_from_cu_seqlens
-from pretrain.model.dsa.indexer_loss import DSAMetrics, dense_target, dense_target_selected, indexer_kl_dense
+from pretrain.model.dsa.indexer_loss import (
+    DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
+)
 from pretrain.model.dsa.sparse_core import sparse_mla_core
 
 
@@ -206,26 +210,26 @@ class DSACoreAttention(SDPACoreAttention):
         if train_indexer and sparse and not sparse_loss:  # the config check refuses it first
             raise ValueError("model.dsa_indexer_use_sparse_loss=false (dense KL) cannot train with "
                              "model.dsa_sparse_attention=true: sparse attention has no dense probabilities")
-        indexed = self._index_inputs(x, qr, rope) if (self.indexer is not None and (sparse or train_indexer)) else None
-
         if sparse:
             backend = self._backend(q_nope.device)
+            channel = None
             if self.indexer is not None:
-                indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                with torch.no_grad():  # the indexer loss recomputes the projection in backward
+                    indices = backend.topk(*self._index_inputs(x, qr, rope), cfg.dsa_indexer_topk, keys, chunk)
                 # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
                 self.last_indices = indices if self.shared_by_others else None
+                if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
+                    spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope),
+                                      plan=lambda idx, target: backend.sparse_kl_plan(idx, target, sparse_chunk),
+                                      coeff=coeff, layer=self.layer_number, tp_group=self.tp_group)
+                    channel = kl_from_attention_backward(spec, x, qr, indices, self._indexer_weights())
             else:
                 indices = self._shared_indices(b, s)
-            out, lse, q_abs, kv = sparse_mla_core(q_nope, q_pe, latent, k_pe, kv_up_weight, indices, backend,
-                                                  self.softmax_scale, sparse_chunk, recompute=recompute_attention)
-            if train_indexer:
-                target = backend.sparse_target(q_abs.detach(), kv.detach(), indices, lse, self.softmax_scale, c,
-                                               self.tp_group)
-                loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, params=self._indexer_weights())
-                out = self._attach(out, loss, coeff)
-            del q_abs, kv  # not kept past the target: only the core's own saved tensors live to backward
+            out, _ = sparse_mla_core(q_nope, q_pe, latent, k_pe, kv_up_weight, indices, backend, self.softmax_scale,
+                                     sparse_chunk, recompute=recompute_attention, kl_channel=channel)
             return out
 
+        indexed = self._index_inputs(x, qr, rope) if train_indexer else None
         k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(t, b, h, dn + dv).split([dn, dv], dim=-1)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)

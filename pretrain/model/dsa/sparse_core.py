@@ -47,7 +47,7 @@ def _absorbed(q_nope, q_pe, w_uk):
 class SparseMLACore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
-                recompute: bool):
+                recompute: bool, kl_channel):
         s, b, h, dn = q_nope.shape
         c = latent.shape[-1]
         w = weight.view(h, -1, c)
@@ -60,11 +60,11 @@ class SparseMLACore(torch.autograd.Function):
         # q_nope is a view of the q projection (q_nope and the pre-rope q_pe): keep only its part
         ctx.save_for_backward(q_nope.contiguous(), q_pe, kv, indices, weight, *kept)
         ctx.backend, ctx.scale, ctx.chunk, ctx.recompute = backend, scale, chunk, recompute
-        ctx.mark_non_differentiable(lse, q_abs, kv)
-        return out, lse, q_abs, kv
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, _grad_q_abs, _grad_kv):
+    def backward(ctx, grad_out, _grad_lse):
         q_nope, q_pe, kv, indices, weight, *kept = ctx.saved_tensors
         backend, scale, chunk = ctx.backend, ctx.scale, ctx.chunk
         s, b, h, dn = q_nope.shape
@@ -76,7 +76,12 @@ class SparseMLACore(torch.autograd.Function):
         grad_out = grad_out.reshape(s, b, h, -1).transpose(0, 1)  # [b, s, h, dv]
         d_w_uv = torch.einsum("bshv,bshc->hvc", grad_out, o_lat) if ctx.needs_input_grad[4] else None
         grad_lat = torch.einsum("bshv,hvc->bshc", grad_out, w_uv)
-        dq_abs, dkv = backend.attention_backward(q_abs, kv, indices, lse, grad_lat, o_lat, scale, c, chunk)
+        # The indexer loss's target rides back as the gradient of `kl_channel` (see sparse_mla_core).
+        head_sums = None
+        if ctx.needs_input_grad[10]:
+            head_sums = torch.zeros(indices.shape, dtype=torch.float32, device=kv.device)
+        dq_abs, dkv = backend.attention_backward(q_abs, kv, indices, lse, grad_lat, o_lat, scale, c, chunk,
+                                                 head_sums=head_sums)
         del q_abs, o_lat, grad_lat
         dq_lat, dq_pe = dq_abs[..., :c], dq_abs[..., c:]
         dq_nope = torch.einsum("bshc,hdc->sbhd", dq_lat, w_uk)
@@ -86,18 +91,21 @@ class SparseMLACore(torch.autograd.Function):
             d_weight = torch.cat([d_w_uk, d_w_uv], dim=1).view(weight.shape)
         dkv = dkv.transpose(0, 1)  # [t, b, c + dr]
         return (dq_nope, dq_pe.transpose(0, 1), dkv[..., :c], dkv[..., c:].unsqueeze(2), d_weight,
-                None, None, None, None, None)
+                None, None, None, None, None, head_sums)
 
 
 def sparse_mla_core(q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
-                    recompute: bool = False):
+                    recompute: bool = False, kl_channel=None):
     """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
     weight [h * (dn + dv), c] (MLA's key/value up-projection), indices [b, s, K] int32 (-1 = empty),
     `backend` (`pretrain.model.dsa.backend`) ->
-    (out [s, b, h * dv], lse [b, s, h] fp32, q_abs [b, s, h, c + dr], kv [b, t, c + dr]); the last
-    three carry no gradient (the indexer loss's target reads them)."""
+    (out [s, b, h * dv], lse [b, s, h] fp32); lse carries no gradient.
+
+    `kl_channel` ([b, s, K], from `indexer_loss.kl_from_attention_backward`): backward then returns the
+    head-summed probabilities sum_h P_h(t, j) at the selected keys as its gradient, which the attention
+    backward forms at no extra gather or product; they are the sparse indexer loss's target."""
     return SparseMLACore.apply(q_nope, q_pe, latent, k_pe, weight, indices, backend, float(scale), int(chunk),
-                               bool(recompute))
+                               bool(recompute), kl_channel)
 
 
 __all__ = ["SparseMLACore", "sparse_mla_core"]

@@ -57,8 +57,10 @@ def output_delta(grad_out: torch.Tensor, out: torch.Tensor, rows: int = 1024) ->
     return delta
 
 
-def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int, chunk: int):
-    """(dq, dkv) of absorbed sparse attention from the forward's lse and Delta = rowsum(dO * O)."""
+def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int, chunk: int,
+                        head_sums=None):
+    """(dq, dkv) of absorbed sparse attention from the forward's lse and Delta = rowsum(dO * O);
+    `head_sums` [b, s, K], if given, receives sum_h P_h(t, j) (0 on empty slots)."""
     b, s, h, d = q.shape
     acc = upcast(q).dtype
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
@@ -67,6 +69,8 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
         r1 = min(s, r0 + chunk)
         idx, q_c = indices[:, r0:r1], upcast(q[:, r0:r1])
         sel, p, _ = _chunk_probs(q_c, kv, idx, scale, lse[:, r0:r1])
+        if head_sums is not None:
+            head_sums[:, r0:r1] = p.sum(2)
         do = upcast(grad_out[:, r0:r1])
         dp = torch.einsum("bchd,bckd->bchk", do, sel[..., :v_dim])
         ds = p * (dp - delta[:, r0:r1, :, None]) * scale

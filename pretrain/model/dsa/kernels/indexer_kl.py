@@ -2,9 +2,8 @@
 
     L_I = mean_t KL( p[t, S_t] || softmax(I[t, S_t]) ),   p[t, j] = sum_h P_h(t, j) / sum_{h, j} P_h(t, j)
 
-- `head_summed_probs`: sum_h P_h(t, j) over this rank's heads at the selected slots, from the sparse
-  attention's saved log-sum-exp (P = exp(s - lse) in one pass: the softmax statistics are reused,
-  no max / sum pass). The target needs no gradient.
+- the target p: the sparse attention's backward kernel sums P over this rank's heads as it goes
+  (`sparse_mla.sparse_mla_backward`'s `head_sums`), so it costs no gather or product of its own.
 - `index_scores_at`: I[t, j] = d^-1/2 sum_h w[t, h] ReLU(q_I[t, h] . k_I[S_t[j]]) at the selected
   keys, with a backward to q_I, w and k_I (k_I rows are shared between tokens: fp32 atomics or the
   deterministic per-key reduction of `segment_sum`).
@@ -19,31 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.dsa.kernels.common import (
-    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2,
-)
+from pretrain.model.dsa.kernels.common import dot_precision, pow2
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
-
-
-@triton.jit
-def _probs_kernel(q_ptr, kv_ptr, idx_ptr, lse_ptr, a_ptr, S, H, K, r0,
-                  s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ab, s_at, qk_scale,
-                  C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
-                  BN: tl.constexpr, PREC: tl.constexpr):
-    t = r0 + tl.program_id(0).to(tl.int64)
-    bid = tl.program_id(1).to(tl.int64)
-    h = tl.arange(0, BH)
-    c = tl.arange(0, BC)
-    r = tl.arange(0, BR)
-    hm = h < H
-    q_lat, q_rope = load_query(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh, h, c, r, H, C, R)
-    lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
-    for j0 in range(0, K, BN):
-        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, K, s_kt,
-                                                  c, r, C, R, BN)
-        s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
-        p = tl.where(ok[None, :] & hm[:, None], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        tl.store(a_ptr + bid * s_ab + (t - r0) * s_at + j, tl.sum(p, 0), mask=j < K)
 
 
 @triton.jit
@@ -105,29 +81,6 @@ def _scores_at_bwd(q_ptr, k_ptr, w_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, 
     base = (bid * S + t).to(tl.int64) * H + h
     tl.store(dq_ptr + base[:, None] * D + d[None, :], dq, mask=hm[:, None] & dm[None, :])
     tl.store(dw_ptr + base, dw, mask=hm)
-
-
-PROBS_STAGES = 2
-
-
-def _probs_config(h: int, c: int):
-    return (64 if pow2(h) * pow2(c) <= 64 * 512 else 32), 8
-
-
-def head_summed_probs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, scale: float,
-                      v_dim: int, r0: int, r1: int) -> torch.Tensor:
-    """sum_h exp(scale q_h . kv[S_t[j]] - lse_h(t)) for rows t in [r0, r1) -> [b, r1 - r0, K] fp32 (0 on empty slots)."""
-    b, s, h, c, r = mla_shapes(q, kv, v_dim)
-    k = indices.shape[-1]
-    out = torch.empty(b, r1 - r0, k, dtype=torch.float32, device=q.device)
-    bn, warps = _probs_config(h, c)
-    lse = lse.contiguous()
-    _probs_kernel[(r1 - r0, b)](
-        q, kv, indices, lse, out, s, h, k, r0, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-        C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
-        PREC=dot_precision(q), num_warps=warps, num_stages=PROBS_STAGES)
-    return out
 
 
 class IndexScoresAt(torch.autograd.Function):

@@ -12,8 +12,9 @@ Two kernels per block of query rows, never an [S, S] matrix:
    the [BM, BN] fp32 scores into a row-block buffer [rows, T] (rows x T x 4 bytes, bounded by
    `buffer_bytes`).
 2. `_radix_select_kernel`: one program per query row finds the K-th largest score exactly by radix
-   selection on the scores' order-preserving 32-bit keys (4 histogram passes of 8 bits over the
-   row), then writes the selected key indices in ascending order.
+   selection on the scores' order-preserving 32-bit keys (4 histogram passes of 8 bits; after the
+   first two, the few keys still in play are usually copied out and the rest read only them), then
+   writes the selected key indices in ascending order.
 
 Tie rule (the reference `pretrain.model.dsa.indexer.select_topk` follows it too): every key
 scoring above the K-th largest value is selected, and among keys equal to it the lowest key
@@ -77,8 +78,58 @@ def _order_key(x):
 
 
 @triton.jit
-def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
-                         BLOCK: tl.constexpr):
+def _digit_histogram(src, n, prefix, shift, BLOCK: tl.constexpr):
+    """Histogram of the 8-bit digit at `shift` over the keys of src[0:n] whose higher digits equal prefix's."""
+    offs = tl.arange(0, BLOCK)
+    hist = tl.zeros((256,), tl.int32)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + offs
+        key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
+        match = (key >> (shift + 8)) == (prefix >> (shift + 8))
+        hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=(j < n) & match)
+    return hist
+
+
+@triton.jit
+def _pick_digit(hist, prefix, k_rem, shift):
+    """The digit holding the k_rem-th largest matching key: (prefix with it, its rank within that digit,
+    the count of keys with that digit)."""
+    bins = tl.arange(0, 256)
+    below = tl.cumsum(hist, 0)
+    above = tl.sum(hist, 0) - below               # count with a larger digit
+    hit = (above < k_rem) & (above + hist >= k_rem)
+    digit_sel = tl.sum(tl.where(hit, bins, 0), 0)
+    k_rem -= tl.sum(tl.where(hit, above, 0), 0)
+    return prefix + (digit_sel.to(tl.int64) << shift), k_rem, tl.sum(tl.where(hit, hist, 0), 0)
+
+
+@triton.jit
+def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
+    """prefix is the K-th largest key: write every larger key's index and the first k_rem equal ones,
+    ascending. Indices are lo + position, or idx_src[position] (compacted candidates)."""
+    offs = tl.arange(0, BLOCK)
+    ties = k_rem * 0
+    written = k_rem * 0
+    for j0 in range(0, n, BLOCK):
+        j = j0 + offs
+        key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
+        inside = j < n
+        gt = inside & (key > prefix)
+        eq = inside & (key == prefix)
+        eq_rank = tl.cumsum(eq.to(tl.int32), 0) + ties
+        sel = gt | (eq & (eq_rank <= k_rem))
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1 + written
+        if HAS_IDX:
+            tl.store(dst + pos, tl.load(idx_src + j, mask=sel, other=0), mask=sel)
+        else:
+            tl.store(dst + pos, lo + j, mask=sel)
+        ties += tl.sum(eq.to(tl.int32), 0)
+        written += tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
+                         s_cb, s_cr, CAP, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     lo = tl.load(lo_ptr + bid * s_lb + r0 + row)
@@ -92,41 +143,33 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, r0, K, s_sb, s_sr, s_lb
             j = j0 + offs
             tl.store(dst + j, tl.where(j < n, lo + j, -1), mask=j < K)
     else:
-        # Radix selection of the K-th largest key, 8 bits per pass from the top.
+        # Radix selection of the K-th largest key, 8 bits per pass from the top: two passes over the row.
         prefix = (lo * 0).to(tl.int64)
         k_rem = K
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros((256,), tl.int32)
+        prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 24, BLOCK), prefix, k_rem, 24)
+        prefix, k_rem, bucket = _pick_digit(_digit_histogram(src, n, prefix, 16, BLOCK), prefix, k_rem, 16)
+        # The keys whose top 16 bits reach the K-th largest's are K - k_rem larger ones plus its bucket; if
+        # they fit in CAP, one more pass copies them (ascending) and the last passes read only them.
+        n_cand = K - k_rem + bucket
+        if n_cand <= CAP:  # CAP = 0: never
+            cv = cv_ptr + bid * s_cb + row * s_cr
+            ci = ci_ptr + bid * s_cb + row * s_cr
+            count = k_rem * 0
             for j0 in range(0, n, BLOCK):
                 j = j0 + offs
-                key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
-                match = (key >> (shift + 8)) == (prefix >> (shift + 8))
-                digit = ((key >> shift) & 255).to(tl.int32)
-                hist += tl.histogram(digit, 256, mask=(j < n) & match)
-            below = tl.cumsum(hist, 0)
-            above = tl.sum(hist, 0) - below               # count with a larger digit
-            hit = (above < k_rem) & (above + hist >= k_rem)
-            digit_sel = tl.sum(tl.where(hit, bins, 0), 0)
-            k_rem -= tl.sum(tl.where(hit, above, 0), 0)
-            prefix += digit_sel.to(tl.int64) << shift
-        # prefix is the K-th largest key; take every larger key and the first k_rem equal ones.
-        ties = k_rem * 0
-        written = k_rem * 0
-        for j0 in range(0, n, BLOCK):
-            j = j0 + offs
-            key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
-            inside = j < n
-            gt = inside & (key > prefix)
-            eq = inside & (key == prefix)
-            eq_rank = tl.cumsum(eq.to(tl.int32), 0) + ties
-            sel = gt | (eq & (eq_rank <= k_rem))
-            pos = tl.cumsum(sel.to(tl.int32), 0) - 1 + written
-            tl.store(dst + pos, lo + j, mask=sel)
-            ties += tl.sum(eq.to(tl.int32), 0)
-            written += tl.sum(sel.to(tl.int32), 0)
-
+                x = tl.load(src + j, mask=j < n, other=0.0)
+                keep = (j < n) & ((_order_key(x) >> 16) >= (prefix >> 16))
+                pos = tl.cumsum(keep.to(tl.int32), 0) - 1 + count
+                tl.store(cv + pos, x, mask=keep)
+                tl.store(ci + pos, (lo + j).to(tl.int32), mask=keep)
+                count += tl.sum(keep.to(tl.int32), 0)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK), prefix, k_rem, 8)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK), prefix, k_rem, 0)
+            _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True)
+        else:
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 8, BLOCK), prefix, k_rem, 8)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 0, BLOCK), prefix, k_rem, 0)
+            _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False)
 
 
 def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
@@ -153,15 +196,37 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
 
 
 SELECT_BLOCK, SELECT_WARPS = 512, 4  # H200 sweep
+SELECT_CAPACITY = 2  # candidates kept per row after two radix passes, in multiples of K (see select_rows)
+SELECT_SCRATCH_BYTES = 64 << 20  # the candidates' scratch; rows beyond it are selected in further launches
+
+
+def select_capacity(topk: int, t: int) -> int:
+    """Candidates per row that `select_rows` compacts (0: it never compacts, the rows are short)."""
+    cap = SELECT_CAPACITY * int(topk)
+    return cap if cap < t else 0
 
 
 def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor) -> torch.Tensor:
-    """Exact top-k (the tie rule above) of score rows [r0, r0 + n) (scores[:, :n]) into out[:, r0:r0 + n]."""
+    """Exact top-k (the tie rule above) of score rows [r0, r0 + n) (scores[:, :n]) into out[:, r0:r0 + n].
+
+    After the first two 8-bit radix passes over a row, the keys that can still be selected (those above
+    the K-th largest's 16-bit bucket, and that bucket) are usually a few more than K; when they fit in
+    `select_capacity` they are copied out once and the last two passes and the write read only them:
+    three passes over the row instead of five, the same result (1.3-1.5x at 16K-128K, H200,
+    `benchmarks/results/README.md`). The copies take 8 bytes per candidate in a scratch of at most
+    `SELECT_SCRATCH_BYTES`, reused by launches over successive rows."""
     b = out.shape[0]
-    _radix_select_kernel[(n, b)](
-        scores, lo, hi, out, r0, min(int(topk), scores.shape[-1]), scores.stride(0), scores.stride(1),
-        0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), BLOCK=SELECT_BLOCK,
-        num_warps=SELECT_WARPS)
+    k = min(int(topk), scores.shape[-1])
+    cap = select_capacity(k, scores.shape[-1])
+    per = max(1, min(n, SELECT_SCRATCH_BYTES // (8 * cap * b))) if cap else n
+    cv = torch.empty(b, per if cap else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
+    ci = torch.empty(cv.shape, dtype=torch.int32, device=scores.device)
+    for q0 in range(0, n, per):
+        sc = scores[:, q0:]
+        _radix_select_kernel[(min(per, n - q0), b)](
+            sc, lo, hi, out, cv, ci, r0 + q0, k, sc.stride(0), sc.stride(1),
+            0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), cv.stride(0), cv.stride(1), cap,
+            BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
     return out
 
 

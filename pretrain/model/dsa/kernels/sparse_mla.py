@@ -67,11 +67,12 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, part_ptr,
+def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, part_ptr, hs_ptr,
                 S, H, T, r0, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh,
-                s_pb, s_pt, s_pj, sm_scale, qk_scale,
+                s_pb, s_pt, s_pj, s_hb, s_ht, sm_scale, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
-                BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr):
+                BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr,
+                HEAD_SUMS: tl.constexpr):
     # q and dO stay resident as the A operands of S = q K^T and dP = dO V^T; the key-side products
     # dS^T q and P^T dO re-read q / dO in CC-wide column slices (L1 / L2 hits), which keeps shared
     # memory to one copy of each.
@@ -98,6 +99,8 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
+        if HEAD_SUMS:  # the indexer loss's target, sum_h P_h(t, j), at no extra gather or product
+            tl.store(hs_ptr + bid * s_hb + t * s_ht + j, tl.sum(p, 0), mask=j < nv)
         dp = tl.dot(do, tl.trans(k_lat), input_precision=PREC)
         ds = p * (dp - delta[:, None]) * sm_scale
         dsc = ds.to(k_lat.dtype)
@@ -180,8 +183,10 @@ def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
-                        deterministic: bool = False):
-    """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32)."""
+                        deterministic: bool = False, head_sums=None):
+    """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32).
+    `head_sums`: a zeroed [b, s, K] fp32 tensor that receives sum_h P_h(t, j) at every valid slot (the
+    sparse indexer loss's target, `indexer_loss.kl_from_attention_backward`)."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     t = kv.shape[1]
     indices = indices.to(torch.int32)
@@ -197,14 +202,20 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     else:
         mode = 1 if deterministic else (5 if separate_pass_pays(h) else 0)
 
+    if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
+                                  or head_sums.stride(-1) != 1):
+        raise ValueError(f"head_sums must be fp32 {tuple(indices.shape)} with unit last stride")
+    hs = head_sums if head_sums is not None else dkv
+
     def launch(r0, rows, part, dkv_mode):
         pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
         _bwd_kernel[(rows, b)](
-            q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, s, h, t, r0,
+            q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, hs, s, h, t, r0,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
             indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
-            scale, scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
-            CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, num_warps=warps, num_stages=stages)
+            hs.stride(0), hs.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
+            CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, HEAD_SUMS=head_sums is not None, num_warps=warps,
+            num_stages=stages)
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
