@@ -2,8 +2,10 @@
 
 The sequences in `tests/golden/losses.json` come from `python -m tests.golden.record`: first on the code
 before the architecture pass (commit 46ed4cc; the Muon variants again when SwiGLU fc1's gate and up began to
-be orthogonalized apart, and once more when that became opt-in), last on 2026-11-25 on unchanged code, on
-a CI machine whose CPU kernels round differently (with its `cpu_fingerprint`). They are compared bit for
+be orthogonalized apart, and once more when that became opt-in), on 2026-11-25 on unchanged code, on a CI
+machine whose CPU kernels round differently (with its `cpu_fingerprint`), and last the same day when the
+sparse indexer loss's target moved to the attention backward (its value moves by ~1e-5 relative; only
+muon_dsa_sparse's losses move, from step 12, by <= 2.6e-4 relative, as on a CPU change). They are compared bit for
 bit: a restructure that only moves code leaves every float unchanged on CPU. A change that is meant to alter
 numerics must re-record them in its own commit and say why.
 
