@@ -20,8 +20,10 @@ from pretrain.model.dsa.indexer import (
     index_scores,
     index_scores_at,
     indexer_topk,
+    pack_indices,
     segment_ids_from_cu_seqlens,
     select_topk,
+    unpack_indices,
 )
 from tests.dsa_references import F64, NEG_INF, docs_from_lengths, naive_index_scores, ref_topk, visibility_case
 
@@ -249,3 +251,14 @@ def test_hadamard_transform(d):
 def test_hadamard_rejects_non_power_of_two():
     with pytest.raises(ValueError):
         hadamard_transform(torch.zeros(2, 6))
+
+
+def test_packed_indices_round_trip():
+    """Indices kept for backward: int16 (unsigned 16-bit values, -1 empty) up to 65,535 keys, int32 beyond."""
+    idx = torch.tensor([[[-1, 0, 1, 32767, 32768, 40000, 65534, -1]]], dtype=torch.int32)
+    packed = pack_indices(idx, 65535)
+    assert packed.dtype == torch.int16 and packed.element_size() * 2 == idx.element_size()
+    back = unpack_indices(packed)
+    assert back.dtype == torch.int32 and torch.equal(back, idx)
+    wide = torch.tensor([[[65535, 131071, -1]]], dtype=torch.int32)
+    assert pack_indices(wide, 131072) is wide and unpack_indices(wide) is wide

@@ -163,3 +163,13 @@ def test_indexer_kl_kernels_on_gpu():
         ref_grads = torch.autograd.grad(ref.masked_fill(~valid, 0), ref_leaves, gout)
         for a, e in zip(grads, ref_grads):
             assert not a.isnan().any() and _relmax(a, e) < 2e-2
+
+
+def test_packed_indices_round_trip_on_gpu():
+    """The int16 packing of kept top-k indices wraps and unwraps on CUDA as on CPU (32768..65534, -1)."""
+    from pretrain.model.dsa.indexer import pack_indices, unpack_indices
+
+    idx = torch.randint(-1, 65535, (2, 300, 64), device="cuda", dtype=torch.int32)
+    idx[0, 0, :3] = torch.tensor([32767, 32768, 65534], device="cuda")
+    packed = pack_indices(idx, 65535)
+    assert packed.dtype == torch.int16 and torch.equal(unpack_indices(packed), idx)

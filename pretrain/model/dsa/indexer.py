@@ -218,6 +218,22 @@ def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Ten
     return out
 
 
+def pack_indices(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Top-k indices as kept for backward: with at most 65,535 keys, int16 holding each index as an unsigned
+    16-bit value (-1, an empty slot, is 0xFFFF), half of int32's bytes; with more keys, unchanged."""
+    if num_keys > 65535 or indices.dtype == torch.int16:
+        return indices
+    return indices.to(torch.int16)  # two's-complement wrap: 32768..65534 become negative
+
+
+def unpack_indices(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_indices`' inverse: int32 indices (-1 on empty slots)."""
+    if packed.dtype != torch.int16:
+        return packed
+    wide = packed.to(torch.int32)
+    return torch.where(wide == -1, wide, wide & 0xFFFF)
+
+
 def gather_keys(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """kv [b, T, d], indices [b, c, K] (-1 allowed) -> [b, c, K, d] (rows of -1 read key 0)."""
     b, c, k = indices.shape
@@ -241,7 +257,9 @@ __all__ = [
     "index_scores_at",
     "indexer_topk",
     "is_indexer_parameter",
+    "pack_indices",
     "segment_ids_from_cu_seqlens",
     "select_topk",
+    "unpack_indices",
     "upcast",
 ]

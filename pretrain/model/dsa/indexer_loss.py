@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 
 from pretrain.compat.dsa import IndexerLossAutoScaler
-from pretrain.model.dsa.indexer import VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, upcast
+from pretrain.model.dsa.indexer import (
+    VisibleKeys, gather_keys, index_scores, index_scores_at, select_topk, unpack_indices, upcast,
+)
 
 
 def kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,7 @@ class _KLFromAttentionBackward(torch.autograd.Function):
         if head_sums is None:
             raise RuntimeError("the sparse indexer loss got no target: pass its channel to sparse_mla_core")
         x, qr, indices = ctx.saved_tensors
+        indices = unpack_indices(indices)
         spec = ctx.spec
         p = normalize_heads(head_sums.float().contiguous(), spec.tp_group)
         with torch.enable_grad():
@@ -243,9 +246,9 @@ def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tens
     hands the head sums back as the channel's gradient; autograd runs this function's backward after
     it: the KL, its gradient into (q_I, k_I, w) and on through the indexer's projection, recomputed from
     its detached inputs x and qr (tensors the layer keeps anyway), into the indexer's weights `params`.
-    The gradient is that of coeff * L_I scaled as `IndexerLossAutoScaler` scales it; the loss is
-    recorded for logging (`DSAMetrics`) when backward forms it. Same loss and gradient as
-    `indexer_kl_sparse` with `sparse_target`, up to floating-point rounding."""
+    `indices` may be packed (`indexer.pack_indices`). The gradient is that of coeff * L_I scaled as
+    `IndexerLossAutoScaler` scales it; the loss is recorded for logging (`DSAMetrics`) when backward
+    forms it. Same loss and gradient as `indexer_kl_sparse` with `sparse_target`, up to rounding."""
     params = tuple(params)
     if not params:
         raise ValueError("kl_from_attention_backward needs the indexer's trained weights")

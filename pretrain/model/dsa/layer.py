@@ -52,7 +52,9 @@ from parallel.context_parallel import cp_size_and_rank, gather_sequence, local_p
 from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa.backend import select_backend
-from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, segment_ids_from_cu_seqlens
+from pretrain.model.dsa.indexer import (
+    LightningIndexer, VisibleKeys, default_chunk, pack_indices, segment_ids_from_cu_seqlens,
+)
 from pretrain.model.dsa.indexer_loss import (
     DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
 )
@@ -216,17 +218,19 @@ class DSACoreAttention(SDPACoreAttention):
             if self.indexer is not None:
                 with torch.no_grad():  # the indexer loss recomputes the projection in backward
                     indices = backend.topk(*self._index_inputs(x, qr, rope), cfg.dsa_indexer_topk, keys, chunk)
+                kept = pack_indices(indices, t)  # what backward keeps: one storage for every function here
                 # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
-                self.last_indices = indices if self.shared_by_others else None
+                self.last_indices = (indices, kept) if self.shared_by_others else None
                 if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
                     spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope),
                                       plan=lambda idx, target: backend.sparse_kl_plan(idx, target, sparse_chunk),
                                       coeff=coeff, layer=self.layer_number, tp_group=self.tp_group)
-                    channel = kl_from_attention_backward(spec, x, qr, indices, self._indexer_weights())
+                    channel = kl_from_attention_backward(spec, x, qr, kept, self._indexer_weights())
             else:
-                indices = self._shared_indices(b, s)
+                indices, kept = self._shared_indices(b, s)
             out, _ = sparse_mla_core(q_nope, q_pe, latent, k_pe, kv_up_weight, indices, backend, self.softmax_scale,
-                                     sparse_chunk, recompute=recompute_attention, kl_channel=channel)
+                                     sparse_chunk, recompute=recompute_attention, kl_channel=channel,
+                                     kept_indices=kept)
             return out
 
         indexed = self._index_inputs(x, qr, rope) if train_indexer else None
@@ -275,15 +279,16 @@ class DSACoreAttention(SDPACoreAttention):
         """The indexer's trained weights: its loss's gradient reaches them from forward (`indexer_loss`)."""
         return [p for p in self.indexer.parameters() if p.requires_grad]
 
-    def _shared_indices(self, b: int, s: int) -> torch.Tensor:
+    def _shared_indices(self, b: int, s: int):
+        """The previous full layer's (indices, indices as kept for backward)."""
         source = self.index_source
-        indices = source.last_indices if source is not None else None
-        if indices is None or indices.shape[:2] != (b, s):
+        shared = source.last_indices if source is not None else None
+        if shared is None or shared[0].shape[:2] != (b, s):
             raise RuntimeError(
                 f"DSA layer {self.layer_number} is 'shared' but no full indexer layer ran before it on "
                 "this pipeline stage; the first layer of every stage must be 'full'"
             )
-        return indices
+        return shared
 
     def _attach(self, out: torch.Tensor, loss: torch.Tensor, coeff: float) -> torch.Tensor:
         DSAMetrics.record("indexer_loss", self.layer_number, loss)

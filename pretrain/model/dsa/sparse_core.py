@@ -14,7 +14,7 @@ only what backward cannot rebuild cheaply:
 
 - q_nope (h x d_nope) and the roped q_rope (h x 64): the absorbed query is recomputed in backward
   (2 h d_nope 512 FLOPs per token, ~4% of the sparse forward's at K = 2048);
-- kv [T, 576], the int32 top-k indices, the weight (a parameter);
+- kv [T, 576], the top-k indices (int16 up to 65,535 keys, `indexer.pack_indices`), the weight (a parameter);
 - o_lat and the log-sum-exp (h x 512 and h fp32), unless `recompute` is set: then backward first
   runs the sparse forward once more and keeps neither. That costs one extra sparse forward,
   2 h K (576 + 512) FLOPs per token (the backward's matrix products are 2 h K (576 + 512 + 576 +
@@ -23,9 +23,9 @@ only what backward cannot rebuild cheaply:
 
 Measured with saved-tensor hooks (tests/test_dsa_memory.py) for one proxy-model layer (16 heads,
 d_nope 192, rope 64, v 256, latent 512, indexer 16 x 128), bf16, per token: dense attention keeps
-47.7 KB; the sparse path with its indexer loss 41.7 KB + 4 K bytes of indices (49.9 KB at K = 2048,
-43.7 KB at K = 512), with `recompute` 16.4 KB less (33.4 KB at K = 2048). The separate operations
-kept 65.3 KB + 4 K (73.5 KB at K = 2048).
+47.7 KB; the sparse path with its indexer loss 41.7 KB + 2 K bytes of int16 indices (45.8 KB at K = 2048;
+with more than 65,535 keys 4 K bytes, 49.9 KB), with `recompute` 16.4 KB less (29.3 KB at K = 2048). The
+separate operations kept 65.3 KB + 4 K (73.5 KB at K = 2048).
 
 The top-k selection is an input: recompute never repeats the indexer. The layer turns `recompute` on
 for megatron's selective recompute of the core attention (`recompute_modules: [core_attn]`) on its
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.model.dsa.indexer import pack_indices, unpack_indices
 from pretrain.model.dsa.sparse_mla import absorb_query, expand_values
 
 
@@ -47,7 +48,7 @@ def _absorbed(q_nope, q_pe, w_uk):
 class SparseMLACore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
-                recompute: bool, kl_channel):
+                recompute: bool, kl_channel, kept_indices):
         s, b, h, dn = q_nope.shape
         c = latent.shape[-1]
         w = weight.view(h, -1, c)
@@ -58,7 +59,9 @@ class SparseMLACore(torch.autograd.Function):
         out = expand_values(o_lat, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
         kept = () if recompute else (o_lat, lse)
         # q_nope is a view of the q projection (q_nope and the pre-rope q_pe): keep only its part
-        ctx.save_for_backward(q_nope.contiguous(), q_pe, kv, indices, weight, *kept)
+        if kept_indices is None:
+            kept_indices = pack_indices(indices, kv.shape[1])
+        ctx.save_for_backward(q_nope.contiguous(), q_pe, kv, kept_indices, weight, *kept)
         ctx.backend, ctx.scale, ctx.chunk, ctx.recompute = backend, scale, chunk, recompute
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -66,6 +69,7 @@ class SparseMLACore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q_nope, q_pe, kv, indices, weight, *kept = ctx.saved_tensors
+        indices = unpack_indices(indices)
         backend, scale, chunk = ctx.backend, ctx.scale, ctx.chunk
         s, b, h, dn = q_nope.shape
         c = kv.shape[-1] - q_pe.shape[-1]
@@ -91,11 +95,11 @@ class SparseMLACore(torch.autograd.Function):
             d_weight = torch.cat([d_w_uk, d_w_uv], dim=1).view(weight.shape)
         dkv = dkv.transpose(0, 1)  # [t, b, c + dr]
         return (dq_nope, dq_pe.transpose(0, 1), dkv[..., :c], dkv[..., c:].unsqueeze(2), d_weight,
-                None, None, None, None, None, head_sums)
+                None, None, None, None, None, head_sums, None)
 
 
 def sparse_mla_core(q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
-                    recompute: bool = False, kl_channel=None):
+                    recompute: bool = False, kl_channel=None, kept_indices=None):
     """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
     weight [h * (dn + dv), c] (MLA's key/value up-projection), indices [b, s, K] int32 (-1 = empty),
     `backend` (`pretrain.model.dsa.backend`) ->
@@ -103,9 +107,12 @@ def sparse_mla_core(q_nope, q_pe, latent, k_pe, weight, indices, backend, scale:
 
     `kl_channel` ([b, s, K], from `indexer_loss.kl_from_attention_backward`): backward then returns the
     head-summed probabilities sum_h P_h(t, j) at the selected keys as its gradient, which the attention
-    backward forms at no extra gather or product; they are the sparse indexer loss's target."""
+    backward forms at no extra gather or product; they are the sparse indexer loss's target.
+
+    The indices are kept for backward as `indexer.pack_indices` packs them (int16 up to 65,535 keys), or as
+    `kept_indices`, that packing done once by the caller for several functions to keep one storage."""
     return SparseMLACore.apply(q_nope, q_pe, latent, k_pe, weight, indices, backend, float(scale), int(chunk),
-                               bool(recompute), kl_channel)
+                               bool(recompute), kl_channel, kept_indices)
 
 
 __all__ = ["SparseMLACore", "sparse_mla_core"]
