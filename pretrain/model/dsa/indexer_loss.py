@@ -47,11 +47,13 @@ def kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.
     return torch.where(valid, torch.xlogy(p, p) - p * logq, 0.0).sum()
 
 
-def normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
-    """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized."""
+def normalize_heads(probs_sum: torch.Tensor, tp_group, in_place: bool = False) -> torch.Tensor:
+    """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized (`in_place`:
+    into probs_sum itself, which the TP sum overwrites in any case)."""
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(probs_sum, group=tp_group)
-    return probs_sum / probs_sum.sum(-1, keepdim=True)
+    total = probs_sum.sum(-1, keepdim=True)
+    return probs_sum.div_(total) if in_place else probs_sum / total
 
 
 def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=None) -> Callable:
@@ -134,8 +136,11 @@ def apply_kl(q, k, w, plan, params=()):
 
 def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torch.Tensor]:
     b, s = q.shape[0], q.shape[1]
+    n = b * s
     acc = upcast(q).dtype
-    dq, dw = torch.empty(q.shape, dtype=acc, device=q.device), torch.empty(w.shape, dtype=acc, device=q.device)
+    # dq and dw are written once per row block: kept in their own dtype (no [s, H_I, d_I] fp32 copy); dk sums
+    # over the blocks in fp32
+    dq, dw = torch.empty_like(q), torch.empty_like(w)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     total = torch.zeros((), dtype=acc, device=q.device)
     recall = torch.zeros((), dtype=acc, device=q.device)
@@ -147,12 +152,11 @@ def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torc
             kc = k.detach().requires_grad_()
             loss_c, recall_c = rows_fn(r0, r1, qc, kc, wc)
             gq, gk, gw = torch.autograd.grad(loss_c, (qc, kc, wc))
-        dq[:, r0:r1], dw[:, r0:r1] = gq, gw
+        dq[:, r0:r1], dw[:, r0:r1] = (gq.to(acc) / n).to(q.dtype), (gw.to(acc) / n).to(w.dtype)
         dk += gk
         total += loss_c.detach()
         recall += recall_c
-    n = b * s
-    return total / n, ((dq / n).to(q.dtype), (dk / n).to(k.dtype), (dw / n).to(w.dtype)), recall / n
+    return total / n, (dq, (dk / n).to(k.dtype), dw), recall / n
 
 
 def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int, params=()):
@@ -225,14 +229,15 @@ class _KLFromAttentionBackward(torch.autograd.Function):
         x, qr, indices = ctx.saved_tensors
         indices = unpack_indices(indices)
         spec = ctx.spec
-        p = normalize_heads(head_sums.float().contiguous(), spec.tp_group)
+        p = normalize_heads(head_sums.float().contiguous(), spec.tp_group, in_place=True)  # ours alone
         with torch.enable_grad():
             through = spec.project(x, qr)
         loss, grads, _ = spec.plan(indices, lambda r0, r1, _idx: p[:, r0:r1])(*(t.detach() for t in through))
         scale = IndexerLossAutoScaler.main_loss_backward_scale
         scale = spec.coeff * (1.0 if scale is None else scale)
         DSAMetrics.record("indexer_loss", spec.layer, loss)
-        return (None, None, None, None, *grads_through(through, ctx.params, tuple(g * scale for g in grads)))
+        del p
+        return (None, None, None, None, *grads_through(through, ctx.params, tuple(g.mul_(scale) for g in grads)))
 
 
 def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tensor, indices: torch.Tensor,
