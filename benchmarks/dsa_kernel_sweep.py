@@ -7,7 +7,7 @@ Checks top-k (exact on the kernel's own scores) and sparse attention against the
 the same bf16 inputs; times (BLOCK_N, num_warps, num_stages[, CC]) of the sparse attention forward
 and backward, the radix-select block, the indexer-loss pieces, and the backward by key-gradient
 mode. The chosen defaults live in `pretrain/model/dsa/kernels/` (`kernel_config`, `SELECT_BLOCK`,
-`PROBS_STAGES`).
+`SELECT_CAPACITY`).
 """
 
 from __future__ import annotations
