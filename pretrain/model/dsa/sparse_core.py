@@ -45,6 +45,9 @@ def _absorbed(q_nope, q_pe, w_uk):
     return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1).transpose(0, 1)
 
 
+KL_CHANNEL = 10  # the position of `kl_channel` among SparseMLACore.forward's inputs
+
+
 class SparseMLACore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_nope, q_pe, latent, k_pe, weight, indices, backend, scale: float, chunk: int,
@@ -82,7 +85,7 @@ class SparseMLACore(torch.autograd.Function):
         grad_lat = torch.einsum("bshv,hvc->bshc", grad_out, w_uv)
         # The indexer loss's target rides back as the gradient of `kl_channel` (see sparse_mla_core).
         head_sums = None
-        if ctx.needs_input_grad[10]:
+        if ctx.needs_input_grad[KL_CHANNEL]:
             head_sums = torch.zeros(indices.shape, dtype=torch.float32, device=kv.device)
         dq_abs, dkv = backend.attention_backward(q_abs, kv, indices, lse, grad_lat, o_lat, scale, c, chunk,
                                                  head_sums=head_sums)

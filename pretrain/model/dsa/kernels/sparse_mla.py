@@ -172,12 +172,12 @@ def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
 
 
 def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Delta = rowsum(dO * O) [b, s, h] in fp32, a block of query rows at a time (no [S, H, C] fp32 copy)."""
+    """Delta = rowsum(dO * O) [b, s, h] in fp32, blocks of query rows of up to 2^28 elements. Each block's fp32
+    temporaries (two upcasts and their product) take up to 3 GiB: at 32K tokens x 16 heads they are alive at the
+    glm5-proxy step's memory peak (benchmarks/results/README.md); smaller blocks are the next thing to measure."""
     b, s, h, c = out.shape
     delta = torch.empty(b, s, h, dtype=torch.float32, device=out.device)
-    # 2^24 elements per block: its fp32 temporaries (two upcasts and their product) stay near 192 MiB; with 2^28
-    # they were 3 GiB at 32K tokens x 16 heads, alive at the glm5-proxy step's memory peak (its first DSA backward)
-    rows = max(1, (1 << 24) // max(1, b * h * c))
+    rows = max(1, (1 << 28) // max(1, b * h * c))
     for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)
         delta[:, r0:r1] = (grad_out[:, r0:r1].float() * out[:, r0:r1].float()).sum(-1)
