@@ -244,6 +244,22 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
         assert torch.equal(dq3, dq) and torch.equal(dkv3, dkv)
 
 
+@pytest.mark.parametrize("c", [24, 300])
+def test_output_delta_kernel_matches_float64(kern, c):
+    """Delta = rowsum(dO * O) from the kernel against float64: bf16 inputs, rows not a multiple of the kernel's
+    block, columns spanning one or two column blocks, and a transposed (non-contiguous) dO."""
+    sm = kern["sparse_mla"]
+    gen = torch.Generator().manual_seed(11)
+    out = torch.randn(2, 19, 3, c, generator=gen).bfloat16()
+    grad = torch.randn(19, 2, 3, c, generator=gen).bfloat16().transpose(0, 1)
+    want = (grad.double() * out.double()).sum(-1)
+    got = sm.output_delta(grad, out)
+    assert got.dtype == torch.float32 and got.shape == (2, 19, 3)
+    assert rel(got, want) < 1e-6
+    with pytest.raises(ValueError, match="differ"):
+        sm.output_delta(grad[:, :5], out)
+
+
 def test_indexer_kl_kernels_match_reference(kern):
     kl = kern["indexer_kl"]
     gen = torch.Generator().manual_seed(4)

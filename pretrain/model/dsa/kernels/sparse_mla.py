@@ -171,16 +171,35 @@ def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
     return out, lse
 
 
+@triton.jit
+def _delta_kernel(do_ptr, o_ptr, delta_ptr, n_rows, s_do, s_o, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    # Delta = rowsum(dO * O) over BR (token, head) rows per program, products summed in fp32: no upcast copies.
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BC)
+    acc = tl.zeros((BR,), tl.float32)
+    for c0 in tl.static_range(0, C, BC):
+        m = (rows[:, None] < n_rows) & ((c0 + c[None, :]) < C)
+        do = tl.load(do_ptr + rows[:, None] * s_do + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + rows[:, None] * s_o + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tl.sum(do * o, 1)
+    tl.store(delta_ptr + rows, acc, mask=rows < n_rows)
+
+
 def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Delta = rowsum(dO * O) [b, s, h] in fp32, blocks of query rows of up to 2^28 elements. Each block's fp32
-    temporaries (two upcasts and their product) take up to 3 GiB: at 32K tokens x 16 heads they are alive at the
-    glm5-proxy step's memory peak (benchmarks/results/README.md); smaller blocks are the next thing to measure."""
+    """Delta = rowsum(dO * O) [b, s, h] in fp32, one kernel reading dO and O once. Its torch form (two fp32 upcasts
+    and their product) kept 3 GiB of temporaries alive at the glm5-proxy 32K step's memory peak
+    (benchmarks/results/README.md)."""
     b, s, h, c = out.shape
+    if grad_out.shape != out.shape:
+        raise ValueError(f"output_delta: dO {tuple(grad_out.shape)} and O {tuple(out.shape)} differ")
+    do2, o2 = grad_out.reshape(-1, c), out.reshape(-1, c)
+    if do2.stride(-1) != 1 or o2.stride(-1) != 1:
+        do2, o2 = do2.contiguous(), o2.contiguous()
     delta = torch.empty(b, s, h, dtype=torch.float32, device=out.device)
-    rows = max(1, (1 << 28) // max(1, b * h * c))
-    for r0 in range(0, s, rows):
-        r1 = min(s, r0 + rows)
-        delta[:, r0:r1] = (grad_out[:, r0:r1].float() * out[:, r0:r1].float()).sum(-1)
+    n = do2.shape[0]
+    br, bc = 16, min(pow2(c), 256)
+    _delta_kernel[(triton.cdiv(n, br),)](do2, o2, delta, n, do2.stride(0), o2.stride(0), C=c, BR=br, BC=bc,
+                                         num_warps=4)
     return delta
 
 
