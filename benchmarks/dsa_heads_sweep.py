@@ -10,7 +10,9 @@ TFLOP/s in `benchmarks/dsa_kernels.py`'s convention (all S * k slots; forward
 the fp32 PyTorch reference on the same bf16 inputs (S = 4096, default config only). glm5-proxy
 has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8. With --dkv-modes, the
 backward again by key-gradient path (`dkv_rows`), e.g.
-`--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`.
+`--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`. With --key-partition-mib, the backward again
+with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, one launch per partition; 0 = off),
+e.g. `--key-partition-mib 0,16,24,32` (`partition_rows`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,27 @@ def dkv_rows(h, s, q, kv, idx, g, reps, modes, dkv_configs):
     return rows
 
 
-def point(h, s, gen, reps, configs, modes=(), dkv_configs=()):
+def partition_rows(h, s, q, kv, idx, g, reps, mibs):
+    """Backward ms with the keys walked in partitions of at most `mib` MiB of kv + fp32 dkv rows (0: one launch
+    over all keys, the default), the default key-gradient mode of `h` heads."""
+    rows = []
+    fl = 2 * s * TOPK * h * (C + D) * 2.53
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    try:
+        for mib in mibs:
+            tsm.KEY_PARTITION_BYTES = int(mib * 2**20) or None
+            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+            ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+            n = len(tsm.key_partitions(kv.shape[1], kv.shape[-1], tsm.KEY_PARTITION_BYTES))
+            rows.append({"heads": h, "S": s, "key_partition_mib": mib, "partitions": n, "bwd_ms": ms,
+                         "bwd_tflops": fl / ms / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        tsm.KEY_PARTITION_BYTES = None
+    return rows
+
+
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -104,7 +126,8 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=()):
             tsm.kernel_config = original
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows + (dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else [])
+    rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
+    return rows + (partition_rows(h, s, q, kv, idx, g, reps, mibs) if mibs else [])
 
 
 def main():
@@ -120,11 +143,19 @@ def main():
                     + ", ".join(DKV_MODES))
     ap.add_argument("--dkv-configs", default="", help="configs BN x DS x warps x stages of the key-gradient pass "
                     "also timed with --dkv-modes split")
+    ap.add_argument("--key-partition-mib", default="", help="also time the backward with its keys in partitions of "
+                    "at most this many MiB of kv + fp32 dkv rows: comma list, 0 = one launch over all keys")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = tile_configs(args.configs)
     dkv_configs = tile_configs(args.dkv_configs)
     modes = [m for m in args.dkv_modes.split(",") if m]
+    try:
+        mibs = [float(x) for x in args.key_partition_mib.split(",") if x]
+    except ValueError:
+        ap.error(f"--key-partition-mib takes numbers (MiB), got {args.key_partition_mib!r}")
+    if any(m < 0 for m in mibs):
+        ap.error("--key-partition-mib values must be >= 0")
     if set(modes) - set(DKV_MODES):
         ap.error(f"unknown --dkv-modes {sorted(set(modes) - set(DKV_MODES))}; choose from {list(DKV_MODES)}")
     if any(len(c) != 4 for c in dkv_configs):
@@ -134,7 +165,7 @@ def main():
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
-                                 dkv_configs)
+                                 dkv_configs, mibs)
             torch.cuda.empty_cache()
     save_json(res, args.out)
 

@@ -205,14 +205,21 @@ def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
     return q, kv, idx
 
 
-@pytest.mark.parametrize("dkv", ["split", "fused_atomic", "deterministic"])
+@pytest.mark.parametrize("dkv", ["split", "fused_atomic", "deterministic", "split_partitioned",
+                                 "fused_atomic_partitioned"])
 @pytest.mark.parametrize("config", [None, (16, 4, 1, 16)], ids=["default", "small_tiles"])
 def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
-    kernel's atomics (the default below), the deterministic reduction."""
+    kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
+    walked in partitions (4 ranges of 10 keys, the fp32 dq accumulated over 3 blocks of query rows)."""
     sm = kern["sparse_mla"]
     deterministic = dkv == "deterministic"
-    monkeypatch.setattr(sm, "DKV_MODE", {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv])
+    mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned")]
+    monkeypatch.setattr(sm, "DKV_MODE", mode)
+    if dkv.endswith("partitioned"):
+        monkeypatch.setattr(sm, "KEY_PARTITION_BYTES", 6 * 32 * 10)
+        monkeypatch.setattr(sm, "DQ32_BYTES", 2 * 5 * 32 * 4 * 15)
+        assert sm.key_partitions(37, 32, sm.KEY_PARTITION_BYTES) == [(0, 10), (10, 20), (20, 30), (30, 37)]
     if config is not None:  # several key blocks and latent column slices per token; blocks of query rows
         monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: config if backward else config[:3])
         dkv_mod = kern["sparse_mla_dkv"]

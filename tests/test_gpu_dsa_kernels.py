@@ -138,6 +138,34 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
     assert torch.equal(dq2, results[True][0]) and torch.equal(dkv2, results[True][1])  # deterministic mode
 
 
+@pytest.mark.parametrize("h", [16, 64])
+def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
+    """The backward with its keys walked in partitions (KEY_PARTITION_BYTES: 3 ranges of 4096 keys here; the fp32 dq
+    in blocks of query rows) against the fp32 reference, at the fused (16 heads) and separate-pass (64) key
+    gradient; and Delta's kernel against float64."""
+    from pretrain.model.dsa.kernels import sparse_mla as km
+    from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
+
+    s, topk = 4096, 2048
+    q, kv, idx = _sparse_inputs(s, h, topk, 3 * h)
+    scale = 256**-0.5
+    q32, kv32 = q.float().requires_grad_(), kv.float().requires_grad_()
+    ref, _ = ref_attn(q32, kv32, idx.long(), scale, 512, 64)
+    g = torch.randn(ref.shape, device="cuda").bfloat16()
+    rdq, rdkv = torch.autograd.grad(ref, (q32, kv32), g.float())
+    monkeypatch.setattr(km, "KEY_PARTITION_BYTES", 6 * 576 * 1366)
+    monkeypatch.setattr(km, "DQ32_BYTES", h * 576 * 4 * 1500)
+    assert len(km.key_partitions(s, 576, km.KEY_PARTITION_BYTES)) == 3
+    qb, kvb = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, _ = km.sparse_mla_attention(qb, kvb, idx, scale, 512, False)
+    delta = km.output_delta(g, out.detach())
+    assert _relmax(delta, (g.double() * out.detach().double()).sum(-1)) < 1e-5
+    _poison()
+    dq, dkv = torch.autograd.grad(out, (qb, kvb), g)
+    assert not dq.isnan().any() and not dkv.isnan().any()
+    assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
+
+
 def test_indexer_kl_kernels_on_gpu():
     from pretrain.model.dsa.indexer import gather_keys, index_scores_at
     from pretrain.model.dsa.kernels import indexer_kl as kk

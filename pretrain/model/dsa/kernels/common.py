@@ -48,6 +48,20 @@ def gather_block(idx_row, kv_base, j0, n, s_kt, c, r, C: tl.constexpr, R: tl.con
 
 
 @triton.jit
+def slot_range(idx_row, nv, k_lo, k_hi, BK: tl.constexpr):
+    """Slots [a, b) of a row's selection whose keys lie in [k_lo, k_hi): the valid slots 0 .. nv hold ascending
+    key indices (both top-k paths write them so), so these are counts of keys below each bound."""
+    a = tl.full([], 0, tl.int32)
+    b = tl.full([], 0, tl.int32)
+    for j0 in range(0, nv, BK):
+        j = j0 + tl.arange(0, BK)
+        x = tl.load(idx_row + j, mask=j < nv, other=2147483647)
+        a += tl.sum((x < k_lo).to(tl.int32), 0)
+        b += tl.sum((x < k_hi).to(tl.int32), 0)
+    return a, b
+
+
+@triton.jit
 def block_scores(q_lat, q_rope, k_lat, k_rope, PREC: tl.constexpr):
     """q . k over latent and rope parts: [BH, BN] fp32."""
     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)

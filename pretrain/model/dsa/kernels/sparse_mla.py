@@ -13,7 +13,9 @@ dkv[S_t[j]] += dS^T q  (+ P^T dO on the latent part). Keys are shared between to
 runs either through fp32 atomics (fast, order-dependent rounding) or, with `deterministic=True`,
 through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`). From 32
 heads the atomic sum comes from a second pass over dS and P stored per (token, slot)
-(`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq.
+(`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq. Opt-in and not yet measured
+(`KEY_PARTITION_BYTES`): the atomic paths walk the keys in partitions small enough for L2, one launch per partition
+over all query rows, each token taking the run of its ascending selection inside the partition (`key_partitions`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pretrain.model.dsa.kernels.common import (
-    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2,
+    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
 )
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
 from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows, separate_pass_pays
@@ -68,11 +70,11 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
 
 @triton.jit
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, part_ptr, hs_ptr,
-                S, H, T, r0, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh,
-                s_pb, s_pt, s_pj, s_hb, s_ht, sm_scale, qk_scale,
+                dq32_ptr, S, H, T, r0, k_lo, k_hi, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh,
+                s_pb, s_pt, s_pj, s_hb, s_ht, s_db, s_dt, sm_scale, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                 BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr,
-                HEAD_SUMS: tl.constexpr):
+                HEAD_SUMS: tl.constexpr, PART: tl.constexpr):
     # q and dO stay resident as the A operands of S = q K^T and dP = dO V^T; the key-side products
     # dS^T q and P^T dO re-read q / dO in CC-wide column slices (L1 / L2 hits), which keeps shared
     # memory to one copy of each.
@@ -82,25 +84,31 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     c = tl.arange(0, BC)
     r = tl.arange(0, BR)
     cc = tl.arange(0, CC)
-    hm = h < H
+    nv = tl.load(nv_ptr + bid * S + t)
+    if PART:  # only the slots whose keys lie in [k_lo, k_hi) (key_partitions); no loads where there are none
+        j_lo, j_hi = slot_range(idx_ptr + bid * s_ib + t * s_it, nv, k_lo, k_hi, 256)
+        hl = tl.where(j_hi > j_lo, H, 0)
+    else:
+        j_lo, j_hi = 0, nv
+        hl = H
+    hm = h < hl
     qb = q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh
     dob = do_ptr + bid * s_dob + t * s_dot + h[:, None] * s_doh
-    q_lat, q_rope = load_query(qb, h, c, r, H, C, R)
+    q_lat, q_rope = load_query(qb, h, c, r, hl, C, R)
     do = tl.load(dob + c[None, :], mask=hm[:, None] & (c[None, :] < C), other=0.0)
     lse2 = tl.load(lse_ptr + (bid * S + t) * H + h, mask=hm, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + (bid * S + t) * H + h, mask=hm, other=0.0)
     dq_lat = tl.zeros((BH, BC), tl.float32)
     dq_rope = tl.zeros((BH, BR), tl.float32)
-    nv = tl.load(nv_ptr + bid * S + t)
-    for j0 in range(0, nv, BN):
-        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, nv, s_kt,
-                                                  c, r, C, R, BN)
+    for j0 in range(j_lo, j_hi, BN):
+        j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, j_hi,
+                                                  s_kt, c, r, C, R, BN)
         row = idx.to(tl.int64)[:, None]
         s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
         if HEAD_SUMS:  # the indexer loss's target, sum_h P_h(t, j), at no extra gather or product
-            tl.store(hs_ptr + bid * s_hb + t * s_ht + j, tl.sum(p, 0), mask=j < nv)
+            tl.store(hs_ptr + bid * s_hb + t * s_ht + j, tl.sum(p, 0), mask=j < j_hi)
         dp = tl.dot(do, tl.trans(k_lat), input_precision=PREC)
         ds = p * (dp - delta[:, None]) * sm_scale
         dsc = ds.to(k_lat.dtype)
@@ -134,9 +142,16 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
                 tl.store(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :] & (nv < 0))
             elif DKV == 0:
                 tl.atomic_add(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :], sem="relaxed")
-    dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
-    tl.store(dqb + c[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (c[None, :] < C))
-    tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=hm[:, None] & (r[None, :] < R))
+    ml = hm[:, None] & (c[None, :] < C)
+    mr = hm[:, None] & (r[None, :] < R)
+    if PART:  # one launch per key partition, in order: the fp32 sum over partitions is deterministic
+        d32 = dq32_ptr + bid * s_db + (t - r0).to(tl.int64) * s_dt + h[:, None] * (C + R)
+        tl.store(d32 + c[None, :], tl.load(d32 + c[None, :], mask=ml, other=0.0) + dq_lat, mask=ml)
+        tl.store(d32 + C + r[None, :], tl.load(d32 + C + r[None, :], mask=mr, other=0.0) + dq_rope, mask=mr)
+    else:
+        dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
+        tl.store(dqb + c[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=ml)
+        tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=mr)
 
 
 DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
@@ -203,6 +218,29 @@ def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+# Opt-in, unmeasured (benchmarks: dsa_heads_sweep.py --key-partition-mib): when set, the backward with fp32 atomics
+# walks the keys in partitions whose kv rows (bf16) and fp32 key-gradient rows fit this many bytes, one launch per
+# partition over all query rows, so the atomics and gathers of a launch stay within one L2-sized slice of keys.
+KEY_PARTITION_BYTES = None
+DQ32_BYTES = 1 << 28  # the fp32 query-gradient accumulator of a partitioned backward: blocks of query rows within it
+
+
+def key_partitions(t: int, d: int, budget=None):
+    """[(lo, hi), ...]: `t` keys split evenly into the fewest ranges whose rows take at most `budget` bytes as kv
+    (bf16) plus fp32 key gradient, d values each; [(0, t)] without a budget.
+
+    Why: past ~16K keys at 16 heads the backward's cost per (token, key) pair grows (0.90 ns at 16K, 1.06 at 32K;
+    64 heads: 2.09 at 32K, 2.45 at 128K; H200,
+    benchmarks/results/README.md), as dkv (fp32) and kv outgrow L2 (50 MiB) and the per-pair atomics
+    and gathers go to HBM. One launch per partition keeps each launch's working set within `budget`."""
+    if not budget:
+        return [(0, t)]
+    per = max(1, int(budget) // (6 * d))
+    n = triton.cdiv(t, per)
+    per = triton.cdiv(t, n)
+    return [(i * per, min(t, (i + 1) * per)) for i in range(n)]
+
+
 def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
                         deterministic: bool = False, head_sums=None):
     """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32).
@@ -227,27 +265,41 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
                                   or head_sums.stride(-1) != 1):
         raise ValueError(f"head_sums must be fp32 {tuple(indices.shape)} with unit last stride")
     hs = head_sums if head_sums is not None else dkv
+    parts = key_partitions(t, c + r, KEY_PARTITION_BYTES) if mode in (0, 5) else [(0, t)]
+    partitioned = len(parts) > 1
+    # rows of the fp32 dq accumulator per block (partitioned), and of the [dS | P] buffer (mode 5)
+    block = s
+    if partitioned:
+        block = max(1, min(s, DQ32_BYTES // (b * h * (c + r) * 4)))
+    if mode == 5:
+        block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
+    dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if partitioned else dq
 
-    def launch(r0, rows, part, dkv_mode):
+    def launch(r0, rows, part, dkv_mode, keys=(0, t)):
         pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
         _bwd_kernel[(rows, b)](
-            q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, hs, s, h, t, r0,
+            q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, hs, dq32, s, h, t, r0, keys[0], keys[1],
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
             indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
-            hs.stride(0), hs.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn,
-            CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode, HEAD_SUMS=head_sums is not None, num_warps=warps,
-            num_stages=stages)
+            hs.stride(0), hs.stride(1), dq32.stride(0), dq32.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c),
+            BR=pow2(r), BH=pow2(h), BN=bn, CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode,
+            HEAD_SUMS=head_sums is not None, PART=partitioned, num_warps=warps, num_stages=stages)
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
-    elif mode == 5:
-        k = indices.shape[-1]
-        block = scratch_rows(b, k, h, s, q.element_size())
-        part = empty_scratch(q, k, block)
+    elif mode in (0, 5) and (mode == 5 or partitioned):
+        part = empty_scratch(q, indices.shape[-1], block) if mode == 5 else dkv
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
-            launch(r0, rows, part, 5)
-            key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec)
+            if partitioned:
+                dq32.zero_()
+            for keys in parts:
+                launch(r0, rows, part, mode, keys)
+                if mode == 5:
+                    key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
+                                 keys if partitioned else None)
+            if partitioned:
+                dq[:, r0:r0 + rows] = dq32[:, :rows]
     else:
         launch(0, s, dkv, mode)
     return dq, dkv.to(kv.dtype)

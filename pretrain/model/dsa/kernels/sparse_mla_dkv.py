@@ -22,17 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.dsa.kernels.common import pow2
+from pretrain.model.dsa.kernels.common import pow2, slot_range
 
 # Bytes of the per-(token, slot) [dS | P] buffer: the backward runs over blocks of query rows that fit.
 SCRATCH_BYTES = 1 << 30
 
 
 @triton.jit
-def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0,
+def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0, k_lo, k_hi,
                 s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_pb, s_pt, s_pj,
                 C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
-                NSL: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+                NSL: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
     # program = (token, column slice); the slices of one token are neighbours in the grid, so they read the
     # token's [dS | P] rows at about the same time (L2 can serve all but the first).
     pid = tl.program_id(0).to(tl.int64)
@@ -42,19 +42,24 @@ def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0,
     h = tl.arange(0, BH)
     n = tl.arange(0, BN)
     cols = c0 + tl.arange(0, DS)
-    hm = h < H
+    nv = tl.load(nv_ptr + bid * S + t)
+    idx_row = idx_ptr + bid * s_ib + t * s_it
+    prow = part_ptr + bid * s_pb + (t - r0) * s_pt
+    if PART:  # only the slots whose keys lie in [k_lo, k_hi) (sparse_mla.key_partitions); no loads where none
+        j_lo, j_hi = slot_range(idx_row, nv, k_lo, k_hi, 256)
+        hm = h < tl.where(j_hi > j_lo, H, 0)
+    else:
+        j_lo, j_hi = 0, nv
+        hm = h < H
     cm = cols < (C + R if ROPE else C)
     q_c = tl.load(q_ptr + bid * s_qb + t * s_qt + h[:, None] * s_qh + cols[None, :],
                   mask=hm[:, None] & cm[None, :], other=0.0)
     if not ROPE:
         do_c = tl.load(do_ptr + bid * s_dob + t * s_dot + h[:, None] * s_doh + cols[None, :],
                        mask=hm[:, None] & cm[None, :], other=0.0)
-    nv = tl.load(nv_ptr + bid * S + t)
-    idx_row = idx_ptr + bid * s_ib + t * s_it
-    prow = part_ptr + bid * s_pb + (t - r0) * s_pt
-    for j0 in range(0, nv, BN):
+    for j0 in range(j_lo, j_hi, BN):
         j = j0 + n
-        idx = tl.load(idx_row + j, mask=j < nv, other=-1)
+        idx = tl.load(idx_row + j, mask=j < j_hi, other=-1)
         ok = idx >= 0
         pb = prow + j[:, None] * s_pj + h[None, :]
         ds = tl.load(pb, mask=ok[:, None] & hm[None, :], other=0.0)
@@ -85,18 +90,20 @@ def scratch_rows(b: int, k: int, h: int, s: int, itemsize: int) -> int:
     return max(1, min(s, SCRATCH_BYTES // max(1, b * k * 2 * h * itemsize)))
 
 
-def key_gradient(q, grad_out, indices, nvalid, part, dkv, r0: int, rows: int, c: int, r: int, prec: str):
+def key_gradient(q, grad_out, indices, nvalid, part, dkv, r0: int, rows: int, c: int, r: int, prec: str,
+                 keys=None):
     """dkv [b, T, C + R] fp32 += the key/value gradient of query rows r0 .. r0 + rows from part [b, rows', k, 2h]
-    (dS, then P, per (token, slot))."""
+    (dS, then P, per (token, slot)); `keys` = (lo, hi): only the selected keys in [lo, hi)."""
     b, s, h = q.shape[:3]
     bn, ds, warps, stages = dkv_config(h, c)
+    k_lo, k_hi = keys if keys is not None else (0, dkv.shape[1])
     for rope, width, nsl in ((False, c, triton.cdiv(c, ds)), (True, r, 1)):
         _dkv_kernel[(rows * nsl, b)](
-            q, grad_out, indices, nvalid, part, dkv, s, h, dkv.shape[1], r0,
+            q, grad_out, indices, nvalid, part, dkv, s, h, dkv.shape[1], r0, k_lo, k_hi,
             q.stride(0), q.stride(1), q.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             indices.stride(0), indices.stride(1), part.stride(0), part.stride(1), part.stride(2),
             C=c, R=r, BH=pow2(h), BN=bn, DS=ds if not rope else pow2(width), NSL=nsl, ROPE=rope, PREC=prec,
-            num_warps=warps, num_stages=stages)
+            PART=keys is not None, num_warps=warps, num_stages=stages)
 
 
 def empty_scratch(q: torch.Tensor, k: int, rows: int) -> torch.Tensor:
