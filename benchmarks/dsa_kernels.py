@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
@@ -209,8 +210,13 @@ def main(argv=None):
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--reference-max", type=int, default=16384, help="largest S for the (slow) reference path")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--key-partition-mib", type=float, default=0.0,
+                    help="also run (a) with the attention backward's keys in partitions of at most this many MiB of "
+                         "kv + fp32 dkv rows (sparse_mla.KEY_PARTITION_BYTES), in the same run: rows 'dsa_partitioned'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.key_partition_mib < 0:
+        ap.error("--key-partition-mib must be >= 0")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for s in (int(x) for x in args.seqs.split(",")):
@@ -222,6 +228,16 @@ def main(argv=None):
         except torch.OutOfMemoryError as e:
             entry["dsa"] = {"error": f"OOM: {e}"[:200]}
         torch.cuda.empty_cache()
+        if args.key_partition_mib:
+            tsm.KEY_PARTITION_BYTES = int(args.key_partition_mib * 2**20)
+            try:
+                entry["dsa_partitioned"] = ours(s, q, kv, qi, ki, w, args.reps)
+                entry["dsa_partitioned"]["key_partition_mib"] = args.key_partition_mib
+            except torch.OutOfMemoryError as e:
+                entry["dsa_partitioned"] = {"error": f"OOM: {e}"[:200]}
+            finally:
+                tsm.KEY_PARTITION_BYTES = None
+            torch.cuda.empty_cache()
         try:
             entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)
         except torch.OutOfMemoryError as e:
@@ -239,6 +255,8 @@ def main(argv=None):
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
     print(table(rows))
+    if args.key_partition_mib:
+        print(table([{**e, "dsa": e.get("dsa_partitioned", {})} for e in rows]))
 
 
 def table(rows) -> str:

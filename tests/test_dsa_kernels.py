@@ -318,7 +318,7 @@ def test_triton_backend_matches_transformers(interpret, tmp_path):
 
 def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
     """Sparse attention + sparse indexer loss, LM and indexer gradients: Triton vs reference backend
-    (same weights, same tokens), with the deterministic backward too."""
+    (same weights, same tokens), with the deterministic backward and the keys walked in partitions too."""
     from pretrain.convert import load_hf_model
     from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
 
@@ -327,13 +327,18 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
     ids, labels = ids_all[:, :-1], ids_all[:, 1:]
     common = dict(mtp_num_layers=None, dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=True)
     runs = {}
+    part_mib = 6 * 24 * 5 / 2**20  # kv + fp32 dkv rows of 5 keys (latent 16 + rope 8): 4 partitions of 19 keys
     for name, extra in [("reference", dict(dsa_kernel_backend="reference")),
                         ("triton", dict(dsa_kernel_backend="triton")),
-                        ("deterministic", dict(dsa_kernel_backend="triton", deterministic_mode=True))]:
+                        ("deterministic", dict(dsa_kernel_backend="triton", deterministic_mode=True)),
+                        ("partitioned", dict(dsa_kernel_backend="triton", dsa_key_partition_mib=part_mib))]:
         _, model = load_hf_model(str(tmp_path), **common, **extra)
         runs[name] = lm_step(model, ids, labels, scale=1.0)
+        if name == "partitioned":  # the layers' backend got the budget (model.dsa_key_partition_mib)
+            budgets = {m.backend.key_partition_bytes for m in model.modules() if getattr(m, "backend", None)}
+            assert budgets == {int(part_mib * 2**20)}
     ref_loss, ref_grads, ref_kl = runs["reference"]
-    for name in ("triton", "deterministic"):
+    for name in ("triton", "deterministic", "partitioned"):
         loss, grads, recorded = runs[name]
         assert relative_error(loss, ref_loss) <= 1e-5
         assert set(recorded) == set(ref_kl) and len(recorded) == 2
@@ -382,6 +387,9 @@ def test_backend_choice(kern, monkeypatch):
     assert isinstance(pick("auto", "cpu"), backend.ReferenceBackend)
     assert isinstance(pick("reference", "cuda"), backend.ReferenceBackend)
     assert pick("triton", "cuda", deterministic=True).deterministic
+    assert pick("auto", "cuda", key_partition_bytes=1 << 24).key_partition_bytes == 1 << 24
+    with pytest.warns(RuntimeWarning, match="dsa_key_partition_mib applies to the Triton kernels"):
+        assert isinstance(pick("auto", "cpu", key_partition_bytes=1 << 24), backend.ReferenceBackend)
     with pytest.raises(RuntimeError, match="dsa_kernel_backend=triton needs"):
         pick("triton", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

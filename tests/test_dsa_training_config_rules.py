@@ -36,6 +36,13 @@ DSA_RULES = [
     (["model.dsa_kernel_backend=cuda"], "model.dsa_kernel_backend", ["model.dsa_kernel_backend=triton"]),
     (["model.dsa_sparse_recompute_attention=true"], "model.dsa_sparse_recompute_attention",
      ["model.dsa_sparse_recompute_attention=true", "model.dsa_sparse_attention=true"]),
+    (["model.dsa_key_partition_mib=24"], "model.dsa_key_partition_mib",
+     ["model.dsa_key_partition_mib=24", "model.dsa_sparse_attention=true"]),
+    (["model.dsa_key_partition_mib=0", "model.dsa_sparse_attention=true"], "model.dsa_key_partition_mib",
+     ["model.dsa_key_partition_mib=0.5", "model.dsa_sparse_attention=true"]),
+    (["model.dsa_key_partition_mib=24", "model.dsa_sparse_attention=true", "model.deterministic_mode=true"],
+     "model.dsa_key_partition_mib", ["model.dsa_key_partition_mib=null", "model.dsa_sparse_attention=true",
+                                     "model.deterministic_mode=true"]),
 ]
 
 

@@ -154,6 +154,8 @@ class ModelConfig:
     """Ours: sparse layers rerun the sparse forward in backward instead of keeping its h x 512 output (top-k kept)."""
     dsa_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
+    dsa_key_partition_mib: Optional[float] = None
+    """Ours: Triton sparse-attention backward walks the keys in partitions of <= this many MiB of kv + fp32 dkv rows."""
     deterministic_mode: bool = False
     """Bitwise-reproducible kernels (DSA backward without atomics)."""
     # --- long-context memory (GLM-5 report: recompute, activation offloading, chunked output) -

@@ -74,12 +74,15 @@ class ReferenceBackend:
 
 class TritonBackend:
     """The Triton kernels; `deterministic` (megatron's `deterministic_mode`) reduces key gradients
-    in a fixed order instead of with atomics."""
+    in a fixed order instead of with atomics; `key_partition_bytes` (`model.dsa_key_partition_mib`): the
+    attention backward walks the keys in partitions of that many bytes of kv + fp32 dkv rows
+    (`kernels.sparse_mla.key_partitions`)."""
 
     name = "triton"
 
-    def __init__(self, deterministic: bool = False):
+    def __init__(self, deterministic: bool = False, key_partition_bytes: Optional[int] = None):
         self.deterministic = bool(deterministic)
+        self.key_partition_bytes = key_partition_bytes
 
     def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
         """As the reference (int32 indices); the kernel bounds its own score buffer, `chunk` is unused.
@@ -107,7 +110,7 @@ class TritonBackend:
 
         grad_out = grad_out.contiguous()
         return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic,
-                      head_sums)
+                      head_sums, key_partition_bytes=self.key_partition_bytes)
 
     def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None) -> Callable:
         """As the reference, with the index scores at the selected keys from a kernel (no gathered
@@ -139,24 +142,32 @@ def _warn_reference_on_cuda() -> None:
                       "CUDA (about 14x slower than the Triton kernels); install triton", RuntimeWarning, stacklevel=3)
 
 
-def select_backend(choice: str, device_type: str, deterministic: bool = False):
+def _reference(key_partition_bytes) -> ReferenceBackend:
+    if key_partition_bytes:
+        warnings.warn("model.dsa_key_partition_mib applies to the Triton kernels; the PyTorch reference backend "
+                      "chosen here walks its keys in one pass", RuntimeWarning, stacklevel=3)
+    return ReferenceBackend()
+
+
+def select_backend(choice: str, device_type: str, deterministic: bool = False,
+                   key_partition_bytes: Optional[int] = None):
     """The backend for tensors on `device_type` under `model.dsa_kernel_backend` = `choice`."""
     if choice not in BACKENDS:
         raise ValueError(f"model.dsa_kernel_backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference":
-        return ReferenceBackend()
+        return _reference(key_partition_bytes)
     if choice == "auto":
         if device_type != "cuda":
-            return ReferenceBackend()
+            return _reference(key_partition_bytes)
         if not triton_available():
             _warn_reference_on_cuda()
-            return ReferenceBackend()
-        return TritonBackend(deterministic)
+            return _reference(key_partition_bytes)
+        return TritonBackend(deterministic, key_partition_bytes)
     if not triton_available() or not (device_type == "cuda" or interpreting()):
         raise RuntimeError(
             "model.dsa_kernel_backend=triton needs the triton package and CUDA tensors (or TRITON_INTERPRET=1 "
             "on CPU); use dsa_kernel_backend=auto or reference")
-    return TritonBackend(deterministic)
+    return TritonBackend(deterministic, key_partition_bytes)
 
 
 __all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "select_backend"]

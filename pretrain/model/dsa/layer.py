@@ -261,8 +261,10 @@ class DSACoreAttention(SDPACoreAttention):
         """This layer's sparse-operation backend, chosen on first use (when the device is known)."""
         if self.backend is None:
             cfg = self.config
+            mib = getattr(cfg, "dsa_key_partition_mib", None)
             self.backend = select_backend(getattr(cfg, "dsa_kernel_backend", "auto"), device.type,
-                                          deterministic=cfg.deterministic_mode)
+                                          deterministic=cfg.deterministic_mode,
+                                          key_partition_bytes=int(mib * 2**20) if mib else None)
         return self.backend
 
     def _index_inputs(self, x, qr, rope):

@@ -242,10 +242,11 @@ def key_partitions(t: int, d: int, budget=None):
 
 
 def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
-                        deterministic: bool = False, head_sums=None):
+                        deterministic: bool = False, head_sums=None, key_partition_bytes=None):
     """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32).
     `head_sums`: a zeroed [b, s, K] fp32 tensor that receives sum_h P_h(t, j) at every valid slot (the
-    sparse indexer loss's target, `indexer_loss.kl_from_attention_backward`)."""
+    sparse indexer loss's target, `indexer_loss.kl_from_attention_backward`). `key_partition_bytes`: see
+    `key_partitions` (default KEY_PARTITION_BYTES); the deterministic path takes no partitions."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     t = kv.shape[1]
     indices = indices.to(torch.int32)
@@ -265,7 +266,8 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
                                   or head_sums.stride(-1) != 1):
         raise ValueError(f"head_sums must be fp32 {tuple(indices.shape)} with unit last stride")
     hs = head_sums if head_sums is not None else dkv
-    parts = key_partitions(t, c + r, KEY_PARTITION_BYTES) if mode in (0, 5) else [(0, t)]
+    budget = KEY_PARTITION_BYTES if key_partition_bytes is None else key_partition_bytes
+    parts = key_partitions(t, c + r, budget) if mode in (0, 5) else [(0, t)]
     partitioned = len(parts) > 1
     # rows of the fp32 dq accumulator per block (partitioned), and of the [dS | P] buffer (mode 5)
     block = s
