@@ -36,8 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
-from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
@@ -106,10 +104,10 @@ def sparse_kl_triton(qi, ki, w, idx, head_sums):
 def ours(s, q, kv, qi, ki, w, reps):
     """The DSA layer's kernels in the layer's order: top-k; sparse attention forward; its backward, which
     also sums P over heads (the KL's target); the indexer KL and its gradient from those sums."""
-    lo, hi = VisibleKeys(s, s, "cuda").ranges()
+    keys = VisibleKeys(s, s, "cuda")
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
-    res = {"topk_ms": timed(lambda: ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi), reps)}
+    idx = BACKEND.topk(qi, ki, w, TOPK, keys, 0)
+    res = {"topk_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0), reps)}
     res["attn_fwd_ms"] = timed(lambda: BACKEND.attention_forward(q, kv, idx, SCALE, C, 0), reps)
     out, lse = BACKEND.attention_forward(q, kv, idx, SCALE, C, 0)
 
@@ -123,7 +121,7 @@ def ours(s, q, kv, qi, ki, w, reps):
     res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums), reps)
 
     def whole(backward: bool):
-        ix = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+        ix = BACKEND.topk(qi, ki, w, TOPK, keys, 0)
         o, ls = BACKEND.attention_forward(q, kv, ix, SCALE, C, 0)
         if backward:
             hs = torch.zeros(ix.shape, dtype=torch.float32, device="cuda")
@@ -212,7 +210,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--key-partition-mib", type=float, default=0.0,
                     help="also run (a) with the attention backward's keys in partitions of at most this many MiB of "
-                         "kv + fp32 dkv rows (sparse_mla.KEY_PARTITION_BYTES), in the same run: rows 'dsa_partitioned'")
+                         "kv + fp32 dkv rows (model.dsa_key_partition_mib), in the same run: rows 'dsa_options'")
+    ap.add_argument("--indexer-fp8", action="store_true",
+                    help="also run (a) with the top-k from FP8 index scores (model.dsa_indexer_fp8), in the same run "
+                         "(with --key-partition-mib too if given): rows 'dsa_options'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.key_partition_mib < 0:
@@ -228,15 +229,16 @@ def main(argv=None):
         except torch.OutOfMemoryError as e:
             entry["dsa"] = {"error": f"OOM: {e}"[:200]}
         torch.cuda.empty_cache()
-        if args.key_partition_mib:
-            tsm.KEY_PARTITION_BYTES = int(args.key_partition_mib * 2**20)
+        if args.key_partition_mib or args.indexer_fp8:
+            BACKEND.key_partition_bytes = int(args.key_partition_mib * 2**20) or None
+            BACKEND.indexer_fp8 = args.indexer_fp8
             try:
-                entry["dsa_partitioned"] = ours(s, q, kv, qi, ki, w, args.reps)
-                entry["dsa_partitioned"]["key_partition_mib"] = args.key_partition_mib
+                entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps)
+                entry["dsa_options"].update(key_partition_mib=args.key_partition_mib, indexer_fp8=args.indexer_fp8)
             except torch.OutOfMemoryError as e:
-                entry["dsa_partitioned"] = {"error": f"OOM: {e}"[:200]}
+                entry["dsa_options"] = {"error": f"OOM: {e}"[:200]}
             finally:
-                tsm.KEY_PARTITION_BYTES = None
+                BACKEND.key_partition_bytes, BACKEND.indexer_fp8 = None, False
             torch.cuda.empty_cache()
         try:
             entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)
@@ -255,8 +257,9 @@ def main(argv=None):
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
     print(table(rows))
-    if args.key_partition_mib:
-        print(table([{**e, "dsa": e.get("dsa_partitioned", {})} for e in rows]))
+    if args.key_partition_mib or args.indexer_fp8:
+        print(f"with key_partition_mib={args.key_partition_mib} indexer_fp8={args.indexer_fp8}:")
+        print(table([{**e, "dsa": e.get("dsa_options", {})} for e in rows]))
 
 
 def table(rows) -> str:

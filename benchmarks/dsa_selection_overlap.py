@@ -92,6 +92,33 @@ def sequences(cfg, data: str, count: int, seed: int) -> List[torch.Tensor]:
     return [torch.randint(0, cfg.model.vocab_size, (s,), generator=g) for _ in range(count)]
 
 
+def dsa_model(checkpoint, config, overrides):
+    """(cfg, model in eval mode) from a DSA checkpoint (trained weights) or a DSA model config (a fresh
+    initialization); ValueError (one line) for a model without DSA."""
+    from pretrain import compat
+    from pretrain.eval.checkpoint import checkpoint_config, load_for_eval
+
+    if checkpoint:
+        _, cfg = checkpoint_config(checkpoint, overrides)
+        if cfg.model.experimental_attention_variant != "dsa":
+            raise ValueError(f"{checkpoint} is not a DSA model (experimental_attention_variant="
+                             f"{cfg.model.experimental_attention_variant})")
+        return load_for_eval(checkpoint, overrides)
+    from parallel.initialize import ensure_single_rank
+    from pretrain.config import load_config
+    from pretrain.model.builder import build_model
+
+    cfg = load_config(config, overrides)
+    if cfg.model.experimental_attention_variant != "dsa":
+        raise ValueError(f"{config} is not a DSA model")
+    compat.install()
+    ensure_single_rank(cfg.train.seed)
+    model = build_model(cfg)
+    if torch.cuda.is_available():
+        model = model.cuda().bfloat16() if cfg.model.bf16 else model.cuda()
+    return cfg, model.eval()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -110,30 +137,12 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--blocks takes positive integers, comma-separated: {args.blocks!r}")
-    overrides = ["model.dsa_sparse_attention=true", *args.overrides]
-    from pretrain import compat
-    from pretrain.eval.checkpoint import checkpoint_config, device_of, load_for_eval
+    try:
+        cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
+    except ValueError as e:
+        ap.error(str(e))
+    from pretrain.eval.checkpoint import device_of
 
-    if args.checkpoint:
-        _, cfg = checkpoint_config(args.checkpoint, overrides)
-        if cfg.model.experimental_attention_variant != "dsa":
-            ap.error(f"{args.checkpoint} is not a DSA model (experimental_attention_variant="
-                     f"{cfg.model.experimental_attention_variant})")
-        cfg, model = load_for_eval(args.checkpoint, overrides)
-    else:
-        from parallel.initialize import ensure_single_rank
-        from pretrain.config import load_config
-        from pretrain.model.builder import build_model
-
-        cfg = load_config(args.config, overrides)
-        if cfg.model.experimental_attention_variant != "dsa":
-            ap.error(f"{args.config} is not a DSA model")
-        compat.install()
-        ensure_single_rank(cfg.train.seed)
-        model = build_model(cfg)
-        if torch.cuda.is_available():
-            model = model.cuda().bfloat16() if cfg.model.bf16 else model.cuda()
-        model = model.eval()
     device = device_of(model)
     recorder = TopkRecorder()
     per_layer: Dict[int, List[torch.Tensor]] = {}

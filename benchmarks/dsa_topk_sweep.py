@@ -7,7 +7,9 @@ GLM-5's indexer shapes (32 heads x 128, top-k 2048) on random inputs, batch 1, c
 kernel alone over the same blocks (TFLOP/s over the causal pairs: S^2 / 2 * 32 * 128 * 2), and the whole
 top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY]) of --select (capacity 0: no compaction after
 two radix passes, the five-pass selection); every variant's indices are checked equal to the default's (the
-selection is exact, so they must be).
+selection is exact, so they must be). With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
+quantization, the score kernel on e4m3 inputs and the whole top-k, and the recall of the bf16 selection on the
+last 256 query rows (`benchmarks/dsa_indexer_fp8.py`).
 """
 
 from __future__ import annotations
@@ -21,25 +23,41 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.dsa_indexer_fp8 import agreement, ratios  # noqa: E402
 from benchmarks.dsa_kernels import TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
+from pretrain.model.dsa.indexer_fp8 import selection_inputs  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 
 
-def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30):
+def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30, k_scale=None):
     """The score kernel over the row blocks `indexer_topk` uses, without the selection."""
     s, t = qi.shape[1], ki.shape[1]
     rows = max(16, min(s, buffer_bytes // (4 * t)) // 16 * 16)
     buf = torch.empty(1, min(rows, s), t, dtype=torch.float32, device=qi.device)
     for r0 in range(0, s, rows):
-        ttopk.index_score_rows(qi, ki, w.float(), lo, hi, r0, min(rows, s - r0), buf)
+        ttopk.index_score_rows(qi, ki, w.float(), lo, hi, r0, min(rows, s - r0), buf, k_scale=k_scale)
 
 
-def point(s, gen, reps, selects):
+def fp8_row(s, qi, ki, w, lo, hi, reps):
+    """The FP8 selection against the bf16 one: times and recall (last 256 rows)."""
+    q8, k8, w8, sk = selection_inputs(qi, ki, w)
+    row = {"fp8_quantize_ms": timed(lambda: selection_inputs(qi, ki, w), reps),
+           "fp8_scores_ms": timed(lambda: scores_only(q8, k8, w8, lo, hi, k_scale=sk), reps),
+           "fp8_topk_ms": timed(lambda: ttopk.indexer_topk(q8, k8, w8, TOPK, lo, hi, k_scale=sk), reps)}
+    row["fp8_scores_tflops"] = s * s / 2 * 32 * 128 * 2 / row["fp8_scores_ms"] / 1e9
+    rows = min(256, s)
+    row.update(ratios(agreement(qi[:, s - rows:], ki, w[:, s - rows:], VisibleKeys(s, s, "cuda"), TOPK, s - rows)))
+    return row
+
+
+def point(s, gen, reps, selects, fp8=False):
     _, _, qi, ki, w = inputs(s, gen)
     lo, hi = ttopk.visible_ranges(*VisibleKeys(s, s, "cuda").ranges())
     row = {"S": s, "scores_ms": timed(lambda: scores_only(qi, ki, w, lo, hi), reps)}
     row["scores_tflops"] = s * s / 2 * 32 * 128 * 2 / row["scores_ms"] / 1e9
+    if fp8:
+        row.update(fp8_row(s, qi, ki, w, lo, hi, reps))
     default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY)
     ref = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     row["topk"] = []
@@ -63,6 +81,7 @@ def main():
     ap.add_argument("--select", default="512x4x0,512x4x2,512x4x4",
                     help="SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY] variants")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fp8", action="store_true", help="also time the FP8 selection (model.dsa_indexer_fp8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     selects = tile_configs(args.select)
@@ -72,7 +91,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
-        res["rows"].append(point(s, gen, args.reps, selects))
+        res["rows"].append(point(s, gen, args.reps, selects, args.fp8))
         torch.cuda.empty_cache()
     save_json(res, args.out)
 

@@ -43,6 +43,8 @@ DSA_RULES = [
     (["model.dsa_key_partition_mib=24", "model.dsa_sparse_attention=true", "model.deterministic_mode=true"],
      "model.dsa_key_partition_mib", ["model.dsa_key_partition_mib=null", "model.dsa_sparse_attention=true",
                                      "model.deterministic_mode=true"]),
+    (["model.dsa_indexer_fp8=true"], "model.dsa_indexer_fp8",
+     ["model.dsa_indexer_fp8=true", "model.dsa_indexer_use_sparse_loss=true", "model.dsa_indexer_loss_coeff=1.0"]),
 ]
 
 

@@ -55,6 +55,33 @@ def test_dsa_topk_kernel_on_gpu(s, topk, mode):
     assert torch.equal(idx.long(), own)
 
 
+def test_dsa_fp8_topk_kernel_on_gpu():
+    """FP8 index scores (model.dsa_indexer_fp8) on the GPU's FP8 tensor cores at GLM-5's indexer shapes: scores
+    against fp32 on the dequantized rows, the selection exact on its own scores."""
+    from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk
+    from pretrain.model.dsa.indexer_fp8 import selection_inputs
+    from pretrain.model.dsa.kernels import indexer_topk as kt
+
+    s, topk = 3000, 512
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    qi = torch.randn(1, s, 32, 128, device="cuda", generator=gen).bfloat16()
+    ki = torch.randn(1, s, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(1, s, 32, device="cuda", generator=gen) * 32**-0.5
+    q8, k8, w8, sk = selection_inputs(qi, ki, w)
+    keys = VisibleKeys(s, s, "cuda")
+    lo, hi = kt.visible_ranges(*keys.ranges())
+    vis = keys.rows(0, s)
+    _poison()
+    buf = torch.empty(1, s, s, device="cuda")
+    kt.index_score_rows(q8, k8, w8, lo, hi, 0, s, buf, k_scale=sk)
+    ref = index_scores(q8.float(), k8.float(), w8, vis, k_scale=sk)
+    assert not buf[vis.expand_as(buf)].isnan().any()
+    assert _relmax(buf[vis.expand_as(buf)], ref[vis.expand_as(ref)]) < 1e-5
+    own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
+    idx = kt.indexer_topk(q8, k8, w8, topk, lo, hi, buffer_bytes=256 * s * 4, k_scale=sk)
+    assert torch.equal(idx.long(), own)
+
+
 @pytest.mark.parametrize("mode", ["causal", "segments"])
 def test_dsa_triton_backend_makes_no_host_sync(mode):
     """Top-k and sparse attention forward + backward as a DSA layer calls them (VisibleKeys from the

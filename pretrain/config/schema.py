@@ -156,6 +156,8 @@ class ModelConfig:
     """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
     dsa_key_partition_mib: Optional[float] = None
     """Ours: Triton sparse-attention backward walks the keys in partitions of <= this many MiB of kv + fp32 dkv rows."""
+    dsa_indexer_fp8: bool = False
+    """Ours: top-k ranks keys by FP8 (e4m3, per-row scales) index scores (DeepSeek-V3.2); the indexer loss: bf16."""
     deterministic_mode: bool = False
     """Bitwise-reproducible kernels (DSA backward without atomics)."""
     # --- long-context memory (GLM-5 report: recompute, activation offloading, chunked output) -

@@ -177,6 +177,12 @@ def _check_dsa(m: ModelConfig) -> None:
         "and model.deterministic_mode=false (it splits the sparse attention backward's atomic key-gradient passes)",
     )
     require(
+        not m.dsa_indexer_fp8 or m.dsa_sparse_attention
+        or (m.dsa_indexer_use_sparse_loss and (m.dsa_indexer_loss_coeff or 0) > 0),
+        "model.dsa_indexer_fp8=true changes the top-k selection, which runs only with model.dsa_sparse_attention=true "
+        "or a sparse indexer loss (model.dsa_indexer_use_sparse_loss=true, model.dsa_indexer_loss_coeff > 0)",
+    )
+    require(
         not m.dsa_sparse_recompute_attention or m.dsa_sparse_attention,
         "model.dsa_sparse_recompute_attention=true recomputes the sparse attention; it needs "
         "model.dsa_sparse_attention=true",

@@ -35,6 +35,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     dsa_sparse_recompute_attention: bool = False
     dsa_kernel_backend: str = "auto"
     dsa_key_partition_mib: Optional[float] = None
+    dsa_indexer_fp8: bool = False
     activation_offload: bool = False
     output_loss_backend: str = "unfused"
     output_chunk_size: Optional[int] = None

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.model.dsa.indexer import VisibleKeys, default_chunk, indexer_topk
+from pretrain.model.dsa.indexer_fp8 import selection_inputs
 from pretrain.model.dsa.indexer_loss import apply_kl, sparse_kl_plan
 from pretrain.model.dsa.kernels import interpreting, triton_available
 from pretrain.config.schema import ModelConfig
@@ -38,12 +39,19 @@ BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backen
 
 
 class ReferenceBackend:
-    """PyTorch, `chunk` query rows at a time (memory linear in the sequence length)."""
+    """PyTorch, `chunk` query rows at a time (memory linear in the sequence length). `indexer_fp8`
+    (`model.dsa_indexer_fp8`): the top-k ranks keys by FP8 index scores (`indexer_fp8`), in both backends."""
 
     name = "reference"
 
+    def __init__(self, indexer_fp8: bool = False):
+        self.indexer_fp8 = bool(indexer_fp8)
+
     def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
         """q_I [b, s, H_I, d_I], k_I [b, T, d_I], w [b, s, H_I] -> indices [b, s, min(topk, T)], -1 padded."""
+        if self.indexer_fp8:
+            q8, k8, w8, k_scale = selection_inputs(q, k, w)
+            return indexer_topk(q8, k8, w8, topk, keys, chunk, k_scale)
         return indexer_topk(q, k, w, topk, keys, chunk)
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
@@ -80,15 +88,21 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, deterministic: bool = False, key_partition_bytes: Optional[int] = None):
+    def __init__(self, deterministic: bool = False, key_partition_bytes: Optional[int] = None,
+                 indexer_fp8: bool = False):
         self.deterministic = bool(deterministic)
         self.key_partition_bytes = key_partition_bytes
+        self.indexer_fp8 = bool(indexer_fp8)
 
     def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
         """As the reference (int32 indices); the kernel bounds its own score buffer, `chunk` is unused.
-        `keys.ranges()` never move backwards (built so, or checked), so the kernel skips its check's host sync."""
+        `keys.ranges()` never move backwards (built so, or checked), so the kernel skips its check's host sync.
+        With `indexer_fp8` the score kernel multiplies e4m3 q_I and k_I on FP8 tensor cores."""
         from pretrain.model.dsa.kernels.indexer_topk import indexer_topk as kernel
 
+        if self.indexer_fp8:
+            q8, k8, w8, k_scale = selection_inputs(q, k, w)
+            return kernel(q8, k8, w8, topk, *keys.ranges(), check_ranges=False, k_scale=k_scale)
         return kernel(q, k, w, topk, *keys.ranges(), check_ranges=False)
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
@@ -142,32 +156,32 @@ def _warn_reference_on_cuda() -> None:
                       "CUDA (about 14x slower than the Triton kernels); install triton", RuntimeWarning, stacklevel=3)
 
 
-def _reference(key_partition_bytes) -> ReferenceBackend:
+def _reference(key_partition_bytes, indexer_fp8: bool) -> ReferenceBackend:
     if key_partition_bytes:
         warnings.warn("model.dsa_key_partition_mib applies to the Triton kernels; the PyTorch reference backend "
                       "chosen here walks its keys in one pass", RuntimeWarning, stacklevel=3)
-    return ReferenceBackend()
+    return ReferenceBackend(indexer_fp8)
 
 
 def select_backend(choice: str, device_type: str, deterministic: bool = False,
-                   key_partition_bytes: Optional[int] = None):
+                   key_partition_bytes: Optional[int] = None, indexer_fp8: bool = False):
     """The backend for tensors on `device_type` under `model.dsa_kernel_backend` = `choice`."""
     if choice not in BACKENDS:
         raise ValueError(f"model.dsa_kernel_backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference":
-        return _reference(key_partition_bytes)
+        return _reference(key_partition_bytes, indexer_fp8)
     if choice == "auto":
         if device_type != "cuda":
-            return _reference(key_partition_bytes)
+            return _reference(key_partition_bytes, indexer_fp8)
         if not triton_available():
             _warn_reference_on_cuda()
-            return _reference(key_partition_bytes)
-        return TritonBackend(deterministic, key_partition_bytes)
+            return _reference(key_partition_bytes, indexer_fp8)
+        return TritonBackend(deterministic, key_partition_bytes, indexer_fp8)
     if not triton_available() or not (device_type == "cuda" or interpreting()):
         raise RuntimeError(
             "model.dsa_kernel_backend=triton needs the triton package and CUDA tensors (or TRITON_INTERPRET=1 "
             "on CPU); use dsa_kernel_backend=auto or reference")
-    return TritonBackend(deterministic, key_partition_bytes)
+    return TritonBackend(deterministic, key_partition_bytes, indexer_fp8)
 
 
 __all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "select_backend"]

@@ -170,11 +170,15 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: Optional[torch.Tensor],
+                 k_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """I = sum_j w_j ReLU(q_j . k * d^-1/2): q [b, c, H, d], k [b, T, d], w [b, c, H] -> [b, c, T] fp32,
-    -inf where not visible."""
+    -inf where not visible; `k_scale` [b, T] (> 0) multiplies each key's column (the FP8 selection's s_k,
+    `indexer_fp8`)."""
     scores = torch.einsum("bchd,btd->bcht", upcast(q), upcast(k)) * q.shape[-1] ** -0.5
     out = torch.einsum("bch,bcht->bct", upcast(w), torch.relu(scores))
+    if k_scale is not None:
+        out = out * k_scale[:, None, :]
     if visible is not None:
         out = out.masked_fill(~visible, float("-inf"))
     return out
@@ -206,14 +210,14 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
+def indexer_topk(q, k, w, topk: int, keys: VisibleKeys, chunk: int, k_scale=None) -> torch.Tensor:
     """Top-k key indices [b, s, min(topk, T)] (int32, as the kernel's: they are kept for backward;
-    -1 = no key), `chunk` query rows at a time."""
+    -1 = no key), `chunk` query rows at a time; `k_scale`: see `index_scores`."""
     b, s = q.shape[0], q.shape[1]
     out = torch.empty(b, s, min(topk, keys.t), dtype=torch.int32, device=q.device)
     for r0 in range(0, s, chunk):
         r1 = min(s, r0 + chunk)
-        scores = index_scores(q[:, r0:r1], k, w[:, r0:r1], keys.rows(r0, r1))
+        scores = index_scores(q[:, r0:r1], k, w[:, r0:r1], keys.rows(r0, r1), k_scale)
         out[:, r0:r1] = select_topk(scores, topk)
     return out
 

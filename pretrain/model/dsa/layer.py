@@ -264,7 +264,8 @@ class DSACoreAttention(SDPACoreAttention):
             mib = getattr(cfg, "dsa_key_partition_mib", None)
             self.backend = select_backend(getattr(cfg, "dsa_kernel_backend", "auto"), device.type,
                                           deterministic=cfg.deterministic_mode,
-                                          key_partition_bytes=int(mib * 2**20) if mib else None)
+                                          key_partition_bytes=int(mib * 2**20) if mib else None,
+                                          indexer_fp8=getattr(cfg, "dsa_indexer_fp8", False))
         return self.backend
 
     def _index_inputs(self, x, qr, rope):

@@ -33,10 +33,10 @@ from pretrain.model.dsa.kernels.common import dot_precision, pow2
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, r0, n_rows, T,
-                   s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_lb, s_ob, s_or, scale,
+def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, ks_ptr, r0, n_rows, T,
+                   s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_lb, s_ob, s_or, s_ksb, scale,
                    H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, KSCALE: tl.constexpr):
     # Heavy (late, causal) row blocks first: they bound the kernel's tail.
     pid = tl.num_programs(0) - 1 - tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
@@ -63,6 +63,8 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, r0, n_rows, T,
         z = tl.dot(q, tl.trans(k), input_precision=PREC)          # [BM * BH, BN]
         z = tl.maximum(z, 0.0) * w[:, None]
         score = tl.sum(tl.reshape(z, (BM, BH, BN)), axis=1) * scale
+        if KSCALE:  # FP8 selection (indexer_fp8): each key's own scale, after the exact e4m3 products
+            score = score * tl.load(ks_ptr + bid * s_ksb + n, mask=n < T, other=1.0)[None, :]
         vis = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None])
         score = tl.where(vis, score, float("-inf"))
         tl.store(out_ptr + bid * s_ob + rows[:, None] * s_or + n[None, :], score,
@@ -180,18 +182,20 @@ def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
 
 
 def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_m: int = 0, block_n: int = 0,
-                     num_warps: int = 0) -> torch.Tensor:
+                     num_warps: int = 0, k_scale=None) -> torch.Tensor:
     """Scores of query rows [r0, r0 + n) into out[:, :n] ([b, >= n, T] fp32); keys outside a row's
-    [lo, hi) are -inf or left unwritten. lo / hi int32 contiguous [b | 1, s]."""
+    [lo, hi) are -inf or left unwritten. lo / hi int32 contiguous [b | 1, s]. q and k bf16 / fp32, or
+    float8_e4m3fn with `k_scale` [b, T] fp32 multiplying each key's column (`indexer_fp8`)."""
     b, s, h, d = q.shape
     t = k.shape[1]
     bh, bm, bn, warps = _score_config(h, block_m, block_n, num_warps)
+    ks = k_scale if k_scale is not None else w
     _scores_kernel[(triton.cdiv(n, bm), b)](
-        q, k, w, lo, hi, out, r0, n, t,
+        q, k, w, lo, hi, out, ks, r0, n, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
-        0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), d**-0.5,
-        H=h, D=d, BH=bh, BD=pow2(d), BM=bm, BN=bn, PREC=dot_precision(q),
-        num_warps=warps)
+        0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), ks.stride(0), d**-0.5,
+        H=h, D=d, BH=bh, BD=pow2(d, 32 if q.dtype == torch.float8_e4m3fn else 16), BM=bm, BN=bn,
+        PREC=dot_precision(q), KSCALE=k_scale is not None, num_warps=warps)
     return out
 
 
@@ -242,9 +246,11 @@ def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, lo: torch.Tensor, hi: torch.Tensor,
                  buffer_bytes: int = 1 << 30, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
-                 check_ranges: bool = True) -> torch.Tensor:
+                 check_ranges: bool = True, k_scale=None) -> torch.Tensor:
     """q [b, s, H_I, d], k [b, T, d], w [b, s, H_I] (fp32), lo / hi [b | 1, s] (visible keys [lo, hi)) ->
-    indices [b, s, min(topk, T)] int32, ascending per row, -1 padded. `check_ranges`: see `visible_ranges`."""
+    indices [b, s, min(topk, T)] int32, ascending per row, -1 padded. `check_ranges`: see `visible_ranges`.
+    FP8 selection (`pretrain.model.dsa.indexer_fp8`): q, k float8_e4m3fn, w with the query scales folded in,
+    `k_scale` [b, T] fp32 the key scales."""
     b, s, h, d = q.shape
     t = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -256,6 +262,6 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, l
     buf = torch.empty(b, min(rows, s), t, dtype=torch.float32, device=q.device)
     for r0 in range(0, s, rows):
         n = min(rows, s - r0)
-        index_score_rows(q, k, w, lo, hi, r0, n, buf, block_m, block_n, num_warps)
+        index_score_rows(q, k, w, lo, hi, r0, n, buf, block_m, block_n, num_warps, k_scale)
         select_rows(buf, lo, hi, r0, n, topk, out)
     return out

@@ -1,0 +1,25 @@
+"""The DSA GPU benchmarks refuse bad arguments in one line before any GPU work (they run here, without a GPU, as far
+as their argument checks)."""
+
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("dsa_heads_sweep", ["--key-partition-mib", "x"], "--key-partition-mib takes numbers"),
+    ("dsa_heads_sweep", ["--key-partition-mib", "-1"], "--key-partition-mib values must be >= 0"),
+    ("dsa_heads_sweep", ["--dkv-modes", "bogus"], "unknown --dkv-modes"),
+    ("dsa_kernels", ["--key-partition-mib", "-2"], "--key-partition-mib must be >= 0"),
+    ("dsa_topk_sweep", ["--select", "5"], "--select entries are"),
+])
+def test_bad_arguments_are_refused_before_gpu_work(monkeypatch, capsys, module, argv, message):
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{module}")
+    monkeypatch.setattr(sys, "argv", [f"{module}.py", *argv])
+    with pytest.raises(SystemExit) as err:
+        mod.main()
+    assert err.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and message in lines[0]
