@@ -101,8 +101,7 @@ def synthetic(args) -> Dict[str, Dict[str, float]]:
 
 
 def from_model(args, ap) -> Dict[str, Dict[str, float]]:
-    from benchmarks.dsa_selection_overlap import dsa_model, sequences
-    from pretrain.eval.checkpoint import device_of
+    from benchmarks.dsa_selection_overlap import dsa_model, recorded_forwards
 
     try:
         cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
@@ -110,20 +109,10 @@ def from_model(args, ap) -> Dict[str, Dict[str, float]]:
         ap.error(str(e))
     if cfg.model.dsa_indexer_fp8:
         ap.error("the model already selects in FP8 (model.dsa_indexer_fp8=true): run it with the bf16 selection")
-    device = device_of(model)
-    recorder = InputRecorder()
     per_layer: Dict[int, Dict[str, float]] = {}
-    try:
-        with torch.no_grad():
-            for tokens in sequences(cfg, args.data, args.sequences, args.seed):
-                recorder.calls.clear()
-                ids = tokens.view(1, -1).to(device)
-                model(ids, torch.arange(ids.shape[1], device=device).view(1, -1), None)
-                for layer, (q, k, w, keys, top) in enumerate(recorder.calls):
-                    per_layer[layer] = add(per_layer.get(layer, {}), agreement(q, k, w, keys, top))
-                recorder.calls.clear()
-    finally:
-        recorder.remove()
+    for calls in recorded_forwards(cfg, model, InputRecorder(), args.data, args.sequences, args.seed):
+        for layer, (q, k, w, keys, top) in enumerate(calls):
+            per_layer[layer] = add(per_layer.get(layer, {}), agreement(q, k, w, keys, top))
     if not per_layer:
         ap.error("no DSA top-k was called: does the model have DSA layers with an indexer?")
     out = {str(layer): ratios(sums) for layer, sums in sorted(per_layer.items())}

@@ -119,6 +119,24 @@ def dsa_model(checkpoint, config, overrides):
     return cfg, model.eval()
 
 
+def recorded_forwards(cfg, model, recorder, data, count: int, seed: int):
+    """Runs the model (no grad) on each of `sequences(...)` and yields the list of calls `recorder` recorded in that
+    forward, one DSA layer with its own indexer after another; removes the recorder at the end."""
+    from pretrain.eval.checkpoint import device_of
+
+    device = device_of(model)
+    try:
+        with torch.no_grad():
+            for tokens in sequences(cfg, data, count, seed):
+                recorder.calls.clear()
+                ids = tokens.view(1, -1).to(device)
+                model(ids, torch.arange(ids.shape[1], device=device).view(1, -1), None)
+                calls, recorder.calls = recorder.calls, []
+                yield calls
+    finally:
+        recorder.remove()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -141,21 +159,10 @@ def main(argv=None) -> int:
         cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
     except ValueError as e:
         ap.error(str(e))
-    from pretrain.eval.checkpoint import device_of
-
-    device = device_of(model)
-    recorder = TopkRecorder()
     per_layer: Dict[int, List[torch.Tensor]] = {}
-    try:
-        with torch.no_grad():
-            for tokens in sequences(cfg, args.data, args.sequences, args.seed):
-                recorder.calls.clear()
-                ids = tokens.view(1, -1).to(device)
-                model(ids, torch.arange(ids.shape[1], device=device).view(1, -1), None)
-                for layer, idx in enumerate(recorder.calls):
-                    per_layer.setdefault(layer, []).append(idx)
-    finally:
-        recorder.remove()
+    for calls in recorded_forwards(cfg, model, TopkRecorder(), args.data, args.sequences, args.seed):
+        for layer, idx in enumerate(calls):
+            per_layer.setdefault(layer, []).append(idx)
     if not per_layer:
         print("no DSA top-k was called: does the model have DSA layers with an indexer?", file=sys.stderr)
         return 2
