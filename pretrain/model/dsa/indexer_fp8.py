@@ -13,8 +13,10 @@ and the selection ranks keys by
 which is `indexer.index_scores` of the dequantized rows (ReLU(a z) = a ReLU(z) for a > 0). The e4m3 products are
 exact in fp32, so the Triton kernel runs q8 . k8 on FP8 tensor cores (twice bf16's rate on Hopper) and applies the
 scales after: s_q folded into the head weights w, s_k on the score columns. Only the selection uses I8; the
-indexer loss (KL to the attention) keeps the bf16 scores, so the indexer trains as before. What FP8 costs in
-selection accuracy: `benchmarks/dsa_indexer_fp8.py` (recall of the bf16 top-k, per layer).
+indexer loss (KL to the attention) keeps the bf16 scores, so the indexer trains as before. DeepSeek pairs its FP8
+indexer with a Hadamard rotation of q_I and k_I (`model.dsa_indexer_hadamard`), which spreads outlier dims before the
+per-row scale is taken; the two keys are independent here. What FP8 costs in selection accuracy:
+`benchmarks/dsa_indexer_fp8.py` (recall of the bf16 top-k, per layer).
 """
 
 from __future__ import annotations
