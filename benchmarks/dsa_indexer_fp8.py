@@ -5,7 +5,8 @@ Per DSA layer (or on synthetic indexer inputs), the bf16 selection S and the FP8
     mass_recall = sum_t P_t(S8_t) / sum_t P_t(S_t),   P_t = softmax over t's visible keys of the bf16 index scores
 (the share of the indexer's own distribution that the FP8 selection keeps; 1 = nothing lost). Both selections
 run on the reference path (`indexer.index_scores`, `select_topk`) in fp32 on the dequantized e4m3 rows, i.e.
-what the FP8 kernel computes up to summation order.
+what the FP8 kernel computes up to summation order. With a model, also the held-out LM loss of the same
+sequences with each selection (`lm_loss_bf16`, `lm_loss_fp8`: the same weights, only the top-k switched).
 
     python benchmarks/dsa_indexer_fp8.py --checkpoint runs/dsa/sparse/checkpoints --data data/stdlib --sequences 4
     python benchmarks/dsa_indexer_fp8.py --synthetic --seq 16384 --heads 32 --dim 128 --topk 2048 --rows 256
@@ -100,8 +101,29 @@ def synthetic(args) -> Dict[str, Dict[str, float]]:
     return {"synthetic": ratios(agreement(q, k, w, keys, args.topk, r0=s - rows))}
 
 
+def lm_loss(model, seqs, fp8: bool, sparse: bool = True) -> float:
+    """Mean next-token loss of `seqs` with every DSA layer's top-k in FP8 (or bf16), or with dense attention
+    (`sparse=False`: the scale against which the selection's effect reads), the weights unchanged."""
+    from pretrain.eval.checkpoint import device_of
+
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "dsa_sparse_attention")}
+    for config in configs.values():
+        config.dsa_sparse_attention = sparse
+    for m in model.modules():
+        if getattr(m, "backend", None) is not None:
+            m.backend.indexer_fp8 = fp8
+    device, total, count = device_of(model), 0.0, 0
+    with torch.no_grad():
+        for tokens in seqs:
+            ids, labels = tokens[:-1].view(1, -1).to(device), tokens[1:].view(1, -1).to(device)
+            loss = model(ids, torch.arange(ids.shape[1], device=device).view(1, -1), None, labels=labels)
+            total, count = total + float(loss.float().sum()), count + loss.numel()
+    return total / count
+
+
 def from_model(args, ap) -> Dict[str, Dict[str, float]]:
-    from benchmarks.dsa_selection_overlap import dsa_model, recorded_forwards
+    from benchmarks.dsa_selection_overlap import dsa_model, recorded_forwards, sequences
 
     try:
         cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
@@ -120,6 +142,9 @@ def from_model(args, ap) -> Dict[str, Dict[str, float]]:
     for sums in per_layer.values():
         total = add(total, sums)
     out["all"] = ratios(total)
+    seqs = sequences(cfg, args.data, args.sequences, args.seed)
+    out["all"].update(lm_loss_dense=lm_loss(model, seqs, False, sparse=False), lm_loss_bf16=lm_loss(model, seqs, False),
+                      lm_loss_fp8=lm_loss(model, seqs, True))
     return out
 
 
@@ -150,6 +175,11 @@ def main(argv=None) -> int:
     print(f"{'layer':>10}{'recall':>10}{'mass_recall':>13}")
     for layer, row in result.items():
         print(f"{layer:>10}{row['recall']:>10.4f}{row['mass_recall']:>13.4f}")
+    if "lm_loss_fp8" in result.get("all", {}):
+        row = result["all"]
+        print(f"held-out LM loss: dense attention {row['lm_loss_dense']:.5f}, top-k from bf16 scores "
+              f"{row['lm_loss_bf16']:.5f}, from FP8 scores {row['lm_loss_fp8']:.5f} "
+              f"({row['lm_loss_fp8'] - row['lm_loss_bf16']:+.5f})")
     print(f"({time.time() - t0:.0f} s)")
     if args.out:
         record = {"date": time.strftime("%Y-%m-%d"), "source": args.checkpoint or args.config or "synthetic",

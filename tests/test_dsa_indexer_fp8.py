@@ -160,6 +160,8 @@ def test_accuracy_script_counts_against_python_sets(tmp_path, capsys):
     assert main(["--config", "configs/models/glm5-tiny.yaml", "--sequences", "1", "--out", str(out)]) == 0
     layers = json.loads(out.read_text())["layers"]
     assert "all" in layers and len(layers) >= 2 and all(0 < r["recall"] <= 1 for r in layers.values())
+    losses = [layers["all"][f"lm_loss_{name}"] for name in ("dense", "bf16", "fp8")]
+    assert all(0 < x < 20 for x in losses) and losses[0] != losses[1]  # dense attention really was switched on
     capsys.readouterr()
     for bad, msg in [(["--synthetic", "--rows", "0"], "--rows must be >= 1"),
                      (["--config", "configs/models/glm5-tiny.yaml", "model.dsa_indexer_fp8=true",
