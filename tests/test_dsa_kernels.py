@@ -236,10 +236,14 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     dq, dkv = torch.autograd.grad(out, (q1, kv1), g)
     rdq, rdkv = torch.autograd.grad(ref, (q2, kv2), g.double())
     assert rel(dq, rdq) < 1e-5 and rel(dkv, rdkv) < 1e-5
-    # the backward's by-product, the indexer loss's target: sum_h P_h at every slot (0 on empty ones)
+    # the backward's by-product, the indexer loss's target: sum_h P_h at every slot (0 on empty ones); dO given
+    # head-major here ([h, b, s, c] in memory, as W_UV's product hands it over), read in place
     head_sums = torch.zeros(idx.shape, dtype=torch.float32)
-    dq_h, dkv_h = sm.sparse_mla_backward(q, kv, idx.int(), lse.detach(), sm.output_delta(g, out.detach()), g, scale,
-                                         24, deterministic, head_sums=head_sums)
+    g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    assert not g_hm.is_contiguous() and torch.equal(g_hm, g)
+    dq_h, dkv_h = sm.sparse_mla_backward(q, kv, idx.int(), lse.detach(), sm.output_delta(g_hm, out.detach()), g_hm,
+                                         scale, 24, deterministic, head_sums=head_sums)
+    assert rel(dkv_h, rdkv) < 1e-5
     want = torch.einsum("bshd,bskd->bshk", q.double(), gather_keys(kv.double(), idx)) * scale
     want = want.masked_fill((idx < 0)[:, :, None], NEG_INF).softmax(-1).sum(2)
     assert (want[idx < 0] == 0).all() and rel(head_sums, want) < 1e-6
@@ -254,7 +258,7 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
 @pytest.mark.parametrize("c", [24, 300])
 def test_output_delta_kernel_matches_float64(kern, c):
     """Delta = rowsum(dO * O) from the kernel against float64: bf16 inputs, rows not a multiple of the kernel's
-    block, columns spanning one or two column blocks, and a transposed (non-contiguous) dO."""
+    block, columns spanning one or two column blocks, dO and O in other layouts (read in place)."""
     sm = kern["sparse_mla"]
     gen = torch.Generator().manual_seed(11)
     out = torch.randn(2, 19, 3, c, generator=gen).bfloat16()
@@ -263,6 +267,8 @@ def test_output_delta_kernel_matches_float64(kern, c):
     got = sm.output_delta(grad, out)
     assert got.dtype == torch.float32 and got.shape == (2, 19, 3)
     assert rel(got, want) < 1e-6
+    head_major = grad.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # [h, b, s, c] in memory
+    assert torch.equal(sm.output_delta(head_major, out.transpose(0, 1).contiguous().transpose(0, 1)), got)
     with pytest.raises(ValueError, match="differ"):
         sm.output_delta(grad[:, :5], out)
 

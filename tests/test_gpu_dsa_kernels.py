@@ -167,9 +167,9 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
 
 @pytest.mark.parametrize("h", [16, 64])
 def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
-    """The backward with its keys walked in partitions (KEY_PARTITION_BYTES: 3 ranges of 4096 keys here; the fp32 dq
+    """The backward with its keys walked in partitions (KEY_PARTITION_BYTES: 4096 keys in 3 ranges here; the fp32 dq
     in blocks of query rows) against the fp32 reference, at the fused (16 heads) and separate-pass (64) key
-    gradient; and Delta's kernel against float64."""
+    gradient, dO read head-major in place; and Delta's kernel against float64."""
     from pretrain.model.dsa.kernels import sparse_mla as km
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
 
@@ -185,10 +185,11 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
     assert len(km.key_partitions(s, 576, km.KEY_PARTITION_BYTES)) == 3
     qb, kvb = q.clone().requires_grad_(), kv.clone().requires_grad_()
     out, _ = km.sparse_mla_attention(qb, kvb, idx, scale, 512, False)
-    delta = km.output_delta(g, out.detach())
+    g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # head-major, as the DSA layer hands dO over
+    delta = km.output_delta(g_hm, out.detach())
     assert _relmax(delta, (g.double() * out.detach().double()).sum(-1)) < 1e-5
     _poison()
-    dq, dkv = torch.autograd.grad(out, (qb, kvb), g)
+    dq, dkv = torch.autograd.grad(out, (qb, kvb), g_hm)
     assert not dq.isnan().any() and not dkv.isnan().any()
     assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
 

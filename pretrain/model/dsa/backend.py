@@ -121,8 +121,10 @@ class TritonBackend:
                            head_sums=None):
         """As the reference's (the kernel's backward, which sums P over heads as it goes)."""
         from pretrain.model.dsa.kernels.sparse_mla import output_delta as delta_of, sparse_mla_backward as kernel
+        from pretrain.model.dsa.kernels.sparse_mla import unit_feature_stride
 
-        grad_out = grad_out.contiguous()
+        # the latent gradient arrives head-major from W_UV's product: the kernels read it in place (no 2 h C copy)
+        grad_out = unit_feature_stride(grad_out)
         return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic,
                       head_sums, key_partition_bytes=self.key_partition_bytes)
 

@@ -187,15 +187,20 @@ def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
 
 
 @triton.jit
-def _delta_kernel(do_ptr, o_ptr, delta_ptr, n_rows, s_do, s_o, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    # Delta = rowsum(dO * O) over BR (token, head) rows per program, products summed in fp32: no upcast copies.
+def _delta_kernel(do_ptr, o_ptr, delta_ptr, n_rows, S, H, s_dob, s_dot, s_doh, s_ob, s_ot, s_oh,
+                  C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    # Delta = rowsum(dO * O) over BR (batch, token, head) rows per program, products summed in fp32: no upcast
+    # copies, and dO / O in any layout with unit feature stride (the latent gradient arrives head-major).
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    bi, ti, hi = rows // (S * H), (rows // H) % S, rows % H
+    dob = do_ptr + bi * s_dob + ti * s_dot + hi * s_doh
+    ob = o_ptr + bi * s_ob + ti * s_ot + hi * s_oh
     c = tl.arange(0, BC)
     acc = tl.zeros((BR,), tl.float32)
     for c0 in tl.static_range(0, C, BC):
         m = (rows[:, None] < n_rows) & ((c0 + c[None, :]) < C)
-        do = tl.load(do_ptr + rows[:, None] * s_do + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + rows[:, None] * s_o + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        do = tl.load(dob[:, None] + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
+        o = tl.load(ob[:, None] + c0 + c[None, :], mask=m, other=0.0).to(tl.float32)
         acc += tl.sum(do * o, 1)
     tl.store(delta_ptr + rows, acc, mask=rows < n_rows)
 
@@ -207,15 +212,18 @@ def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     b, s, h, c = out.shape
     if grad_out.shape != out.shape:
         raise ValueError(f"output_delta: dO {tuple(grad_out.shape)} and O {tuple(out.shape)} differ")
-    do2, o2 = grad_out.reshape(-1, c), out.reshape(-1, c)
-    if do2.stride(-1) != 1 or o2.stride(-1) != 1:
-        do2, o2 = do2.contiguous(), o2.contiguous()
+    grad_out, out = unit_feature_stride(grad_out), unit_feature_stride(out)
     delta = torch.empty(b, s, h, dtype=torch.float32, device=out.device)
-    n = do2.shape[0]
+    n = b * s * h
     br, bc = 16, min(pow2(c), 256)
-    _delta_kernel[(triton.cdiv(n, br),)](do2, o2, delta, n, do2.stride(0), o2.stride(0), C=c, BR=br, BC=bc,
-                                         num_warps=4)
+    _delta_kernel[(triton.cdiv(n, br),)](grad_out, out, delta, n, s, h, *grad_out.stride()[:3], *out.stride()[:3],
+                                         C=c, BR=br, BC=bc, num_warps=4)
     return delta
+
+
+def unit_feature_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself where its last dim is contiguous (the kernels take any other strides), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # Opt-in, unmeasured (benchmarks: dsa_heads_sweep.py --key-partition-mib): when set, the backward with fp32 atomics
@@ -251,7 +259,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     t = kv.shape[1]
     indices = indices.to(torch.int32)
     nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
-    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
+    grad_out, lse, delta = unit_feature_stride(grad_out), lse.contiguous(), delta.contiguous()
     dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
     bn, warps, stages, cc = kernel_config(h, c, backward=True)
@@ -320,7 +328,7 @@ class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, kv, indices, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = unit_feature_stride(grad_out)
         delta = output_delta(grad_out, out)
         dq, dkv = sparse_mla_backward(q, kv, indices, lse, delta, grad_out, ctx.scale, ctx.v_dim, ctx.deterministic)
         return dq, dkv, None, None, None, None
