@@ -14,6 +14,7 @@ probabilities summed over heads and normalized, over every visible key (dense wa
 
 Modules:
 - `indexer`: `LightningIndexer`, visibility (`VisibleKeys`), index scores and the reference top-k;
+- `indexer_fp8`: the top-k's index scores from e4m3 q_I / k_I (`dsa_indexer_fp8`, DeepSeek-V3.2's FP8 indexer);
 - `sparse_mla`: the reference sparse absorbed attention (chunked, custom backward);
 - `sparse_core`: absorb + sparse attention + expand as one autograd function, keeping less for
   backward than dense attention (its latent output recomputed under `recompute_modules: [core_attn]`);
