@@ -127,7 +127,8 @@ def recorded_forwards(cfg, model, recorder, data, count: int, seed: int):
     device = device_of(model)
     try:
         with torch.no_grad():
-            for tokens in sequences(cfg, data, count, seed):
+            for i, tokens in enumerate(sequences(cfg, data, count, seed)):
+                print(f"sequence {i + 1} / {count}: {tokens.numel()} tokens", file=sys.stderr, flush=True)
                 recorder.calls.clear()
                 ids = tokens.view(1, -1).to(device)
                 model(ids, torch.arange(ids.shape[1], device=device).view(1, -1), None)

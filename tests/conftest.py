@@ -53,3 +53,17 @@ def stdlib_data(tmp_path_factory):
                     "--tokenizer", str(out / "tokenizer.json"), "--output-prefix", str(out / "json"),
                     "--append-eod", "--workers", "1"], check=True, env=env, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def kern():
+    """The DSA kernel modules; on CPU they are interpreted (TRITON_INTERPRET=1 is set above, before triton is
+    imported)."""
+    from pretrain.model.dsa.kernels import interpreting
+
+    if not torch.cuda.is_available() and not interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    import importlib
+
+    return {name: importlib.import_module(f"pretrain.model.dsa.kernels.{name}")
+            for name in ["segment_sum", "sparse_mla", "sparse_mla_dkv", "indexer_kl", "indexer_topk"]}

@@ -25,13 +25,9 @@ def rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
-@pytest.fixture(scope="module")
-def ktop():
-    from pretrain.model.dsa.kernels import indexer_topk, interpreting
-
-    if not torch.cuda.is_available() and not interpreting():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-    return indexer_topk
+@pytest.fixture()
+def ktop(kern):
+    return kern["indexer_topk"]
 
 
 def test_quantize_rows_rounds_to_e4m3_within_its_spacing():
