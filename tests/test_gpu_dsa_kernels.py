@@ -76,7 +76,9 @@ def test_dsa_fp8_topk_kernel_on_gpu():
     kt.index_score_rows(q8, k8, w8, lo, hi, 0, s, buf, k_scale=sk)
     ref = index_scores(q8.float(), k8.float(), w8, vis, k_scale=sk)
     assert not buf[vis.expand_as(buf)].isnan().any()
-    assert _relmax(buf[vis.expand_as(buf)], ref[vis.expand_as(ref)]) < 1e-5
+    # Hopper's FP8 MMA may accumulate in fewer than fp32's bits (DeepSeek-V3 report, 3.3.2): a looser bound than
+    # bf16's; the selection below is exact on the kernel's own scores either way
+    assert _relmax(buf[vis.expand_as(buf)], ref[vis.expand_as(ref)]) < 1e-3
     own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
     idx = kt.indexer_topk(q8, k8, w8, topk, lo, hi, buffer_bytes=256 * s * 4, k_scale=sk)
     assert torch.equal(idx.long(), own)
