@@ -66,27 +66,9 @@ def add(total: Dict[str, float], part: Dict[str, float]) -> Dict[str, float]:
     return {key: total.get(key, 0.0) + value for key, value in part.items()}
 
 
-class InputRecorder:
-    """Records (q_I, k_I, w, keys, topk) of every DSA top-k call (both backends), per call in order."""
-
-    def __init__(self):
-        from pretrain.model.dsa.backend import ReferenceBackend, TritonBackend
-
-        self.calls: List[tuple] = []
-        self.patched = []
-        for cls in (ReferenceBackend, TritonBackend):
-            original = cls.topk
-
-            def topk(backend, q, k, w, top, keys, *args, _original=original, **kwargs):
-                self.calls.append((q.detach(), k.detach(), w.detach(), keys, top))
-                return _original(backend, q, k, w, top, keys, *args, **kwargs)
-
-            self.patched.append((cls, original))
-            cls.topk = topk
-
-    def remove(self) -> None:
-        for cls, original in self.patched:
-            cls.topk = original
+def indexer_inputs(q, k, w, topk, keys, indices):
+    """What `agreement` needs of a recorded top-k call (`dsa_selection_overlap.TopkRecorder`)."""
+    return q.detach(), k.detach(), w.detach(), keys, topk
 
 
 def synthetic(args) -> Dict[str, Dict[str, float]]:
@@ -123,7 +105,7 @@ def lm_loss(model, seqs, fp8: bool, sparse: bool = True) -> float:
 
 
 def from_model(args, ap) -> Dict[str, Dict[str, float]]:
-    from benchmarks.dsa_selection_overlap import dsa_model, recorded_forwards, sequences
+    from benchmarks.dsa_selection_overlap import TopkRecorder, dsa_model, recorded_forwards, sequences
 
     try:
         cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
@@ -132,7 +114,7 @@ def from_model(args, ap) -> Dict[str, Dict[str, float]]:
     if cfg.model.dsa_indexer_fp8:
         ap.error("the model already selects in FP8 (model.dsa_indexer_fp8=true): run it with the bf16 selection")
     per_layer: Dict[int, Dict[str, float]] = {}
-    for calls in recorded_forwards(cfg, model, InputRecorder(), args.data, args.sequences, args.seed):
+    for calls in recorded_forwards(cfg, model, TopkRecorder(indexer_inputs), args.data, args.sequences, args.seed):
         for layer, (q, k, w, keys, top) in enumerate(calls):
             per_layer[layer] = add(per_layer.get(layer, {}), agreement(q, k, w, keys, top))
     if not per_layer:

@@ -56,20 +56,25 @@ def overlap_stats(indices: torch.Tensor, blocks: List[int]) -> Dict[str, Dict[st
     return out
 
 
-class TopkRecorder:
-    """Records the indices every DSA top-k call returns (both backends), per call in order."""
+def _indices_on_cpu(q, k, w, topk, keys, indices):
+    return indices.detach().to("cpu", torch.int64)
 
-    def __init__(self):
+
+class TopkRecorder:
+    """Records every DSA top-k call (both backends), per call in order: `record(q_I, k_I, w, topk, keys, indices)`
+    of each, by default the indices (int64, on the CPU)."""
+
+    def __init__(self, record=_indices_on_cpu):
         from pretrain.model.dsa.backend import ReferenceBackend, TritonBackend
 
-        self.calls: List[torch.Tensor] = []
+        self.calls: List = []
         self.patched = []
         for cls in (ReferenceBackend, TritonBackend):
             original = cls.topk
 
-            def topk(backend, *args, _original=original, **kwargs):
-                indices = _original(backend, *args, **kwargs)
-                self.calls.append(indices.detach().to("cpu", torch.int64))
+            def topk(backend, q, k, w, top, keys, *args, _original=original, **kwargs):
+                indices = _original(backend, q, k, w, top, keys, *args, **kwargs)
+                self.calls.append(record(q, k, w, top, keys, indices))
                 return indices
 
             self.patched.append((cls, original))

@@ -237,10 +237,10 @@ def key_partitions(t: int, d: int, budget=None):
     """[(lo, hi), ...]: `t` keys split evenly into the fewest ranges whose rows take at most `budget` bytes as kv
     (bf16) plus fp32 key gradient, d values each; [(0, t)] without a budget.
 
-    Why: past ~16K keys at 16 heads the backward's cost per (token, key) pair grows (0.90 ns at 16K, 1.06 at 32K;
-    64 heads: 2.09 at 32K, 2.45 at 128K; H200,
-    benchmarks/results/README.md), as dkv (fp32) and kv outgrow L2 (50 MiB) and the per-pair atomics
-    and gathers go to HBM. One launch per partition keeps each launch's working set within `budget`."""
+    Why: past ~16K keys the backward's cost per (token, key) pair grows (16 heads: 0.90 ns at 16K, 1.06 at 32K;
+    64 heads: 2.09 at 32K, 2.45 at 128K; H200, benchmarks/results/README.md), as dkv (fp32) and kv outgrow the
+    50 MiB L2 and the per-pair atomics and gathers go to HBM. One launch per partition keeps each launch's
+    working set within `budget`."""
     if not budget:
         return [(0, t)]
     per = max(1, int(budget) // (6 * d))
@@ -283,6 +283,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
         block = max(1, min(s, DQ32_BYTES // (b * h * (c + r) * 4)))
     if mode == 5:
         block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
+    # unpartitioned, the kernel never touches dq32 (PART is off): dq stands in for the pointer
     dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if partitioned else dq
 
     def launch(r0, rows, part, dkv_mode, keys=(0, t)):
@@ -297,7 +298,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
-    elif mode in (0, 5) and (mode == 5 or partitioned):
+    elif mode == 5 or partitioned:  # blocks of query rows: the [dS | P] buffer's, the fp32 dq accumulator's
         part = empty_scratch(q, indices.shape[-1], block) if mode == 5 else dkv
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
