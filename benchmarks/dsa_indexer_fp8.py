@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
