@@ -11,8 +11,9 @@ the fp32 PyTorch reference on the same bf16 inputs (S = 4096, default config onl
 has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8. With --dkv-modes, the
 backward again by key-gradient path (`dkv_rows`), e.g.
 `--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`. With --key-partition-mib, the backward again
-with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, one launch per partition; 0 = off),
-e.g. `--key-partition-mib 0,16,24,32` (`partition_rows`).
+with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, one launch per partition; 0 = one
+pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
+`--key-partition-mib 0,48,96` (`partition_rows`).
 """
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def dkv_rows(h, s, q, kv, idx, g, reps, modes, dkv_configs):
 
 def partition_rows(h, s, q, kv, idx, g, reps, mibs):
     """Backward ms with the keys walked in partitions of at most `mib` MiB of kv + fp32 dkv rows (0: one launch
-    over all keys, the default), the default key-gradient mode of `h` heads."""
+    over all keys; the "default" rows take `sparse_mla.partition_budget`'s), the default key-gradient mode of `h`
+    heads."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D) * 2.53
     qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
     try:
         for mib in mibs:
-            tsm.KEY_PARTITION_BYTES = int(mib * 2**20) or None
+            tsm.KEY_PARTITION_BYTES = int(mib * 2**20)  # 0: one pass
             o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
             ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
             n = len(tsm.key_partitions(kv.shape[1], kv.shape[-1], tsm.KEY_PARTITION_BYTES))

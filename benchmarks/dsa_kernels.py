@@ -208,7 +208,7 @@ def main(argv=None):
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--reference-max", type=int, default=16384, help="largest S for the (slow) reference path")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--key-partition-mib", type=float, default=0.0,
+    ap.add_argument("--key-partition-mib", type=float, default=None,
                     help="also run (a) with the attention backward's keys in partitions of at most this many MiB of "
                          "kv + fp32 dkv rows (model.dsa_key_partition_mib), in the same run: rows 'dsa_options'")
     ap.add_argument("--indexer-fp8", action="store_true",
@@ -216,7 +216,7 @@ def main(argv=None):
                          "(with --key-partition-mib too if given): rows 'dsa_options'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.key_partition_mib < 0:
+    if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -229,8 +229,9 @@ def main(argv=None):
         except torch.OutOfMemoryError as e:
             entry["dsa"] = {"error": f"OOM: {e}"[:200]}
         torch.cuda.empty_cache()
-        if args.key_partition_mib or args.indexer_fp8:
-            BACKEND.key_partition_bytes = int(args.key_partition_mib * 2**20) or None
+        if args.key_partition_mib is not None or args.indexer_fp8:
+            mib = args.key_partition_mib  # None: the kernels' default, 0: one pass
+            BACKEND.key_partition_bytes = None if mib is None else int(mib * 2**20)
             BACKEND.indexer_fp8 = args.indexer_fp8
             try:
                 entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps)
@@ -257,7 +258,7 @@ def main(argv=None):
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
     print(table(rows))
-    if args.key_partition_mib or args.indexer_fp8:
+    if args.key_partition_mib is not None or args.indexer_fp8:
         print(f"with key_partition_mib={args.key_partition_mib} indexer_fp8={args.indexer_fp8}:")
         print(table([{**e, "dsa": e.get("dsa_options", {})} for e in rows]))
 

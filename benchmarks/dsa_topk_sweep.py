@@ -9,7 +9,8 @@ top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY]) of --select (capac
 two radix passes, the five-pass selection); every variant's indices are checked equal to the default's (the
 selection is exact, so they must be). With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
 quantization, the score kernel on e4m3 inputs and the whole top-k, and the recall of the bf16 selection on the
-last 256 query rows (`benchmarks/dsa_indexer_fp8.py`).
+last 256 query rows (`benchmarks/dsa_indexer_fp8.py`). With --score-configs, the score kernel alone at each
+tile configuration (`indexer_topk.SCORE_CONFIG`), bf16 (and FP8 with --fp8), its scores checked against the default's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -51,11 +53,44 @@ def fp8_row(s, qi, ki, w, lo, hi, reps):
     return row
 
 
-def point(s, gen, reps, selects, fp8=False):
+def score_variants(s, qi, ki, w, lo, hi, reps, configs, k_scale=None):
+    """The score kernel at each SCORE_CONFIG of `configs` (BM x BN x warps x stages x keys-as-M), timed over the
+    same row blocks; each one's scores of the last 512 rows checked against the default's."""
+    rows, out = min(512, s), []
+    ref = torch.empty(1, rows, s, device=qi.device)
+    ttopk.index_score_rows(qi, ki, w.float(), lo, hi, s - rows, rows, ref, k_scale=k_scale)
+    cols = torch.arange(s, device=qi.device)
+    vis = (cols >= lo[0, s - rows:, None]) & (cols < hi[0, s - rows:, None])  # what the kernel must write
+    default = ttopk.SCORE_CONFIG
+    try:
+        for cfg in configs:
+            ttopk.SCORE_CONFIG = (*cfg[:4], bool(cfg[4]))
+            row = {"S": s, "fp8": k_scale is not None, "score_config": list(cfg)}
+            try:
+                got = torch.full_like(ref, float("nan"))
+                ttopk.index_score_rows(qi, ki, w.float(), lo, hi, s - rows, rows, got, k_scale=k_scale)
+                row["scores_ms"] = ms = timed(lambda: scores_only(qi, ki, w, lo, hi, k_scale=k_scale), reps)
+                row["scores_tflops"] = s * s / 2 * 32 * 128 * 2 / ms / 1e9
+                row["max_rel_diff"] = ((got[0][vis] - ref[0][vis]).abs().max() / ref[0][vis].abs().max()).item()
+            except triton.runtime.errors.OutOfResources as e:  # a tile too large for shared memory: say so, go on
+                row["error"] = str(e)[:200]
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        ttopk.SCORE_CONFIG = default
+    return out
+
+
+def point(s, gen, reps, selects, fp8=False, score_configs=()):
     _, _, qi, ki, w = inputs(s, gen)
     lo, hi = ttopk.visible_ranges(*VisibleKeys(s, s, "cuda").ranges())
     row = {"S": s, "scores_ms": timed(lambda: scores_only(qi, ki, w, lo, hi), reps)}
     row["scores_tflops"] = s * s / 2 * 32 * 128 * 2 / row["scores_ms"] / 1e9
+    if score_configs:
+        row["score_configs"] = score_variants(s, qi, ki, w, lo, hi, reps, score_configs)
+        if fp8:
+            q8, k8, w8, sk = selection_inputs(qi, ki, w)
+            row["score_configs"] += score_variants(s, q8, k8, w8, lo, hi, reps, score_configs, k_scale=sk)
     if fp8:
         row.update(fp8_row(s, qi, ki, w, lo, hi, reps))
     default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY)
@@ -82,16 +117,21 @@ def main():
                     help="SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY] variants")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fp8", action="store_true", help="also time the FP8 selection (model.dsa_indexer_fp8)")
+    ap.add_argument("--score-configs", default="", help="also time the score kernel at these SCORE_CONFIGs: "
+                    "BM x BN x warps x stages x keys-as-M (0/1), e.g. 4x64x8x3x0,8x128x8x3x1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     selects = tile_configs(args.select)
     if any(len(c) not in (2, 3) for c in selects):
         ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY], e.g. 512x4 or 512x4x2")
     selects = [c if len(c) == 3 else (*c, ttopk.SELECT_CAPACITY) for c in selects]
+    score_configs = tile_configs(args.score_configs) if args.score_configs else []
+    if any(len(c) != 5 for c in score_configs):
+        ap.error("--score-configs entries are BM x BN x warps x stages x keys-as-M, e.g. 4x64x8x3x0")
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for s in (int(x) for x in args.seqs.split(",")):
-        res["rows"].append(point(s, gen, args.reps, selects, args.fp8))
+        res["rows"].append(point(s, gen, args.reps, selects, args.fp8, score_configs))
         torch.cuda.empty_cache()
     save_json(res, args.out)
 

@@ -12,6 +12,7 @@ import pytest
     ("dsa_heads_sweep", ["--dkv-modes", "bogus"], "unknown --dkv-modes"),
     ("dsa_kernels", ["--key-partition-mib", "-2"], "--key-partition-mib must be >= 0"),
     ("dsa_topk_sweep", ["--select", "5"], "--select entries are"),
+    ("dsa_topk_sweep", ["--score-configs", "4x64x8"], "--score-configs entries are"),
 ])
 def test_bad_arguments_are_refused_before_gpu_work(monkeypatch, capsys, module, argv, message):
     import importlib

@@ -120,6 +120,25 @@ def test_indexer_scores_and_exact_selection(kern, mode):
         assert torch.equal(got.long(), indexer_topk(q, k, w, topk, keys, 5))
 
 
+@pytest.mark.parametrize("keys_m,bm", [(False, 3), (True, 3), (True, 1)])
+def test_index_scores_by_tile_order(kern, monkeypatch, keys_m, bm):
+    """The score kernel's tile orders (`SCORE_CONFIG`: tokens x heads or keys as the MMA's M) against float64,
+    ragged (S, heads and dims off every block), documents, rows starting mid-sequence."""
+    ktop = kern["indexer_topk"]
+    monkeypatch.setattr(ktop, "SCORE_CONFIG", (bm, 16, 0, 0, keys_m))
+    gen = torch.Generator().manual_seed(5)
+    b, s, h, d = 2, 29, 3, 20
+    q, k, w = torch.randn(b, s, h, d, generator=gen), torch.randn(b, s, d, generator=gen), torch.randn(b, s, h, generator=gen)
+    keys, vis = visibility("segments", b, s, s)
+    lo, hi = ktop.visible_ranges(*keys.ranges())
+    want = naive_scores(q, k, w, vis)
+    buf = torch.full((b, s - 7, s), float("nan"))
+    ktop.index_score_rows(q, k, w, lo, hi, 7, s - 7, buf)
+    v = vis[:, 7:].expand(b, -1, -1)
+    assert rel(buf[v], want[:, 7:][v]) < 1e-6
+    assert bool((buf[~v & ~buf.isnan()] == NEG_INF).all())  # what is written outside a row's keys is -inf
+
+
 def test_radix_select_tie_rule_and_special_values(kern):
     ktop = kern["indexer_topk"]
     rows = torch.tensor([
@@ -198,15 +217,17 @@ def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
 def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
     kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
-    walked in partitions (4 ranges of 10 keys, the fp32 dq accumulated over 3 blocks of query rows)."""
+    walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows)."""
     sm = kern["sparse_mla"]
     deterministic = dkv == "deterministic"
     mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned")]
     monkeypatch.setattr(sm, "DKV_MODE", mode)
     if dkv.endswith("partitioned"):
-        monkeypatch.setattr(sm, "KEY_PARTITION_BYTES", 6 * 32 * 10)
+        # the fused kernel through its default budget (partition_budget), the separate pass through an explicit one
+        monkeypatch.setattr(sm, "FUSED_PARTITION_BYTES" if mode == 0 else "KEY_PARTITION_BYTES", 6 * 32 * 10)
         monkeypatch.setattr(sm, "DQ32_BYTES", 2 * 5 * 32 * 4 * 15)
-        assert sm.key_partitions(37, 32, sm.KEY_PARTITION_BYTES) == [(0, 10), (10, 20), (20, 30), (30, 37)]
+        assert sm.key_partitions(37, 32, sm.partition_budget(None, mode == 5)) == [(0, 10), (10, 20), (20, 30),
+                                                                                  (30, 37)]
     if config is not None:  # several key blocks and latent column slices per token; blocks of query rows
         monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: config if backward else config[:3])
         dkv_mod = kern["sparse_mla_dkv"]

@@ -25,9 +25,13 @@ def _relmax(a, b):
 
 
 @pytest.mark.parametrize("s,topk,mode", [(1000, 256, "causal"), (4096, 2048, "causal"), (3001, 512, "segments")])
-def test_dsa_topk_kernel_on_gpu(s, topk, mode):
+@pytest.mark.parametrize("order", ["default", "tokens_m", "keys_m"])
+def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
     from pretrain.model.dsa.indexer import VisibleKeys, index_scores, segment_ids_from_cu_seqlens, select_topk
     from pretrain.model.dsa.kernels import indexer_topk as kt
+
+    if order != "default":  # both tile orders of the score kernel (benchmarks sweep them)
+        monkeypatch.setattr(kt, "SCORE_CONFIG", (4, 64, 8, 3, False) if order == "tokens_m" else (4, 128, 8, 3, True))
 
     gen = torch.Generator(device="cuda").manual_seed(s)
     qi = torch.randn(1, s, 32, 128, device="cuda", generator=gen).bfloat16()

@@ -171,10 +171,11 @@ def _check_dsa(m: ModelConfig) -> None:
         "(the sparse attention has no dropout); set attention_dropout=0",
     )
     require(
-        m.dsa_key_partition_mib is None or (m.dsa_key_partition_mib > 0 and m.dsa_sparse_attention
-                                            and not m.deterministic_mode),
-        f"model.dsa_key_partition_mib={m.dsa_key_partition_mib} needs a value > 0, model.dsa_sparse_attention=true "
-        "and model.deterministic_mode=false (it splits the sparse attention backward's atomic key-gradient passes)",
+        m.dsa_key_partition_mib is None or m.dsa_key_partition_mib == 0
+        or (m.dsa_key_partition_mib > 0 and m.dsa_sparse_attention and not m.deterministic_mode),
+        f"model.dsa_key_partition_mib={m.dsa_key_partition_mib} needs a value > 0 (0: one pass, null: the measured "
+        "default), model.dsa_sparse_attention=true and model.deterministic_mode=false (it splits the sparse attention "
+        "backward's atomic key-gradient passes)",
     )
     require(
         not m.dsa_indexer_fp8 or m.dsa_sparse_attention

@@ -83,8 +83,8 @@ class ReferenceBackend:
 class TritonBackend:
     """The Triton kernels; `deterministic` (megatron's `deterministic_mode`) reduces key gradients
     in a fixed order instead of with atomics; `key_partition_bytes` (`model.dsa_key_partition_mib`): the
-    attention backward walks the keys in partitions of that many bytes of kv + fp32 dkv rows
-    (`kernels.sparse_mla.key_partitions`)."""
+    attention backward walks the keys in partitions of that many bytes of kv + fp32 dkv rows, 0: one pass, None: the
+    kernels' measured default (`kernels.sparse_mla.partition_budget`)."""
 
     name = "triton"
 

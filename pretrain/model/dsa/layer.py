@@ -264,7 +264,7 @@ class DSACoreAttention(SDPACoreAttention):
             mib = getattr(cfg, "dsa_key_partition_mib", None)
             self.backend = select_backend(getattr(cfg, "dsa_kernel_backend", "auto"), device.type,
                                           deterministic=cfg.deterministic_mode,
-                                          key_partition_bytes=int(mib * 2**20) if mib else None,
+                                          key_partition_bytes=None if mib is None else int(mib * 2**20),
                                           indexer_fp8=getattr(cfg, "dsa_indexer_fp8", False))
         return self.backend
 

@@ -7,8 +7,8 @@ For query token t with visible keys [lo_t, hi_t) (causal, within t's document):
 
 Two kernels per block of query rows, never an [S, S] matrix:
 
-1. `_scores_kernel`: one program per BM query tokens multiplies their [BM * H_I, d] queries with
-   tiles of BN keys (tensor cores), applies ReLU and the head weights, sums over heads and writes
+1. `_scores_kernel`: one program per BM query tokens multiplies tiles of BN keys with their [BM * H_I, d]
+   queries (tensor cores, keys as the MMA's M), applies ReLU and the head weights, sums over heads and writes
    the [BM, BN] fp32 scores into a row-block buffer [rows, T] (rows x T x 4 bytes, bounded by
    `buffer_bytes`).
 2. `_radix_select_kernel`: one program per query row finds the K-th largest score exactly by radix
@@ -36,7 +36,8 @@ from pretrain.model.dsa.kernels.common import dot_precision, pow2
 def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, ks_ptr, r0, n_rows, T,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_lb, s_ob, s_or, s_ksb, scale,
                    H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, KSCALE: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, KSCALE: tl.constexpr,
+                   KEYS_M: tl.constexpr):
     # Heavy (late, causal) row blocks first: they bound the kernel's tail.
     pid = tl.num_programs(0) - 1 - tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
@@ -60,9 +61,14 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, ks_ptr, r0, n_r
         n = n0 + tl.arange(0, BN)
         k = tl.load(k_ptr + bid * s_kb + n[:, None] * s_kt + d[None, :],
                     mask=(n[:, None] < T) & (d[None, :] < D), other=0.0)
-        z = tl.dot(q, tl.trans(k), input_precision=PREC)          # [BM * BH, BN]
-        z = tl.maximum(z, 0.0) * w[:, None]
-        score = tl.sum(tl.reshape(z, (BM, BH, BN)), axis=1) * scale
+        if KEYS_M:  # keys as the MMA's M: the head sum runs along each thread's columns (fewer shuffles)
+            z = tl.dot(k, tl.trans(q), input_precision=PREC)      # [BN, BM * BH]
+            z = tl.maximum(z, 0.0) * w[None, :]
+            score = tl.trans(tl.sum(tl.reshape(z, (BN, BM, BH)), axis=2)) * scale
+        else:
+            z = tl.dot(q, tl.trans(k), input_precision=PREC)      # [BM * BH, BN]
+            z = tl.maximum(z, 0.0) * w[:, None]
+            score = tl.sum(tl.reshape(z, (BM, BH, BN)), axis=1) * scale
         if KSCALE:  # FP8 selection (indexer_fp8): each key's own scale, after the exact e4m3 products
             score = score * tl.load(ks_ptr + bid * s_ksb + n, mask=n < T, other=1.0)[None, :]
         vis = (n[None, :] >= lo[:, None]) & (n[None, :] < hi[:, None])
@@ -174,11 +180,19 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, 
             _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False)
 
 
+# (BM tokens, BN keys, num_warps, num_stages, keys as the MMA's M) of the score kernel; BM 0: 128 // heads.
+# H200 sweep at S = 32K, 32 heads (benchmarks/results/README.md): keys as M, 64 keys x 4 tokens, 4 warps 567 TFLOP/s;
+# the (token, head) rows as M at their best (4 x 64, 8 warps) 294: the head sum then crosses warps.
+SCORE_CONFIG = (0, 64, 4, 3, True)
+
+
 def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
-    """(BH, BM, BN, num_warps): BM tokens x BH heads = 128 MMA rows (H200 sweep: 289 TFLOP/s at S = 8K)."""
+    """(BH, BM, BN, num_warps, num_stages, keys_m): BM tokens x BH heads = 128 MMA columns (or rows) by default."""
+    bm0, bn0, warps0, stages0, keys_m = SCORE_CONFIG
     bh = pow2(h, 1)
-    bm = block_m or max(1, 128 // bh)
-    return bh, max(bm, 16 // bh if bh < 16 else 1), block_n or 64, num_warps or 8
+    bm = block_m or bm0 or max(1, 128 // bh)
+    return (bh, max(bm, 16 // bh if bh < 16 else 1), block_n or bn0 or 64, num_warps or warps0 or 8, stages0 or 3,
+            bool(keys_m))
 
 
 def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_m: int = 0, block_n: int = 0,
@@ -188,14 +202,14 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
     float8_e4m3fn with `k_scale` [b, T] fp32 multiplying each key's column (`indexer_fp8`)."""
     b, s, h, d = q.shape
     t = k.shape[1]
-    bh, bm, bn, warps = _score_config(h, block_m, block_n, num_warps)
+    bh, bm, bn, warps, stages, keys_m = _score_config(h, block_m, block_n, num_warps)
     ks = k_scale if k_scale is not None else w
     _scores_kernel[(triton.cdiv(n, bm), b)](
         q, k, w, lo, hi, out, ks, r0, n, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), ks.stride(0), d**-0.5,
         H=h, D=d, BH=bh, BD=pow2(d, 32 if q.dtype == torch.float8_e4m3fn else 16), BM=bm, BN=bn,
-        PREC=dot_precision(q), KSCALE=k_scale is not None, num_warps=warps)
+        PREC=dot_precision(q), KSCALE=k_scale is not None, KEYS_M=keys_m, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -13,9 +13,9 @@ dkv[S_t[j]] += dS^T q  (+ P^T dO on the latent part). Keys are shared between to
 runs either through fp32 atomics (fast, order-dependent rounding) or, with `deterministic=True`,
 through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`). From 32
 heads the atomic sum comes from a second pass over dS and P stored per (token, slot)
-(`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq. Opt-in and not yet measured
-(`KEY_PARTITION_BYTES`): the atomic paths walk the keys in partitions small enough for L2, one launch per partition
-over all query rows, each token taking the run of its ascending selection inside the partition (`key_partitions`).
+(`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq, and past ~16K keys it walks the keys in
+partitions small enough for L2 (`partition_budget`), one launch per partition over all query rows, each token taking
+the run of its ascending selection inside the partition (`key_partitions`).
 """
 
 from __future__ import annotations
@@ -226,10 +226,12 @@ def unit_feature_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# Opt-in, unmeasured (benchmarks: dsa_heads_sweep.py --key-partition-mib): when set, the backward with fp32 atomics
-# walks the keys in partitions whose kv rows (bf16) and fp32 key-gradient rows fit this many bytes, one launch per
-# partition over all query rows, so the atomics and gathers of a launch stay within one L2-sized slice of keys.
+# None: `partition_budget`'s default; benchmarks and tests set a budget in bytes (0: one pass).
 KEY_PARTITION_BYTES = None
+# The fused key-gradient kernel's default budget (H200, 8-16 heads, benchmarks/results/README.md: 1.12x at 32K keys,
+# 1.33x at 64K; at 16K kv and dkv fit it in one pass). The separate pass (>= 32 heads) gained nothing measurable
+# (64 heads: 0.97x at 32K, 1.02x at 64K), so it takes none by default.
+FUSED_PARTITION_BYTES = 96 << 20
 DQ32_BYTES = 1 << 28  # the fp32 query-gradient accumulator of a partitioned backward: blocks of query rows within it
 
 
@@ -249,12 +251,21 @@ def key_partitions(t: int, d: int, budget=None):
     return [(i * per, min(t, (i + 1) * per)) for i in range(n)]
 
 
+def partition_budget(key_partition_bytes, separate_pass: bool) -> int:
+    """Bytes of kv + fp32 dkv rows per key partition (0: one pass): `key_partition_bytes` if given (None: the
+    module's KEY_PARTITION_BYTES, else FUSED_PARTITION_BYTES on the fused path and none on the separate pass)."""
+    for budget in (key_partition_bytes, KEY_PARTITION_BYTES):
+        if budget is not None:
+            return int(budget)
+    return 0 if separate_pass else FUSED_PARTITION_BYTES
+
+
 def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
                         deterministic: bool = False, head_sums=None, key_partition_bytes=None):
     """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32).
     `head_sums`: a zeroed [b, s, K] fp32 tensor that receives sum_h P_h(t, j) at every valid slot (the
     sparse indexer loss's target, `indexer_loss.kl_from_attention_backward`). `key_partition_bytes`: see
-    `key_partitions` (default KEY_PARTITION_BYTES); the deterministic path takes no partitions."""
+    `key_partitions` (None: `partition_budget`'s default, 0: one pass); the deterministic path takes none."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     t = kv.shape[1]
     indices = indices.to(torch.int32)
@@ -274,19 +285,22 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
                                   or head_sums.stride(-1) != 1):
         raise ValueError(f"head_sums must be fp32 {tuple(indices.shape)} with unit last stride")
     hs = head_sums if head_sums is not None else dkv
-    budget = KEY_PARTITION_BYTES if key_partition_bytes is None else key_partition_bytes
-    parts = key_partitions(t, c + r, budget) if mode in (0, 5) else [(0, t)]
+    parts = key_partitions(t, c + r, partition_budget(key_partition_bytes, mode == 5)) if mode in (0, 5) else [(0, t)]
     partitioned = len(parts) > 1
-    # rows of the fp32 dq accumulator per block (partitioned), and of the [dS | P] buffer (mode 5)
+    # Mode 5's first pass writes no key gradient, so only its key-gradient pass walks the partitions; the
+    # fused kernel (mode 0) walks them itself and sums dq over them in fp32.
+    dq_parts = partitioned and mode == 0
+    # rows of the fp32 dq accumulator per block (partitioned fused kernel), and of the [dS | P] buffer (mode 5)
     block = s
-    if partitioned:
+    if dq_parts:
         block = max(1, min(s, DQ32_BYTES // (b * h * (c + r) * 4)))
     if mode == 5:
         block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
     # unpartitioned, the kernel never touches dq32 (PART is off): dq stands in for the pointer
-    dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if partitioned else dq
+    dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if dq_parts else dq
 
     def launch(r0, rows, part, dkv_mode, keys=(0, t)):
+        split = keys != (0, t)
         pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
         _bwd_kernel[(rows, b)](
             q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, hs, dq32, s, h, t, r0, keys[0], keys[1],
@@ -294,23 +308,25 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
             indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
             hs.stride(0), hs.stride(1), dq32.stride(0), dq32.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c),
             BR=pow2(r), BH=pow2(h), BN=bn, CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode,
-            HEAD_SUMS=head_sums is not None, PART=partitioned, num_warps=warps, num_stages=stages)
+            HEAD_SUMS=head_sums is not None, PART=split, num_warps=warps, num_stages=stages)
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
-    elif mode == 5 or partitioned:  # blocks of query rows: the [dS | P] buffer's, the fp32 dq accumulator's
-        part = empty_scratch(q, indices.shape[-1], block) if mode == 5 else dkv
+    elif mode == 5:  # blocks of query rows within the [dS | P] buffer
+        part = empty_scratch(q, indices.shape[-1], block)
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
-            if partitioned:
-                dq32.zero_()
+            launch(r0, rows, part, mode)
             for keys in parts:
-                launch(r0, rows, part, mode, keys)
-                if mode == 5:
-                    key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
-                                 keys if partitioned else None)
-            if partitioned:
-                dq[:, r0:r0 + rows] = dq32[:, :rows]
+                key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
+                             keys if partitioned else None)
+    elif partitioned:  # blocks of query rows within the fp32 dq accumulator
+        for r0 in range(0, s, block):
+            rows = min(block, s - r0)
+            dq32.zero_()
+            for keys in parts:
+                launch(r0, rows, dkv, mode, keys)
+            dq[:, r0:r0 + rows] = dq32[:, :rows]
     else:
         launch(0, s, dkv, mode)
     return dq, dkv.to(kv.dtype)
