@@ -155,8 +155,7 @@ class ModelConfig:
     dsa_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Ours: "auto" (Triton kernels on GPU, the PyTorch reference on CPU), "triton" or "reference"."""
     dsa_key_partition_mib: Optional[float] = None
-    """Ours: Triton sparse-attention backward walks the keys in partitions of <= this many MiB of kv + fp32 dkv rows;
-    0: one pass; null: the measured default (96 MiB below 32 heads per rank, one pass from 32)."""
+    """Ours: Triton sparse backward's key partitions, MiB of kv + fp32 dkv rows; 0: one pass; null: measured default."""
     dsa_indexer_fp8: bool = False
     """Ours: top-k ranks keys by FP8 (e4m3, per-row scales) index scores (DeepSeek-V3.2); the indexer loss: bf16."""
     deterministic_mode: bool = False
