@@ -219,10 +219,11 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
     walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows)."""
     sm = kern["sparse_mla"]
-    deterministic = dkv == "deterministic"
+    deterministic, partitioned = dkv == "deterministic", dkv.endswith("partitioned")
+    fused_parts = dkv == "fused_atomic_partitioned"
     mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned")]
     monkeypatch.setattr(sm, "DKV_MODE", mode)
-    if dkv.endswith("partitioned"):
+    if partitioned:
         # the fused kernel through its default budget (partition_budget), the separate pass through an explicit one
         monkeypatch.setattr(sm, "FUSED_PARTITION_BYTES" if mode == 0 else "KEY_PARTITION_BYTES", 6 * 32 * 10)
         monkeypatch.setattr(sm, "DQ32_BYTES", 2 * 5 * 32 * 4 * 15)
@@ -233,6 +234,23 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
         dkv_mod = kern["sparse_mla_dkv"]
         monkeypatch.setattr(dkv_mod, "dkv_config", lambda h, c: (16, 16, 4, 1))
         monkeypatch.setattr(dkv_mod, "SCRATCH_BYTES", 2 * 12 * 2 * 5 * 4 * 10)  # 10 of 37 rows per block
+    # what the backward launched: the fused kernel's partition flags, the separate pass's key ranges
+    flags, ranges = [], set()
+    bwd_kernel, key_gradient = sm._bwd_kernel, sm.key_gradient
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                flags.append(kw["PART"])
+                return bwd_kernel[grid](*args, **kw)
+            return run
+
+    def spy_key_gradient(*args, **kw):
+        ranges.add(args[-1])
+        return key_gradient(*args, **kw)
+
+    monkeypatch.setattr(sm, "_bwd_kernel", Spy())
+    monkeypatch.setattr(sm, "key_gradient", spy_key_gradient)
     q, kv, idx = sparse_case(3)
     scale = 0.3
     q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
@@ -244,6 +262,11 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     dq, dkv = torch.autograd.grad(out, (q1, kv1), g)
     rdq, rdkv = torch.autograd.grad(ref, (q2, kv2), g.double())
     assert rel(dq, rdq) < 1e-5 and rel(dkv, rdkv) < 1e-5
+    # the fused kernel walks 4 key ranges per block of 15 query rows (3 blocks); the separate pass's first kernel
+    # runs once per block and only its key-gradient pass walks the ranges
+    assert flags == ([True] * 12 if fused_parts else [False] * len(flags)) and flags
+    parts = {(0, 10), (10, 20), (20, 30), (30, 37)} if partitioned else {None}
+    assert ranges == (parts if mode == 5 else set())
     # the backward's by-product, the indexer loss's target: sum_h P_h at every slot (0 on empty ones); dO given
     # head-major here ([h, b, s, c] in memory, as W_UV's product hands it over), read in place
     head_sums = torch.zeros(idx.shape, dtype=torch.float32)
