@@ -13,7 +13,9 @@ backward again by key-gradient path (`dkv_rows`), e.g.
 `--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`. With --key-partition-mib, the backward again
 with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, one launch per partition; 0 = one
 pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
-`--key-partition-mib 0,48,96` (`partition_rows`).
+`--key-partition-mib 0,48,96` (`partition_rows`). With --atomics, the backward again by how the key gradients
+reach memory (`kernels.atomics`): `vector` (16-byte reductions, the default on sm_90+) and `scalar` (Triton's
+`tl.atomic_add`), e.g. `--atomics vector,scalar` (`atomic_rows`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
+from pretrain.model.dsa.kernels import atomics  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dkv as tsm_dkv  # noqa: E402
@@ -99,7 +102,29 @@ def partition_rows(h, s, q, kv, idx, g, reps, mibs):
     return rows
 
 
-def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=()):
+ATOMICS = {"vector": None, "scalar": False}  # name: atomics.VECTOR_ATOMICS
+
+
+def atomic_rows(h, s, q, kv, idx, g, reps, names):
+    """Backward ms with the key gradients added by 16-byte vector reductions or by scalar atomics, the default
+    key-gradient path and partitions of `h` heads."""
+    rows = []
+    fl = 2 * s * TOPK * h * (C + D) * 2.53
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    try:
+        for name in names:
+            atomics.VECTOR_ATOMICS = ATOMICS[name]
+            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+            ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+            rows.append({"heads": h, "S": s, "atomics": name, "mode": atomics.reduction_mode(kv.new_empty(0, dtype=torch.float32), C, D - C),
+                         "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        atomics.VECTOR_ATOMICS = None
+    return rows
+
+
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -129,6 +154,7 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=()):
         rows.append(row)
         print(json.dumps(row), flush=True)
     rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
+    rows += atomic_rows(h, s, q, kv, idx, g, reps, atomic_names) if atomic_names else []
     return rows + (partition_rows(h, s, q, kv, idx, g, reps, mibs) if mibs else [])
 
 
@@ -147,6 +173,8 @@ def main():
                     "also timed with --dkv-modes split")
     ap.add_argument("--key-partition-mib", default="", help="also time the backward with its keys in partitions of "
                     "at most this many MiB of kv + fp32 dkv rows: comma list, 0 = one launch over all keys")
+    ap.add_argument("--atomics", default="", help="also time the backward by how key gradients are added: comma "
+                    "list of " + ", ".join(ATOMICS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = tile_configs(args.configs)
@@ -158,6 +186,9 @@ def main():
         ap.error(f"--key-partition-mib takes numbers (MiB), got {args.key_partition_mib!r}")
     if any(m < 0 for m in mibs):
         ap.error("--key-partition-mib values must be >= 0")
+    atomic_names = [a for a in args.atomics.split(",") if a]
+    if set(atomic_names) - set(ATOMICS):
+        ap.error(f"unknown --atomics {sorted(set(atomic_names) - set(ATOMICS))}; choose from {list(ATOMICS)}")
     if set(modes) - set(DKV_MODES):
         ap.error(f"unknown --dkv-modes {sorted(set(modes) - set(DKV_MODES))}; choose from {list(DKV_MODES)}")
     if any(len(c) != 4 for c in dkv_configs):
@@ -167,7 +198,7 @@ def main():
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
-                                 dkv_configs, mibs)
+                                 dkv_configs, mibs, atomic_names)
             torch.cuda.empty_cache()
     save_json(res, args.out)
 

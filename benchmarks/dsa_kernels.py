@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
+from pretrain.model.dsa.kernels import atomics  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
@@ -214,10 +215,15 @@ def main(argv=None):
     ap.add_argument("--indexer-fp8", action="store_true",
                     help="also run (a) with the top-k from FP8 index scores (model.dsa_indexer_fp8), in the same run "
                          "(with --key-partition-mib too if given): rows 'dsa_options'")
+    ap.add_argument("--scalar-atomics", action="store_true",
+                    help="also run (a) with the key gradients summed by Triton's scalar atomics instead of 16-byte "
+                         "vector reductions (kernels.atomics.VECTOR_ATOMICS=False), in the same run (with the "
+                         "options above too if given): rows 'dsa_options'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")
+    options = args.key_partition_mib is not None or args.indexer_fp8 or args.scalar_atomics
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for s in (int(x) for x in args.seqs.split(",")):
@@ -229,17 +235,20 @@ def main(argv=None):
         except torch.OutOfMemoryError as e:
             entry["dsa"] = {"error": f"OOM: {e}"[:200]}
         torch.cuda.empty_cache()
-        if args.key_partition_mib is not None or args.indexer_fp8:
+        if options:
             mib = args.key_partition_mib  # None: the kernels' default, 0: one pass
             BACKEND.key_partition_bytes = None if mib is None else int(mib * 2**20)
             BACKEND.indexer_fp8 = args.indexer_fp8
+            atomics.VECTOR_ATOMICS = False if args.scalar_atomics else None
             try:
                 entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps)
-                entry["dsa_options"].update(key_partition_mib=args.key_partition_mib, indexer_fp8=args.indexer_fp8)
+                entry["dsa_options"].update(key_partition_mib=args.key_partition_mib, indexer_fp8=args.indexer_fp8,
+                                            scalar_atomics=args.scalar_atomics)
             except torch.OutOfMemoryError as e:
                 entry["dsa_options"] = {"error": f"OOM: {e}"[:200]}
             finally:
                 BACKEND.key_partition_bytes, BACKEND.indexer_fp8 = None, False
+                atomics.VECTOR_ATOMICS = None
             torch.cuda.empty_cache()
         try:
             entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)
@@ -258,8 +267,9 @@ def main(argv=None):
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
     print(table(rows))
-    if args.key_partition_mib is not None or args.indexer_fp8:
-        print(f"with key_partition_mib={args.key_partition_mib} indexer_fp8={args.indexer_fp8}:")
+    if options:
+        print(f"with key_partition_mib={args.key_partition_mib} indexer_fp8={args.indexer_fp8} "
+              f"scalar_atomics={args.scalar_atomics}:")
         print(table([{**e, "dsa": e.get("dsa_options", {})} for e in rows]))
 
 

@@ -304,6 +304,49 @@ def test_output_delta_kernel_matches_float64(kern, c):
         sm.output_delta(grad[:, :5], out)
 
 
+@pytest.mark.parametrize("mode", [0, 1])
+def test_add_rows_matches_naive(kern, mode):
+    """The key gradients' row adds (`atomics.add_rows`) against a float64 loop: rows selected twice or more sum
+    their adds, empty slots add nothing, columns start at an offset and stop at a limit inside the tile. Mode 1 is
+    the interpreter's form of the GPU's 16-byte vector reductions (the same grouping of four columns); mode 2
+    itself runs in tests/test_gpu_dsa_kernels.py and its PTX is checked below."""
+    from tests.dsa_atomics_kernel import run_add_rows
+
+    got, want = run_add_rows(mode, "cpu")
+    assert rel(got, want) < 1e-6
+
+
+def test_reduction_mode_rules(kern, monkeypatch):
+    from pretrain.model.dsa.kernels import atomics
+
+    buf = torch.zeros(4, 8)
+    assert atomics.reduction_mode(buf, 512, 64) == 1  # the interpreter's stand-in for the GPU's vector form
+    assert atomics.reduction_mode(buf, 24, 6) == 0  # a width that is not a multiple of 4: no 16-byte groups
+    assert atomics.reduction_mode(buf.double(), 512, 64) == 0
+    monkeypatch.setattr(atomics, "VECTOR_ATOMICS", False)
+    assert atomics.reduction_mode(buf, 512, 64) == 0
+
+
+def test_gpu_build_adds_key_rows_with_vector_reductions():
+    """Each key-gradient kernel compiled for sm_90 on this CPU machine (Triton's own ptxas): with RED=2 its fp32 rows
+    go out only as red.global.add.v4.f32, with RED=0 only as scalar atomics (Triton 3.6 lowers tl.atomic_add
+    so whatever the layout), four times as many."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.dsa_sm90_build"], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kernel in ("sparse_mla._bwd_kernel", "sparse_mla_dkv._dkv_kernel", "indexer_kl._scores_at_bwd"):
+        vec, scalar = counts[f"{kernel} RED=2"], counts[f"{kernel} RED=0"]
+        assert vec["scalar"] == 0 and vec["vector"] > 0, (kernel, vec)
+        assert scalar["vector"] == 0 and scalar["scalar"] == 4 * vec["vector"], (kernel, scalar)
+
+
 def test_indexer_kl_kernels_match_reference(kern):
     kl = kern["indexer_kl"]
     gen = torch.Generator().manual_seed(4)

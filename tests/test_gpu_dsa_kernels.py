@@ -200,6 +200,22 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
     assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
 
 
+@pytest.mark.parametrize("mode", [0, 2])
+def test_add_rows_vector_reductions_on_gpu(mode):
+    """The key gradients' row adds as 16-byte vector reductions (mode 2, red.global.add.v4.f32, the default on
+    sm_90+) and as Triton's scalar atomics (mode 0) against a float64 loop; repeated rows sum."""
+    from pretrain.model.dsa.kernels.atomics import reduction_mode
+    from tests.dsa_atomics_kernel import run_add_rows
+
+    if mode == 2:
+        assert reduction_mode(torch.zeros(4, 8, device="cuda"), 512, 64) == (
+            2 if torch.cuda.get_device_capability() >= (9, 0) else 0)
+        if torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("red.global.add.v4.f32 needs sm_90")
+    got, want = run_add_rows(mode, "cuda")
+    assert _relmax(got, want) < 1e-6
+
+
 def test_indexer_kl_kernels_on_gpu():
     from pretrain.model.dsa.indexer import gather_keys, index_scores_at
     from pretrain.model.dsa.kernels import indexer_kl as kk

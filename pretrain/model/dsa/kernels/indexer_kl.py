@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import dot_precision, pow2
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
 
@@ -49,7 +50,7 @@ def _scores_at_fwd(q_ptr, k_ptr, w_ptr, idx_ptr, out_ptr, H, D, K, r0,
 def _scores_at_bwd(q_ptr, k_ptr, w_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, part_ptr, S, H, D, K, T, r0,
                    s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_ib, s_it, s_gb, s_gt, s_pb, s_pt, s_pj, scale,
                    BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-                   DETERMINISTIC: tl.constexpr):
+                   DETERMINISTIC: tl.constexpr, RED: tl.constexpr):
     t = r0 + tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
@@ -77,7 +78,7 @@ def _scores_at_bwd(q_ptr, k_ptr, w_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, 
             tl.store(part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj + d[None, :], dk,
                      mask=ok[:, None] & dm[None, :])
         else:
-            tl.atomic_add(dk_ptr + (bid * T + row) * D + d[None, :], dk, mask=ok[:, None] & dm[None, :], sem="relaxed")
+            add_rows(dk_ptr + (bid * T + idx.to(tl.int64)) * D, 0, dk, ok, D, RED)
     base = (bid * S + t).to(tl.int64) * H + h
     tl.store(dq_ptr + base[:, None] * D + d[None, :], dq, mask=hm[:, None] & dm[None, :])
     tl.store(dw_ptr + base, dw, mask=hm)
@@ -113,6 +114,7 @@ class IndexScoresAt(torch.autograd.Function):
         dw = torch.zeros(b, s, h, dtype=torch.float32, device=q.device)
         dk = torch.zeros(b, t, d, dtype=torch.float32, device=q.device)
         prec = dot_precision(q)
+        red = reduction_mode(dk, d)
 
         def launch(c0, rows, part):
             g = grad[:, c0 - r0:]
@@ -121,7 +123,8 @@ class IndexScoresAt(torch.autograd.Function):
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
                 indices.stride(0), indices.stride(1), g.stride(0), g.stride(1),
                 *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)), d**-0.5,
-                BH=pow2(h), BD=pow2(d), BN=64, PREC=prec, DETERMINISTIC=ctx.deterministic, num_warps=4)
+                BH=pow2(h), BD=pow2(d), BN=64, PREC=prec, DETERMINISTIC=ctx.deterministic, RED=red,
+                num_warps=4)
 
         if ctx.deterministic:
             scatter_rows_deterministic(lambda c0, rows, part: launch(r0 + c0, rows, part),

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import (
     LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
 )
@@ -74,7 +75,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
                 s_pb, s_pt, s_pj, s_hb, s_ht, s_db, s_dt, sm_scale, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                 BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr,
-                HEAD_SUMS: tl.constexpr, PART: tl.constexpr):
+                HEAD_SUMS: tl.constexpr, PART: tl.constexpr, RED: tl.constexpr):
     # q and dO stay resident as the A operands of S = q K^T and dP = dO V^T; the key-side products
     # dS^T q and P^T dO re-read q / dO in CC-wide column slices (L1 / L2 hits), which keeps shared
     # memory to one copy of each.
@@ -122,6 +123,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         # 5 = dS and P stored per (token, slot) for the separate key-gradient pass (sparse_mla_dkv).
         pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
         db = dkv_ptr + (bid * T + row) * (C + R)
+        drow = dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R)  # DKV 0: each slot's key row (atomics.add_rows)
         if DKV == 5:
             sb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[None, :] * s_pj + h[:, None]
             tl.store(sb, dsc, mask=ok[None, :] & hm[:, None])
@@ -129,7 +131,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         if DKV == 1:
             tl.store(pb + C + r[None, :], dk_rope, mask=ok[:, None] & (r[None, :] < R))
         elif DKV == 0:
-            tl.atomic_add(db + C + r[None, :], dk_rope, mask=ok[:, None] & (r[None, :] < R), sem="relaxed")
+            add_rows(drow, C, dk_rope, ok, C + R, RED)
         for c0 in tl.static_range(0, BC, CC):
             cm = (c0 + cc) < C
             q_c = tl.load(qb + c0 + cc[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
@@ -141,7 +143,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
             elif DKV == 3:
                 tl.store(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :] & (nv < 0))
             elif DKV == 0:
-                tl.atomic_add(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :], sem="relaxed")
+                add_rows(drow, c0, dk_c, ok, C, RED)
     ml = hm[:, None] & (c[None, :] < C)
     mr = hm[:, None] & (r[None, :] < R)
     if PART:  # one launch per key partition, in order: the fp32 sum over partitions is deterministic
@@ -298,6 +300,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
         block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
     # unpartitioned, the kernel never touches dq32 (PART is off): dq stands in for the pointer
     dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if dq_parts else dq
+    red = reduction_mode(dkv, c, r)
 
     def launch(r0, rows, part, dkv_mode, keys=(0, t)):
         split = keys != (0, t)
@@ -308,7 +311,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
             indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
             hs.stride(0), hs.stride(1), dq32.stride(0), dq32.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c),
             BR=pow2(r), BH=pow2(h), BN=bn, CC=min(cc, pow2(c)), PREC=prec, DKV=dkv_mode,
-            HEAD_SUMS=head_sums is not None, PART=split, num_warps=warps, num_stages=stages)
+            HEAD_SUMS=head_sums is not None, PART=split, RED=red, num_warps=warps, num_stages=stages)
 
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)

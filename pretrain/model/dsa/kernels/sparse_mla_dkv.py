@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import pow2, slot_range
 
 # Bytes of the per-(token, slot) [dS | P] buffer: the backward runs over blocks of query rows that fit.
@@ -32,7 +33,7 @@ SCRATCH_BYTES = 1 << 30
 def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0, k_lo, k_hi,
                 s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_pb, s_pt, s_pj,
                 C: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DS: tl.constexpr,
-                NSL: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
+                NSL: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr, RED: tl.constexpr):
     # program = (token, column slice); the slices of one token are neighbours in the grid, so they read the
     # token's [dS | P] rows at about the same time (L2 can serve all but the first).
     pid = tl.program_id(0).to(tl.int64)
@@ -67,8 +68,7 @@ def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0, 
         if not ROPE:
             p = tl.load(pb + H, mask=ok[:, None] & hm[None, :], other=0.0)
             dk = tl.dot(p, do_c, dk, input_precision=PREC)
-        dst = dkv_ptr + (bid * T + idx.to(tl.int64))[:, None] * (C + R) + cols[None, :]
-        tl.atomic_add(dst, dk, mask=ok[:, None] & cm[None, :], sem="relaxed")
+        add_rows(dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R), c0, dk, ok, C + R if ROPE else C, RED)
 
 
 def dkv_config(h: int, c: int):
@@ -97,13 +97,14 @@ def key_gradient(q, grad_out, indices, nvalid, part, dkv, r0: int, rows: int, c:
     b, s, h = q.shape[:3]
     bn, ds, warps, stages = dkv_config(h, c)
     k_lo, k_hi = keys if keys is not None else (0, dkv.shape[1])
+    red = reduction_mode(dkv, c, r)
     for rope, width, nsl in ((False, c, triton.cdiv(c, ds)), (True, r, 1)):
         _dkv_kernel[(rows * nsl, b)](
             q, grad_out, indices, nvalid, part, dkv, s, h, dkv.shape[1], r0, k_lo, k_hi,
             q.stride(0), q.stride(1), q.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             indices.stride(0), indices.stride(1), part.stride(0), part.stride(1), part.stride(2),
             C=c, R=r, BH=pow2(h), BN=bn, DS=ds if not rope else pow2(width), NSL=nsl, ROPE=rope, PREC=prec,
-            PART=keys is not None, num_warps=warps, num_stages=stages)
+            PART=keys is not None, RED=red, num_warps=warps, num_stages=stages)
 
 
 def empty_scratch(q: torch.Tensor, k: int, rows: int) -> torch.Tensor:
