@@ -215,15 +215,15 @@ def main(argv=None):
     ap.add_argument("--indexer-fp8", action="store_true",
                     help="also run (a) with the top-k from FP8 index scores (model.dsa_indexer_fp8), in the same run "
                          "(with --key-partition-mib too if given): rows 'dsa_options'")
-    ap.add_argument("--scalar-atomics", action="store_true",
-                    help="also run (a) with the key gradients summed by Triton's scalar atomics instead of 16-byte "
-                         "vector reductions (kernels.atomics.VECTOR_ATOMICS=False), in the same run (with the "
-                         "options above too if given): rows 'dsa_options'")
+    ap.add_argument("--vector-atomics", action="store_true",
+                    help="also run (a) with the key gradients summed by 16-byte vector reductions instead of Triton's "
+                         "scalar atomics (kernels.atomics.VECTOR_ATOMICS=True), in the same run (with the options "
+                         "above too if given): rows 'dsa_options'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")
-    options = args.key_partition_mib is not None or args.indexer_fp8 or args.scalar_atomics
+    options = args.key_partition_mib is not None or args.indexer_fp8 or args.vector_atomics
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for s in (int(x) for x in args.seqs.split(",")):
@@ -239,16 +239,16 @@ def main(argv=None):
             mib = args.key_partition_mib  # None: the kernels' default, 0: one pass
             BACKEND.key_partition_bytes = None if mib is None else int(mib * 2**20)
             BACKEND.indexer_fp8 = args.indexer_fp8
-            atomics.VECTOR_ATOMICS = False if args.scalar_atomics else None
+            atomics.VECTOR_ATOMICS = args.vector_atomics
             try:
                 entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps)
                 entry["dsa_options"].update(key_partition_mib=args.key_partition_mib, indexer_fp8=args.indexer_fp8,
-                                            scalar_atomics=args.scalar_atomics)
+                                            vector_atomics=args.vector_atomics)
             except torch.OutOfMemoryError as e:
                 entry["dsa_options"] = {"error": f"OOM: {e}"[:200]}
             finally:
                 BACKEND.key_partition_bytes, BACKEND.indexer_fp8 = None, False
-                atomics.VECTOR_ATOMICS = None
+                atomics.VECTOR_ATOMICS = False
             torch.cuda.empty_cache()
         try:
             entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)
@@ -269,7 +269,7 @@ def main(argv=None):
     print(table(rows))
     if options:
         print(f"with key_partition_mib={args.key_partition_mib} indexer_fp8={args.indexer_fp8} "
-              f"scalar_atomics={args.scalar_atomics}:")
+              f"vector_atomics={args.vector_atomics}:")
         print(table([{**e, "dsa": e.get("dsa_options", {})} for e in rows]))
 
 

@@ -212,16 +212,23 @@ def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
 
 
 @pytest.mark.parametrize("dkv", ["split", "fused_atomic", "deterministic", "split_partitioned",
-                                 "fused_atomic_partitioned"])
+                                 "fused_atomic_partitioned", "split_vector", "fused_atomic_vector"])
 @pytest.mark.parametrize("config", [None, (16, 4, 1, 16)], ids=["default", "small_tiles"])
 def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
     kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
-    walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows)."""
+    walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows),
+    and with their rows added four columns at a time (atomics.VECTOR_ATOMICS, the interpreter's form of the GPU's
+    16-byte reductions)."""
     sm = kern["sparse_mla"]
     deterministic, partitioned = dkv == "deterministic", dkv.endswith("partitioned")
     fused_parts = dkv == "fused_atomic_partitioned"
-    mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned")]
+    if dkv.endswith("_vector"):
+        from pretrain.model.dsa.kernels import atomics
+
+        monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
+        assert atomics.reduction_mode(torch.zeros(1), 24, 8) == 1
+    mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned").removesuffix("_vector")]
     monkeypatch.setattr(sm, "DKV_MODE", mode)
     if partitioned:
         # the fused kernel through its default budget (partition_budget), the separate pass through an explicit one
@@ -286,6 +293,36 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
         assert torch.equal(dq3, dq) and torch.equal(dkv3, dkv)
 
 
+@pytest.mark.parametrize("tau", [0.0, 8.0])
+def test_sparse_mla_forward_rescales_lazily(kern, monkeypatch, tau):
+    """The forward's online softmax with the accumulator rescaled only when a row's max grew by more than TAU
+    (RESCALE_TAU, log2 units; 0 = every block) against float64, on scores that climb along the selection: 48 keys
+    in 3 blocks of 16, whose block maxima grow by less than TAU for some rows and by more for others."""
+    sm = kern["sparse_mla"]
+    monkeypatch.setattr(sm, "RESCALE_TAU", tau)
+    monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: (16, 4, 1, 16) if backward else (16, 4, 1))
+    gen = torch.Generator().manual_seed(13)
+    b, s, h, c, r, topk, scale = 1, 60, 3, 24, 8, 48, 0.25
+    q = torch.randn(b, s, h, c + r, generator=gen)
+    kv = torch.randn(b, s, c + r, generator=gen) * 0.3
+    kv[..., 0] = torch.linspace(0, 12, s)  # key j's score grows with j for heads with q[..., 0] > 0
+    q[..., 0] = torch.tensor([0.2, 1.0, 4.0])
+    scores = torch.rand(b, s, s, generator=gen).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), NEG_INF)
+    idx = ref_topk(scores, topk)
+    ref, ref_lse = ref_sparse_mla(q.double(), kv.double(), idx, scale, c, r)
+    # the last token's program with TAU = 8: each block's max (log2 units) against the max of the last rescale;
+    # the climb must make it skip a rescale and take one
+    logits = torch.einsum("bhd,bkd->bhk", q[:, -1].double(), gather_keys(kv.double(), idx)[:, -1])
+    blocks = (logits * scale * 1.4426950408889634).unflatten(-1, (3, 16)).amax(-1)[0]  # [h, 3]
+    m, decisions = blocks[:, 0], []
+    for k in (1, 2):
+        decisions.append(bool((blocks[:, k] - m).max() > 8))
+        m = torch.maximum(m, blocks[:, k]) if decisions[-1] else m
+    assert decisions == [False, True], decisions
+    out, lse = sm.sparse_mla_attention(q, kv, idx.int(), scale, c)
+    assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-6
+
+
 @pytest.mark.parametrize("c", [24, 300])
 def test_output_delta_kernel_matches_float64(kern, c):
     """Delta = rowsum(dO * O) from the kernel against float64: bf16 inputs, rows not a multiple of the kernel's
@@ -320,11 +357,11 @@ def test_reduction_mode_rules(kern, monkeypatch):
     from pretrain.model.dsa.kernels import atomics
 
     buf = torch.zeros(4, 8)
+    assert atomics.reduction_mode(buf, 512, 64) == 0  # the default: tl.atomic_add (vector form measured no faster)
+    monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
     assert atomics.reduction_mode(buf, 512, 64) == 1  # the interpreter's stand-in for the GPU's vector form
     assert atomics.reduction_mode(buf, 24, 6) == 0  # a width that is not a multiple of 4: no 16-byte groups
     assert atomics.reduction_mode(buf.double(), 512, 64) == 0
-    monkeypatch.setattr(atomics, "VECTOR_ATOMICS", False)
-    assert atomics.reduction_mode(buf, 512, 64) == 0
 
 
 def test_gpu_build_adds_key_rows_with_vector_reductions():
@@ -347,14 +384,17 @@ def test_gpu_build_adds_key_rows_with_vector_reductions():
         assert scalar["vector"] == 0 and scalar["scalar"] == 4 * vec["vector"], (kernel, scalar)
 
 
-def test_indexer_kl_kernels_match_reference(kern):
+def test_indexer_kl_kernels_match_reference(kern, monkeypatch):
+    from pretrain.model.dsa.kernels import atomics as kern_atomics
+
     kl = kern["indexer_kl"]
     gen = torch.Generator().manual_seed(4)
     b, s, hi, d = 2, 29, 3, 16
     q, k, w = torch.randn(b, s, hi, d, generator=gen), torch.randn(b, s, d, generator=gen), torch.randn(b, s, hi, generator=gen)
     _, _, idx = sparse_case(5, b=b, s=s, topk=9)
     r0, r1 = 4, 23
-    for det in (False, True):
+    for det, vector in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(kern_atomics, "VECTOR_ATOMICS", vector)  # rows four columns at a time, as on the GPU
         leaves = [t.clone().requires_grad_() for t in (q, k, w)]
         got = kl.index_scores_at(*leaves, idx.int(), r0, r1, det)
         ref_leaves = [t.double().requires_grad_() for t in (q, k, w)]

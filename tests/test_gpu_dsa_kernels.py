@@ -201,14 +201,15 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
 
 
 @pytest.mark.parametrize("mode", [0, 2])
-def test_add_rows_vector_reductions_on_gpu(mode):
-    """The key gradients' row adds as 16-byte vector reductions (mode 2, red.global.add.v4.f32, the default on
-    sm_90+) and as Triton's scalar atomics (mode 0) against a float64 loop; repeated rows sum."""
-    from pretrain.model.dsa.kernels.atomics import reduction_mode
+def test_add_rows_vector_reductions_on_gpu(monkeypatch, mode):
+    """The key gradients' row adds as Triton's scalar atomics (mode 0, the default) and as 16-byte vector reductions
+    (mode 2, red.global.add.v4.f32 on sm_90+, the benchmarks' switch) against a float64 loop; repeated rows sum."""
+    from pretrain.model.dsa.kernels import atomics
     from tests.dsa_atomics_kernel import run_add_rows
 
     if mode == 2:
-        assert reduction_mode(torch.zeros(4, 8, device="cuda"), 512, 64) == (
+        monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
+        assert atomics.reduction_mode(torch.zeros(4, 8, device="cuda"), 512, 64) == (
             2 if torch.cuda.get_device_capability() >= (9, 0) else 0)
         if torch.cuda.get_device_capability() < (9, 0):
             pytest.skip("red.global.add.v4.f32 needs sm_90")

@@ -7,12 +7,16 @@ Keys are shared between query tokens, so the sparse attention backward (`sparse_
 indexer loss's backward (`indexer_kl`) sum their per-(token, selected key) rows with fp32 atomics: 576 values per
 pair in the attention, 128 in the indexer, the largest cost of the 8-16-head backward (benchmarks/results/
 README.md, "Cost per (query token, selected key) pair"). Triton 3.6 lowers `tl.atomic_add` to one scalar
-reduction per value (`REDG.E.ADD.F32` in SASS) whatever the layout. Hopper has 16-byte vector reductions
-(`red.global.add.v4.f32`, PTX ISA 8.1, sm_90), which move the same bytes in a quarter of the instructions;
-`add_rows` splits a tile's columns into four interleaved tensors (columns 4i .. 4i + 3) and issues one such
-reduction per four columns through inline PTX. Modes (`reduction_mode`, a kernel constexpr):
+reduction per value (`REDG.E.ADD.F32` in SASS) whatever the layout. Hopper also has 16-byte vector reductions
+(`red.global.add.v4.f32`, PTX ISA 8.1, sm_90), a quarter of the instructions for the same bytes; `add_rows`
+can split a tile's columns into four interleaved tensors (columns 4i .. 4i + 3) and issue one such reduction per
+four columns through inline PTX. Measured on an H200 (benchmarks/results/README.md, 2026-11-26-atomics/), it
+gains nothing: the backward at 8-64 heads and 16K / 32K keys within -4% .. +1%, the indexer loss's backward 6-8%
+slower. The reductions are bound by the L2's atomic throughput in bytes, not by instruction issue. So the scalar
+form stays the default and the vector form is a switch the benchmarks time (`VECTOR_ATOMICS`). Modes
+(`reduction_mode`, a kernel constexpr):
 
-- 0: `tl.atomic_add` (any GPU, any widths);
+- 0: `tl.atomic_add` (any GPU, any widths; the default);
 - 1: the four-column grouping through four `tl.atomic_add`s (the interpreter's stand-in for 2: the CPU tests
   check the grouping's addressing);
 - 2: `red.global.add.v4.f32` (sm_90+, every width a multiple of 4, 16-byte aligned rows).
@@ -31,8 +35,8 @@ import triton.language as tl
 
 from pretrain.model.dsa.kernels import interpreting
 
-# None: vector reductions wherever `reduction_mode` allows them; False: always tl.atomic_add (benchmarks time both).
-VECTOR_ATOMICS = None
+# True: vector reductions wherever `reduction_mode` allows them; False: tl.atomic_add (the measured default).
+VECTOR_ATOMICS = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,10 +45,10 @@ def _capability(index: int) -> tuple:
 
 
 def reduction_mode(t: torch.Tensor, *widths: int) -> int:
-    """The `add_rows` mode for fp32 rows of buffer `t`: 2 on CUDA sm_90+, 1 in the interpreter, 0 otherwise or
-    with VECTOR_ATOMICS = False; also 0 unless every width (row stride, column limits) is a multiple of 4, so that
-    each group of four columns is one aligned 16-byte word."""
-    if VECTOR_ATOMICS is False or t.dtype != torch.float32 or any(int(w) % 4 for w in widths):
+    """The `add_rows` mode for fp32 rows of buffer `t`: 0 unless VECTOR_ATOMICS; then 2 on CUDA sm_90+, 1 in the
+    interpreter, 0 otherwise, and 0 unless every width (row stride, column limits) is a multiple of 4, so that each
+    group of four columns is one aligned 16-byte word."""
+    if not VECTOR_ATOMICS or t.dtype != torch.float32 or any(int(w) % 4 for w in widths):
         return 0
     if interpreting():
         return 1
