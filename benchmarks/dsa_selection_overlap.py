@@ -56,6 +56,19 @@ def overlap_stats(indices: torch.Tensor, blocks: List[int]) -> Dict[str, Dict[st
     return out
 
 
+def first_keys_share(indices: torch.Tensor) -> float:
+    """Share of the tokens with at least k visible keys (t >= k, causal) whose selection is exactly keys 0 .. k - 1:
+    what an indexer whose scores tie across a row (e.g. every ReLU(q . k) at 0) selects under the tie rule (lower
+    key index first). A layer near 1 has a degenerate, query-independent selection, whose overlap says nothing
+    about a trained indexer's."""
+    k = indices.shape[-1]
+    rows = indices[:, k:]
+    if rows.shape[1] == 0:
+        return 0.0
+    first = torch.arange(k, device=indices.device)
+    return float((rows == first).all(-1).float().mean())
+
+
 def _indices_on_cpu(q, k, w, topk, keys, indices):
     return indices.detach().to("cpu", torch.int64)
 
@@ -162,7 +175,10 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--blocks takes positive integers, comma-separated: {args.blocks!r}")
     try:
-        cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])
+        # sparse attention so that every DSA layer selects; the sparse indexer loss because the config rules refuse
+        # sparse attention with the dense KL (a warm-up checkpoint's); no loss is formed here (forward only)
+        cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true",
+                                                              "model.dsa_indexer_use_sparse_loss=true", *args.overrides])
     except ValueError as e:
         ap.error(str(e))
     per_layer: Dict[int, List[torch.Tensor]] = {}
@@ -174,17 +190,23 @@ def main(argv=None) -> int:
         return 2
     k = cfg.model.dsa_indexer_topk
     layers = {str(layer): overlap_stats(torch.cat(idx), blocks) for layer, idx in sorted(per_layer.items())}
+    first_k = {str(layer): first_keys_share(torch.cat(idx)) for layer, idx in sorted(per_layer.items())}
     every = overlap_stats(torch.cat([torch.cat(v) for v in per_layer.values()]), blocks)
     print(f"top-{k} of {cfg.data.seq_length} keys, {args.sequences} sequences, "
           f"{len(layers)} DSA layers with their own indexer")
     print(f"{'T':>4}{'reduction':>11}{'|U| / k':>9}   (all layers; per layer in --out)")
     for t, row in every.items():
         print(f"{t:>4}{row['reduction']:>11.2f}{row['union_per_k']:>9.2f}")
+    t_max = list(every)[-1]
+    print(f"per layer: |U| / k at T = {t_max}, and the share of tokens selecting exactly keys 0 .. k - 1 "
+          "(near 1: a degenerate, query-independent selection)")
+    for layer, row in layers.items():
+        print(f"  layer {layer:>3}: |U| / k {row[t_max]['union_per_k']:6.2f}   first-k share {first_k[layer]:.3f}")
     if args.out:
         record = {"date": time.strftime("%Y-%m-%d"), "source": args.checkpoint or args.config, "data": args.data,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "topk": k, "seq_length": cfg.data.seq_length, "sequences": args.sequences,
-                  "all_layers": every, "layers": layers}
+                  "all_layers": every, "layers": layers, "first_k_share": first_k}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     return 0

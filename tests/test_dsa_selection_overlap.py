@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from benchmarks.dsa_selection_overlap import block_union_sizes, main, overlap_stats
+from benchmarks.dsa_selection_overlap import block_union_sizes, first_keys_share, main, overlap_stats
 
 
 def _random_indices(b, s, k, keys, seed):
@@ -50,3 +50,24 @@ def test_script_on_the_tiny_model_and_its_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--config", "configs/models/glm5-tiny.yaml", "model.experimental_attention_variant=null"])
     assert "is not a DSA model" in capsys.readouterr().err
+
+
+def test_first_keys_share_counts_query_independent_rows():
+    """Rows t >= k whose selection is exactly keys 0 .. k - 1 (tied scores under the tie rule), against a loop."""
+    idx = _random_indices(2, 13, 4, 13, seed=7)
+    idx[0, 5] = torch.arange(4)
+    idx[1, 9] = torch.arange(4)
+    idx[1, 2] = torch.arange(4)  # t < k: not counted
+    want = sum(idx[i, t].tolist() == [0, 1, 2, 3] for i in range(2) for t in range(4, 13)) / (2 * 9)
+    assert want >= 2 / 18 and first_keys_share(idx) == pytest.approx(want)
+
+
+def test_script_on_a_warmup_config(tmp_path):
+    """A warm-up config (dense KL, as its checkpoints are saved) runs too: the script turns the sparse indexer loss
+    on with sparse attention, which the config rules require; each layer reports its first-k share."""
+    out = tmp_path / "overlap.json"
+    assert main(["--config", "configs/dsa/glm5-tiny-dsa-warmup.yaml", "--sequences", "1", "--blocks", "1,2",
+                 "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["first_k_share"]) == set(record["layers"])
+    assert all(0.0 <= v <= 1.0 for v in record["first_k_share"].values())
