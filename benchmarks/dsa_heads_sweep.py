@@ -15,9 +15,7 @@ with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, o
 pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
 `--key-partition-mib 0,48,96` (`partition_rows`). With --atomics, the backward again by how the key gradients
 reach memory (`kernels.atomics`): `scalar` (Triton's `tl.atomic_add`, the default) and `vector` (16-byte
-reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`). With --rescale-tau, the forward again by when
-its online softmax rescales the output accumulator (`sparse_mla.RESCALE_TAU`; 0 = every key block), e.g.
-`--rescale-tau 0,8` (`rescale_rows`).
+reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`).
 """
 
 from __future__ import annotations
@@ -126,25 +124,7 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
     return rows
 
 
-def rescale_rows(h, s, q, kv, idx, reps, taus):
-    """Forward ms with the output accumulator rescaled only when a row's max grew by more than `tau` (log2)."""
-    rows = []
-    fl = 2 * s * TOPK * h * (C + D)
-    try:
-        for tau in taus:
-            tsm.RESCALE_TAU = tau
-            ms = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
-            rows.append({"heads": h, "S": s, "rescale_tau": tau, "fwd_ms": ms, "fwd_tflops": fl / ms / 1e9})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        tsm.RESCALE_TAU = DEFAULT_TAU
-    return rows
-
-
-DEFAULT_TAU = tsm.RESCALE_TAU
-
-
-def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=(), taus=()):
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -175,7 +155,6 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_na
         print(json.dumps(row), flush=True)
     rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
     rows += atomic_rows(h, s, q, kv, idx, g, reps, atomic_names) if atomic_names else []
-    rows += rescale_rows(h, s, q, kv, idx, reps, taus) if taus else []
     return rows + (partition_rows(h, s, q, kv, idx, g, reps, mibs) if mibs else [])
 
 
@@ -196,8 +175,6 @@ def main():
                     "at most this many MiB of kv + fp32 dkv rows: comma list, 0 = one launch over all keys")
     ap.add_argument("--atomics", default="", help="also time the backward by how key gradients are added: comma "
                     "list of " + ", ".join(ATOMICS))
-    ap.add_argument("--rescale-tau", default="", help="also time the forward with the accumulator rescaled only past "
-                    "this growth of a row's max (log2; 0 = every block): comma list")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = tile_configs(args.configs)
@@ -209,12 +186,6 @@ def main():
         ap.error(f"--key-partition-mib takes numbers (MiB), got {args.key_partition_mib!r}")
     if any(m < 0 for m in mibs):
         ap.error("--key-partition-mib values must be >= 0")
-    try:
-        taus = [float(x) for x in args.rescale_tau.split(",") if x]
-    except ValueError:
-        ap.error(f"--rescale-tau takes numbers (log2 units), got {args.rescale_tau!r}")
-    if any(t < 0 for t in taus):
-        ap.error("--rescale-tau values must be >= 0")
     atomic_names = [a for a in args.atomics.split(",") if a]
     if set(atomic_names) - set(ATOMICS):
         ap.error(f"unknown --atomics {sorted(set(atomic_names) - set(ATOMICS))}; choose from {list(ATOMICS)}")
@@ -227,7 +198,7 @@ def main():
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
-                                 dkv_configs, mibs, atomic_names, taus)
+                                 dkv_configs, mibs, atomic_names)
             torch.cuda.empty_cache()
     save_json(res, args.out)
 

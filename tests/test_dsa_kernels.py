@@ -293,36 +293,6 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
         assert torch.equal(dq3, dq) and torch.equal(dkv3, dkv)
 
 
-@pytest.mark.parametrize("tau", [0.0, 8.0])
-def test_sparse_mla_forward_rescales_lazily(kern, monkeypatch, tau):
-    """The forward's online softmax with the accumulator rescaled only when a row's max grew by more than TAU
-    (RESCALE_TAU, log2 units; 0 = every block) against float64, on scores that climb along the selection: 48 keys
-    in 3 blocks of 16, whose block maxima grow by less than TAU for some rows and by more for others."""
-    sm = kern["sparse_mla"]
-    monkeypatch.setattr(sm, "RESCALE_TAU", tau)
-    monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: (16, 4, 1, 16) if backward else (16, 4, 1))
-    gen = torch.Generator().manual_seed(13)
-    b, s, h, c, r, topk, scale = 1, 60, 3, 24, 8, 48, 0.25
-    q = torch.randn(b, s, h, c + r, generator=gen)
-    kv = torch.randn(b, s, c + r, generator=gen) * 0.3
-    kv[..., 0] = torch.linspace(0, 12, s)  # key j's score grows with j for heads with q[..., 0] > 0
-    q[..., 0] = torch.tensor([0.2, 1.0, 4.0])
-    scores = torch.rand(b, s, s, generator=gen).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), NEG_INF)
-    idx = ref_topk(scores, topk)
-    ref, ref_lse = ref_sparse_mla(q.double(), kv.double(), idx, scale, c, r)
-    # the last token's program with TAU = 8: each block's max (log2 units) against the max of the last rescale;
-    # the climb must make it skip a rescale and take one
-    logits = torch.einsum("bhd,bkd->bhk", q[:, -1].double(), gather_keys(kv.double(), idx)[:, -1])
-    blocks = (logits * scale * 1.4426950408889634).unflatten(-1, (3, 16)).amax(-1)[0]  # [h, 3]
-    m, decisions = blocks[:, 0], []
-    for k in (1, 2):
-        decisions.append(bool((blocks[:, k] - m).max() > 8))
-        m = torch.maximum(m, blocks[:, k]) if decisions[-1] else m
-    assert decisions == [False, True], decisions
-    out, lse = sm.sparse_mla_attention(q, kv, idx.int(), scale, c)
-    assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-6
-
-
 @pytest.mark.parametrize("c", [24, 300])
 def test_output_delta_kernel_matches_float64(kern, c):
     """Delta = rowsum(dO * O) from the kernel against float64: bf16 inputs, rows not a multiple of the kernel's

@@ -76,17 +76,19 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
         assert indexer_seen >= 8  # the indexer really trained through the kernels
 
 
-def test_triton_backend_dense_attention_sparse_kl(interpret, tmp_path):
-    """Dense attention with the selected-keys KL (dsa_indexer_use_sparse_loss=true): the Triton top-k
-    and index-score kernels give the reference backend's indexer loss and gradients (the reference
-    is checked against a float64 KL in tests/test_dsa_model_indexer_loss.py)."""
+@pytest.mark.parametrize("sparse_kl", [True, False], ids=["sparse_kl", "dense_kl_warmup"])
+def test_triton_backend_dense_attention_sparse_kl(interpret, tmp_path, sparse_kl):
+    """Dense attention with the selected-keys KL (dsa_indexer_use_sparse_loss=true), and with the dense KL of the
+    recipe's warm-up (false; the Triton top-k then gives only the recall metric): the Triton backend gives the
+    reference backend's indexer loss and gradients (the reference is checked against a float64 KL in
+    tests/test_dsa_model_indexer_loss.py)."""
     from pretrain.convert import load_hf_model
     from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
 
     hf_checkpoint(tmp_path, 43, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
     ids_all = tokens(43, 2, 18)
     common = dict(mtp_num_layers=None, dsa_sparse_attention=False, dsa_indexer_loss_coeff=0.5,
-                  dsa_indexer_use_sparse_loss=True)
+                  dsa_indexer_use_sparse_loss=sparse_kl)
     runs = [lm_step(load_hf_model(str(tmp_path), **common, dsa_kernel_backend=backend)[1], ids_all[:, :-1],
                     ids_all[:, 1:], scale=1.0) for backend in ("reference", "triton")]
     (_, ref_grads, ref_kl), (_, grads, kl) = runs

@@ -37,7 +37,7 @@ from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradien
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
                 s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_ob, s_ot, s_oh, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
-                BN: tl.constexpr, PREC: tl.constexpr, TAU: tl.constexpr):
+                BN: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BH)
@@ -53,23 +53,13 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
                                                   c, r, C, R, BN)
         s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_blk = tl.max(s, 1)
-        if TAU > 0:  # rescale only when some row's max grew by more than TAU (log2): p stays <= 2^TAU
-            if tl.max(m_blk - m_i, 0) > TAU:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-        else:
-            m_new = tl.maximum(m_i, m_blk)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(k_lat.dtype), k_lat, acc, input_precision=PREC)
+        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     ob = o_ptr + bid * s_ob + t * s_ot
@@ -166,13 +156,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=mr)
 
 
-# The forward's online softmax rescales its output accumulator only when a row's running max grew by more than
-# this many powers of two since the last rescale (0: every key block, the textbook form). Exact either way: P is
-# formed against the stale max, so its values stay below 2^RESCALE_TAU, and out = acc / l, lse = m + log l use
-# the same max. Why: at 64 heads the rescale multiplies a [64, 512] fp32 accumulator every block, ALU work
-# as large as a quarter of the block's MMAs; the running max of a top-k selection settles within a few blocks.
-RESCALE_TAU = 8.0
-
 DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
 
 
@@ -200,8 +183,8 @@ def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
         q, kv, indices, nvalid, out, lse, s, h,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-        C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn, PREC=dot_precision(q), TAU=RESCALE_TAU,
-        num_warps=warps, num_stages=stages)
+        C=c, R=r, BC=pow2(c), BR=pow2(r), BH=pow2(h), BN=bn, PREC=dot_precision(q), num_warps=warps,
+        num_stages=stages)
     return out, lse
 
 
