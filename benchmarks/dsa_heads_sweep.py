@@ -116,8 +116,8 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
             atomics.VECTOR_ATOMICS = ATOMICS[name]
             o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
             ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            rows.append({"heads": h, "S": s, "atomics": name, "mode": atomics.reduction_mode(kv.new_empty(0, dtype=torch.float32), C, D - C),
-                         "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
+            mode = atomics.reduction_mode(kv.new_empty(0, dtype=torch.float32), C, D - C)  # as the backward's dkv
+            rows.append({"heads": h, "S": s, "atomics": name, "mode": mode, "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         atomics.VECTOR_ATOMICS = False

@@ -35,7 +35,8 @@ def signature(fn, constexprs: dict, overrides=()) -> dict:
 
 def reductions(fn, constexprs: dict, warps: int, stages: int, overrides=()) -> dict:
     src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides), constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+    options = dict(num_warps=warps, num_stages=stages)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     return {"vector": len(re.findall(r"red\.global\.add\.v4\.f32", ptx)),
             "scalar": len(re.findall(r"(?:atom|red)\.global\.[a-z.]*add\.f32", ptx))}
 

@@ -52,9 +52,10 @@ def reduction_mode(t: torch.Tensor, *widths: int) -> int:
         return 0
     if interpreting():
         return 1
-    if t.is_cuda and _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0):
-        return 2
-    return 0
+    if not t.is_cuda:
+        return 0
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return 2 if _capability(index) >= (9, 0) else 0
 
 
 @triton.jit

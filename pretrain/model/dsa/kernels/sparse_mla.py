@@ -104,7 +104,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     for j0 in range(j_lo, j_hi, BN):
         j, idx, ok, k_lat, k_rope = gather_block(idx_ptr + bid * s_ib + t * s_it, kv_ptr + bid * s_kb, j0, j_hi,
                                                   s_kt, c, r, C, R, BN)
-        row = idx.to(tl.int64)[:, None]
         s = block_scores(q_lat, q_rope, k_lat, k_rope, PREC)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :] & hm[:, None], p, 0.0)
@@ -122,8 +121,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         # 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only),
         # 5 = dS and P stored per (token, slot) for the separate key-gradient pass (sparse_mla_dkv).
         pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
-        db = dkv_ptr + (bid * T + row) * (C + R)
-        drow = dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R)  # DKV 0: each slot's key row (atomics.add_rows)
+        drow = dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R)  # each slot's key row in dkv
         if DKV == 5:
             sb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[None, :] * s_pj + h[:, None]
             tl.store(sb, dsc, mask=ok[None, :] & hm[:, None])
@@ -141,7 +139,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
             if DKV == 1:
                 tl.store(pb + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :])
             elif DKV == 3:
-                tl.store(db + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :] & (nv < 0))
+                tl.store(drow[:, None] + c0 + cc[None, :], dk_c, mask=ok[:, None] & cm[None, :] & (nv < 0))
             elif DKV == 0:
                 add_rows(drow, c0, dk_c, ok, C, RED)
     ml = hm[:, None] & (c[None, :] < C)
