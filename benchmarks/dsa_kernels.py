@@ -36,12 +36,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
-from pretrain.model.dsa.kernels import atomics  # noqa: E402
+from pretrain.model.dsa.kernels import atomics, indexer_kl  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
 SCALE = 256**-0.5  # MLA: (qk_head_dim 192 + rope 64)^-1/2
 BACKEND = TritonBackend()
+KL_CONFIGS: list = []  # --kl-configs
 
 
 def timed(fn, reps: int, warmup: int = 2):
@@ -90,25 +91,28 @@ def inputs(s: int, gen: torch.Generator):
     return q, kv, qi, ki, w
 
 
-def sparse_kl_triton(qi, ki, w, idx, head_sums):
+def sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse=None):
     """The sparse indexer loss as the DSA layer runs it in backward (`indexer_loss.kl_from_attention_backward`):
-    target = the attention backward's head sums, renormalized; index scores at the selected keys and the KL,
-    with their gradients into (q_I, k_I, w). -> (loss, grads)."""
+    target = the attention backward's head sums, renormalized; the KL over the selected keys with its gradients
+    into (q_I, k_I, w), given the top-k's log sum exp of the selection (`sel_lse`; None: the kernel forms it).
+    -> (loss, grads)."""
     from pretrain.model.dsa.indexer_loss import normalize_heads
 
     p = normalize_heads(head_sums, None)
-    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: p[:, r0:r1], 0)
+    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: p[:, r0:r1], 0, lse=sel_lse)
     loss, grads, _ = plan(qi, ki, w)
     return loss, grads
 
 
 def ours(s, q, kv, qi, ki, w, reps):
-    """The DSA layer's kernels in the layer's order: top-k; sparse attention forward; its backward, which
-    also sums P over heads (the KL's target); the indexer KL and its gradient from those sums."""
+    """The DSA layer's kernels in the layer's order: top-k (with its selection's log sum exp, for the KL); sparse
+    attention forward; its backward, which also sums P over heads (the KL's target); the indexer KL and its
+    gradient from those sums."""
     keys = VisibleKeys(s, s, "cuda")
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    idx = BACKEND.topk(qi, ki, w, TOPK, keys, 0)
-    res = {"topk_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0), reps)}
+    idx, sel_lse = BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
+    res = {"topk_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True), reps),
+           "topk_no_lse_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0), reps)}
     res["attn_fwd_ms"] = timed(lambda: BACKEND.attention_forward(q, kv, idx, SCALE, C, 0), reps)
     out, lse = BACKEND.attention_forward(q, kv, idx, SCALE, C, 0)
 
@@ -119,15 +123,24 @@ def ours(s, q, kv, qi, ki, w, reps):
     res["attn_bwd_no_target_ms"] = timed(attn_bwd, reps)
     head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
     attn_bwd(head_sums)
-    res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums), reps)
+    res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse), reps)
+    res["kl_own_lse_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums), reps)
+    default = indexer_kl.CONFIG
+    try:  # --kl-configs: the KL kernel's (BN, warps, stages, slots as M) swept on the same inputs
+        for config in KL_CONFIGS:
+            indexer_kl.CONFIG = config
+            res.setdefault("kl_ms_by_config", {})["x".join(map(str, config))] = timed(
+                lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse), reps)
+    finally:
+        indexer_kl.CONFIG = default
 
     def whole(backward: bool):
-        ix = BACKEND.topk(qi, ki, w, TOPK, keys, 0)
+        ix, sl = BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
         o, ls = BACKEND.attention_forward(q, kv, ix, SCALE, C, 0)
         if backward:
             hs = torch.zeros(ix.shape, dtype=torch.float32, device="cuda")
             BACKEND.attention_backward(q, kv, ix, ls, g, o, SCALE, C, 0, head_sums=hs)
-            sparse_kl_triton(qi, ki, w, ix, hs)
+            sparse_kl_triton(qi, ki, w, ix, hs, sl)
 
     res["fwd_ms"] = timed(lambda: whole(False), reps)
     res["fwdbwd_ms"] = timed(lambda: whole(True), reps)
@@ -219,8 +232,12 @@ def main(argv=None):
                     help="also run (a) with the key gradients summed by 16-byte vector reductions instead of Triton's "
                          "scalar atomics (kernels.atomics.VECTOR_ATOMICS=True), in the same run (with the options "
                          "above too if given): rows 'dsa_options'")
+    ap.add_argument("--kl-configs", default="",
+                    help="also time the sparse indexer loss's kernel at these (BN x warps x stages x slots-as-M) configs, "
+                         "e.g. 64x4x2x1,128x4x2x0 (kernels.indexer_kl.CONFIG), in the same run: 'kl_ms_by_config'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    KL_CONFIGS[:] = tile_configs(args.kl_configs)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")
     options = args.key_partition_mib is not None or args.indexer_fp8 or args.vector_atomics

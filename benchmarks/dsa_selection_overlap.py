@@ -86,9 +86,10 @@ class TopkRecorder:
             original = cls.topk
 
             def topk(backend, q, k, w, top, keys, *args, _original=original, **kwargs):
-                indices = _original(backend, q, k, w, top, keys, *args, **kwargs)
+                out = _original(backend, q, k, w, top, keys, *args, **kwargs)
+                indices = out[0] if isinstance(out, tuple) else out  # (indices, lse) with_lse
                 self.calls.append(record(q, k, w, top, keys, indices))
-                return indices
+                return out
 
             self.patched.append((cls, original))
             cls.topk = topk

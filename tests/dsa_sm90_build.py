@@ -15,9 +15,9 @@ from triton.compiler import ASTSource
 
 from pretrain.model.dsa.kernels import indexer_kl, sparse_mla, sparse_mla_dkv
 
-F32 = {"lse_ptr", "delta_ptr", "dkv_ptr", "hs_ptr", "w_ptr", "g_ptr", "dq_ptr", "dw_ptr", "dk_ptr"}
+F32 = {"lse_ptr", "delta_ptr", "dkv_ptr", "hs_ptr", "w_ptr", "p_ptr", "stats_ptr", "dq_ptr", "dw_ptr", "dk_ptr"}
 I32 = {"idx_ptr", "nv_ptr"}
-FLOATS = {"sm_scale", "qk_scale", "scale"}
+FLOATS = {"sm_scale", "qk_scale", "scale", "grad_scale"}
 
 
 def signature(fn, constexprs: dict, overrides=()) -> dict:
@@ -51,9 +51,10 @@ def main():
         out[f"sparse_mla_dkv._dkv_kernel RED={red}"] = reductions(
             sparse_mla_dkv._dkv_kernel, dict(C=512, R=64, BH=64, BN=32, DS=128, NSL=4, ROPE=False, PREC="tf32",
                                              PART=False, RED=red), 4, 3, [("dkv_ptr", "*fp32")])
-        out[f"indexer_kl._scores_at_bwd RED={red}"] = reductions(
-            indexer_kl._scores_at_bwd, dict(BH=32, BD=128, BN=64, PREC="tf32", DETERMINISTIC=False, RED=red), 4, 2,
-            [("dq_ptr", "*fp32"), ("part_ptr", "*fp32")])
+        out[f"indexer_kl._sparse_kl_kernel RED={red}"] = reductions(
+            indexer_kl._sparse_kl_kernel, dict(BH=32, BD=128, BN=64, PREC="tf32", KEYS_M=True, HAS_LSE=True,
+                                               DETERMINISTIC=False, RED=red), 4,
+            2, [("dq_ptr", "*bf16"), ("part_ptr", "*fp32")])
     print(json.dumps(out))
 
 

@@ -6,8 +6,8 @@ Every kernel is compared with something it does not compute itself:
 * top-k selection: a naive Python sort implementing the documented rule (ties to the lower key
   index), applied to the kernel's own scores, so the check is exact; and the whole `indexer_topk`
   against the reference `pretrain.model.dsa.indexer.indexer_topk` where no ties straddle the boundary;
-* sparse MLA forward / backward and the indexer-KL pieces: the float64 reference path
-  (`pretrain.model.dsa.sparse_mla`, `pretrain.model.dsa.indexer.index_scores_at`) on the same inputs;
+* sparse MLA forward / backward: the float64 reference path (`pretrain.model.dsa.sparse_mla`) on the same inputs;
+* the fused sparse indexer loss: float64 autograd of the KL over gathered keys (`naive_sparse_kl`);
 * Delta = rowsum(dO * O): float64;
 * the DSA layer with `dsa_kernel_backend=triton` (tests/test_dsa_kernels_backend.py): transformers'
   GlmMoeDsaForCausalLM logits and the reference backend's losses and gradients; the FP8 selection
@@ -25,7 +25,7 @@ import torch
 import triton  # noqa: F401  (the dev extra installs it; the kernels run in its interpreter here)
 
 from pretrain.model.dsa.indexer import (  # noqa: E402
-    VisibleKeys, gather_keys, index_scores_at, indexer_topk, segment_ids_from_cu_seqlens,
+    VisibleKeys, gather_keys, indexer_topk, segment_ids_from_cu_seqlens,
 )
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
 from tests.dsa_references import NEG_INF, ref_topk  # noqa: E402
@@ -348,34 +348,96 @@ def test_gpu_build_adds_key_rows_with_vector_reductions():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kernel in ("sparse_mla._bwd_kernel", "sparse_mla_dkv._dkv_kernel", "indexer_kl._scores_at_bwd"):
+    for kernel in ("sparse_mla._bwd_kernel", "sparse_mla_dkv._dkv_kernel", "indexer_kl._sparse_kl_kernel"):
         vec, scalar = counts[f"{kernel} RED=2"], counts[f"{kernel} RED=0"]
         assert vec["scalar"] == 0 and vec["vector"] > 0, (kernel, vec)
         assert scalar["vector"] == 0 and scalar["scalar"] == 4 * vec["vector"], (kernel, scalar)
 
 
-def test_indexer_kl_kernels_match_reference(kern, monkeypatch):
+def naive_selected_scores(q, k, w, idx):
+    """Index scores at the selected keys, gathered: [b, s, K], -inf on empty slots."""
+    b, _, _, d = q.shape
+    keys = k[torch.arange(b)[:, None, None], idx.clamp(min=0)]  # [b, s, K, d]
+    z = torch.einsum("bshd,bskd->bshk", q, keys)
+    return (z.relu() * w[..., None]).sum(2).mul(d**-0.5).masked_fill(idx < 0, NEG_INF)
+
+
+def selected_lse(q, k, w, idx):
+    """log sum exp over each row's selected keys' scores, 0 for a row without keys."""
+    out = torch.logsumexp(naive_selected_scores(q, k, w, idx), -1)
+    return torch.where(torch.isinf(out), 0.0, out)
+
+
+def naive_sparse_kl(q, k, w, idx, p):
+    """float64 autograd: mean over tokens of sum_j p log p - p log softmax(I)_j at the selected keys."""
+    valid = idx >= 0
+    scores = naive_selected_scores(q, k, w, idx)
+    kl = torch.where(valid, torch.xlogy(p, p) - p * torch.log_softmax(scores, -1), 0.0)
+    return kl.sum() / (q.shape[0] * q.shape[1])
+
+
+@pytest.mark.parametrize("mode", ["causal", "segments", "cp"])
+def test_topk_lse_of_the_selection(kern, mode):
+    """`indexer_topk`'s lse: log sum exp of the index scores at the keys it selected, against float64 (rows with
+    fewer visible keys than k, documents, keys gathered over context parallelism; rows in two buffer blocks)."""
+    kt = kern["indexer_topk"]
+    gen = torch.Generator().manual_seed(6)
+    b, s, hi, d = 2, 20 if mode == "cp" else 37, 3, 16
+    t = 2 * s if mode == "cp" else s
+    q, k, w = torch.randn(b, s, hi, d, generator=gen), torch.randn(b, t, d, generator=gen), torch.rand(b, s, hi, generator=gen)
+    keys, _ = visibility(mode, b, s, t)
+    lo, hi_ = kt.visible_ranges(*keys.ranges())
+    lse = torch.full((b, s), float("nan"))
+    idx = kt.indexer_topk(q, k, w, 7, lo, hi_, buffer_bytes=4 * t * b * 16, lse=lse)
+    want = selected_lse(q.double(), k.double(), w.double(), idx.long())
+    assert bool((idx < 0).any()) and rel(lse, want) < 1e-6
+    with pytest.raises(ValueError, match="lse"):
+        kt.indexer_topk(q, k, w, 7, lo, hi_, lse=lse, k_scale=torch.ones(b, t))
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["own_lse", "given_lse"])
+@pytest.mark.parametrize("case", ["atomic", "deterministic", "vector", "row_blocks", "cp_keys", "heads_m"])
+def test_sparse_kl_kernel_matches_float64(kern, monkeypatch, case, lse):
+    """The fused sparse indexer loss: loss, target mass and the gradients of q_I, k_I and w against float64
+    autograd; empty slots, rows with no key (padding), an unnormalized target row (the P factor), the target asked
+    for in row blocks, key rows added four columns at a time, the deterministic reduction, more keys than
+    queries (the keys gathered over context parallelism), heads as the products' M; with lse formed by the kernel
+    or given (float64, as the top-k's would be)."""
     from pretrain.model.dsa.kernels import atomics as kern_atomics
 
+    monkeypatch.setattr(kern_atomics, "VECTOR_ATOMICS", case == "vector")
     kl = kern["indexer_kl"]
+    if case == "heads_m":
+        monkeypatch.setattr(kl, "CONFIG", kl.CONFIG[:3] + (0,))
     gen = torch.Generator().manual_seed(4)
-    b, s, hi, d = 2, 29, 3, 16
-    q, k, w = torch.randn(b, s, hi, d, generator=gen), torch.randn(b, s, d, generator=gen), torch.randn(b, s, hi, generator=gen)
-    _, _, idx = sparse_case(5, b=b, s=s, topk=9)
-    r0, r1 = 4, 23
-    for det, vector in ((False, False), (True, False), (False, True)):
-        monkeypatch.setattr(kern_atomics, "VECTOR_ATOMICS", vector)  # rows four columns at a time, as on the GPU
-        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
-        got = kl.index_scores_at(*leaves, idx.int(), r0, r1, det)
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, w)]
-        rq, rk, rw = ref_leaves
-        ref = index_scores_at(rq[:, r0:r1], gather_keys(rk, idx[:, r0:r1]), rw[:, r0:r1])
-        ref = ref.masked_fill(idx[:, r0:r1] < 0, NEG_INF)
-        valid = idx[:, r0:r1] >= 0
-        assert torch.equal(torch.isinf(got), ~valid)
-        assert rel(got[valid], ref[valid]) < 1e-6
-        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(2)).masked_fill(~valid, 0)
-        grads = torch.autograd.grad(got, leaves, g)
-        ref_grads = torch.autograd.grad(ref.masked_fill(~valid, 0), ref_leaves, g.double())
-        for a, e in zip(grads, ref_grads):
-            assert e.abs().max() > 0 and rel(a, e) < 1e-5
+    b, s, hi, d, topk = 2, 29, 3, 16, 9
+    t = s + 6 if case == "cp_keys" else s
+    q, k = torch.randn(b, s, hi, d, generator=gen), torch.randn(b, t, d, generator=gen)
+    w = torch.randn(b, s, hi, generator=gen)
+    scores = torch.rand(b, s, t, generator=gen).masked_fill(~torch.ones(s, t, dtype=torch.bool).tril(t - s), NEG_INF)
+    idx = ref_topk(scores, topk)
+    idx[1, 5] = -1  # a token with no key
+    valid = idx >= 0
+    p = torch.rand(b, s, topk, generator=gen).masked_fill(~valid, 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+    p[0, 20] *= 0.7
+    calls = []
+
+    def target(r0, r1, rows_idx):
+        calls.append((r0, r1))
+        assert torch.equal(rows_idx, idx[:, r0:r1].int())
+        return p[:, r0:r1]
+
+    rows = 8 if case == "row_blocks" else None
+    given = selected_lse(q.double(), k.double(), w.double(), idx).float() if lse else None
+    loss, (dq, dk, dw), psum = kl.sparse_kl(q, k, w, idx.int(), target, rows, deterministic=case == "deterministic",
+                                            lse=given)
+    assert calls == ([(0, 8), (8, 16), (16, 24), (24, 29)] if rows else [(0, s)])
+    leaves = [x.double().requires_grad_() for x in (q, k, w)]
+    ref = naive_sparse_kl(*leaves, idx, p.double())
+    ref_grads = torch.autograd.grad(ref, leaves)
+    assert ref.item() > 1e-2 and abs(loss.item() - ref.item()) < 1e-6 * ref.item()
+    assert abs(psum.item() - p.double().sum().item() / (b * s)) < 1e-6
+    for name, got, want in zip("qkw", (dq, dk, dw), ref_grads):
+        assert got.dtype == torch.float32 and want.abs().max() > 0 and rel(got, want) < 1e-5, name
+    assert dq[1, 5].abs().max() == 0 and dw[1, 5].abs().max() == 0

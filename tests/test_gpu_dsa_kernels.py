@@ -217,31 +217,46 @@ def test_add_rows_vector_reductions_on_gpu(monkeypatch, mode):
     assert _relmax(got, want) < 1e-6
 
 
-def test_indexer_kl_kernels_on_gpu():
-    from pretrain.model.dsa.indexer import gather_keys, index_scores_at
+@pytest.mark.parametrize("keys_m", [1, 0], ids=["slots_m", "heads_m"])
+@pytest.mark.parametrize("heads", [32, 16])
+def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
+    """The fused sparse indexer loss (bf16 q_I / k_I, GLM-5's 32 x 128 indexer and the proxy's 16), its selection and
+    lse from the top-k kernel, against float64: lse, and the loss and gradients of autograd of the KL over the
+    gathered keys; with and without the given lse, atomic and deterministic (bitwise repeatable)."""
+    from pretrain.model.dsa.indexer import VisibleKeys
     from pretrain.model.dsa.kernels import indexer_kl as kk
+    from pretrain.model.dsa.kernels import indexer_topk as kt
 
+    monkeypatch.setattr(kk, "CONFIG", kk.CONFIG[:3] + (keys_m,))
     s, topk = 1500, 512
-    q, kv, idx = _sparse_inputs(s, 64, topk, 7)
     gen = torch.Generator(device="cuda").manual_seed(8)
-    qi = torch.randn(1, s, 32, 128, device="cuda", generator=gen).bfloat16()
+    qi = torch.randn(1, s, heads, 128, device="cuda", generator=gen).bfloat16()
     ki = torch.randn(1, s, 128, device="cuda", generator=gen).bfloat16()
-    w = torch.randn(1, s, 32, device="cuda", generator=gen) * 32**-0.5
-    r0, r1 = 300, 1400
-    valid = idx[:, r0:r1] >= 0
-    for det in (False, True):
-        leaves = [t.clone().requires_grad_() for t in (qi, ki, w)]
+    w = torch.randn(1, s, heads, device="cuda", generator=gen) * heads**-0.5
+    sel_lse = torch.empty(1, s, device="cuda")
+    idx = kt.indexer_topk(qi, ki, w, topk, *VisibleKeys(s, s, "cuda").ranges(), lse=sel_lse)
+    valid = idx >= 0
+    p = torch.rand(idx.shape, device="cuda", generator=gen).masked_fill(~valid, 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    leaves = [t.double().requires_grad_() for t in (qi, ki, w)]
+    q64, k64, w64 = leaves
+    keys = k64[0][idx.clamp(min=0).long()]  # [1, s, K, d]
+    z = torch.einsum("bshd,bskd->bshk", q64, keys)
+    scores = (z.relu() * w64[..., None]).sum(2).mul(128**-0.5).masked_fill(~valid, float("-inf"))
+    assert _relmax(sel_lse, torch.logsumexp(scores, -1).detach()) < 1e-5
+    ref = torch.where(valid, torch.xlogy(p, p) - p * torch.log_softmax(scores, -1), 0.0).sum() / s
+    ref_grads = torch.autograd.grad(ref, leaves)
+    runs = {}
+    for det, given in ((False, True), (False, False), (True, True), (True, True)):
         _poison()
-        got = kk.index_scores_at(*leaves, idx, r0, r1, det)
-        ref_leaves = [t.float().requires_grad_() for t in (qi, ki, w)]
-        ref = index_scores_at(ref_leaves[0][:, r0:r1], gather_keys(ref_leaves[1], idx[:, r0:r1].long()),
-                              ref_leaves[2][:, r0:r1])
-        assert _relmax(got[valid], ref[valid]) < 1e-2
-        gout = torch.randn(got.shape, device="cuda").masked_fill(~valid, 0)
-        grads = torch.autograd.grad(got, leaves, gout)
-        ref_grads = torch.autograd.grad(ref.masked_fill(~valid, 0), ref_leaves, gout)
+        loss, grads, psum = kk.sparse_kl(qi, ki, w, idx, lambda r0, r1, _i: p[:, r0:r1], 700, det,
+                                         sel_lse if given else None)
+        assert abs(loss.item() - ref.item()) < 1e-3 * ref.item() and abs(psum.item() - 1.0) < 1e-5
         for a, e in zip(grads, ref_grads):
             assert not a.isnan().any() and _relmax(a, e) < 2e-2
+        if det and det in runs:
+            assert all(torch.equal(a, b) for a, b in zip(grads, runs[det]))
+        runs[det] = grads
 
 
 def test_packed_indices_round_trip_on_gpu():

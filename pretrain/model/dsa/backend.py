@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pretrain.model.dsa.indexer import VisibleKeys, default_chunk, indexer_topk
+from pretrain.model.dsa.indexer import VisibleKeys, indexer_topk
 from pretrain.model.dsa.indexer_fp8 import selection_inputs
 from pretrain.model.dsa.indexer_loss import apply_kl, sparse_kl_plan
 from pretrain.model.dsa.kernels import interpreting, triton_available
@@ -47,12 +47,15 @@ class ReferenceBackend:
     def __init__(self, indexer_fp8: bool = False):
         self.indexer_fp8 = bool(indexer_fp8)
 
-    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
-        """q_I [b, s, H_I, d_I], k_I [b, T, d_I], w [b, s, H_I] -> indices [b, s, min(topk, T)], -1 padded."""
+    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int, with_lse: bool = False):
+        """q_I [b, s, H_I, d_I], k_I [b, T, d_I], w [b, s, H_I] -> indices [b, s, min(topk, T)], -1 padded;
+        `with_lse`: (indices, lse) with lse for `sparse_kl_plan` (the reference's KL forms its own: None)."""
         if self.indexer_fp8:
             q8, k8, w8, k_scale = selection_inputs(q, k, w)
-            return indexer_topk(q8, k8, w8, topk, keys, chunk, k_scale)
-        return indexer_topk(q, k, w, topk, keys, chunk)
+            indices = indexer_topk(q8, k8, w8, topk, keys, chunk, k_scale)
+        else:
+            indices = indexer_topk(q, k, w, topk, keys, chunk)
+        return (indices, None) if with_lse else indices
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """q_abs [b, s, h, D], kv [b, T, D] -> (out [b, s, h, v_dim], lse [b, s, h] fp32)."""
@@ -69,15 +72,17 @@ class ReferenceBackend:
         delta = output_delta(grad_out, out, chunk)
         return sparse_mla_backward(q_abs, kv, indices, lse, delta, grad_out, scale, v_dim, chunk, head_sums)
 
-    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None) -> Callable:
+    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
+                       lse=None) -> Callable:
         """`indexer_loss.sparse_kl_plan` with `chunk` query rows per block (at most `max_rows`: what the
-        target's own blocks allow)."""
+        target's own blocks allow); `lse`: what `topk(with_lse=True)` gave (None here)."""
         return sparse_kl_plan(indices, target, chunk if max_rows is None else min(chunk, max_rows))
 
-    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
+                  lse=None):
         """(mean sparse KL, recall) of that plan, its gradient formed in forward; `params`: see
         `indexer_loss.apply_kl`."""
-        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows), params)
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params)
 
 
 class TritonBackend:
@@ -94,16 +99,21 @@ class TritonBackend:
         self.key_partition_bytes = key_partition_bytes
         self.indexer_fp8 = bool(indexer_fp8)
 
-    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int) -> torch.Tensor:
+    def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int, with_lse: bool = False):
         """As the reference (int32 indices); the kernel bounds its own score buffer, `chunk` is unused.
         `keys.ranges()` never move backwards (built so, or checked), so the kernel skips its check's host sync.
-        With `indexer_fp8` the score kernel multiplies e4m3 q_I and k_I on FP8 tensor cores."""
+        With `indexer_fp8` the score kernel multiplies e4m3 q_I and k_I on FP8 tensor cores. `with_lse`: also each
+        row's log sum exp over its selected keys' index scores ([b, s] fp32, 4 bytes a token), which spares the
+        sparse KL's kernel a walk over the selection; None with FP8 selection, whose scores are not the KL's."""
         from pretrain.model.dsa.kernels.indexer_topk import indexer_topk as kernel
 
         if self.indexer_fp8:
             q8, k8, w8, k_scale = selection_inputs(q, k, w)
-            return kernel(q8, k8, w8, topk, *keys.ranges(), check_ranges=False, k_scale=k_scale)
-        return kernel(q, k, w, topk, *keys.ranges(), check_ranges=False)
+            indices = kernel(q8, k8, w8, topk, *keys.ranges(), check_ranges=False, k_scale=k_scale)
+            return (indices, None) if with_lse else indices
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse else None
+        indices = kernel(q, k, w, topk, *keys.ranges(), check_ranges=False, lse=lse)
+        return (indices, lse) if with_lse else indices
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """As the reference; one program per query token, `chunk` is unused."""
@@ -128,23 +138,20 @@ class TritonBackend:
         return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic,
                       head_sums, key_partition_bytes=self.key_partition_bytes)
 
-    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None) -> Callable:
-        """As the reference, with the index scores at the selected keys from a kernel (no gathered
-        [rows, K, d_I] block, so rows per block follow K alone)."""
-        from pretrain.model.dsa.kernels.indexer_kl import index_scores_at
+    def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
+                       lse=None) -> Callable:
+        """As the reference, in one kernel per block of query rows (`kernels.indexer_kl.sparse_kl`: no [rows, K]
+        tensor besides the target, which it asks for `max_rows` rows at a time, all at once if None); `lse` from
+        `topk(with_lse=True)` spares it a walk over the selection."""
+        from pretrain.model.dsa.kernels.indexer_kl import sparse_kl as kernel
 
         deterministic = self.deterministic
+        return lambda q, k, w: kernel(q, k, w, indices, target, max_rows, deterministic, lse)
 
-        def scores_at(qc, kc, wc, idx):
-            return index_scores_at(qc, kc, wc.float(), idx, 0, qc.shape[1], deterministic)
-
-        rows = default_chunk(8 * indices.shape[-1])
-        rows = rows if max_rows is None else min(rows, max_rows)
-        return sparse_kl_plan(indices, target, rows, scores_at=scores_at)
-
-    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=()):
+    def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
+                  lse=None):
         """As the reference's."""
-        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows), params)
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params)
 
 
 _WARNED_NO_TRITON = False

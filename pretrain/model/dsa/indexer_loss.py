@@ -30,7 +30,7 @@ Top-k recall, the share of p[t, :] on t's selected keys, is measured in dense mo
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -204,8 +204,8 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
 @dataclasses.dataclass
 class DeferredKL:
     """What `kl_from_attention_backward` needs in backward: `project(x, qr)` -> (q_I, k_I, w) attached to
-    the indexer's weights, `plan(indices, target)` -> a plan for `apply_kl`, the loss coefficient, the
-    layer's metrics slot and the TP group whose heads the target sums."""
+    the indexer's weights, `plan(indices, target, lse)` -> a plan for `apply_kl` (lse: the selection's, or None),
+    the loss coefficient, the layer's metrics slot and the TP group whose heads the target sums."""
 
     project: Callable
     plan: Callable
@@ -216,9 +216,9 @@ class DeferredKL:
 
 class _KLFromAttentionBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: DeferredKL, x, qr, indices, *params):
+    def forward(ctx, spec: DeferredKL, x, qr, indices, lse, *params):
         ctx.spec, ctx.params = spec, params
-        ctx.save_for_backward(x, qr, indices)
+        ctx.save_for_backward(x, qr, indices, lse)
         # stride 0: the channel costs 4 bytes; its gradient (the head sums) is a full [b, s, K] tensor
         return torch.zeros(1, dtype=torch.float32, device=indices.device).expand(indices.shape)
 
@@ -226,22 +226,23 @@ class _KLFromAttentionBackward(torch.autograd.Function):
     def backward(ctx, head_sums):
         if head_sums is None:
             raise RuntimeError("the sparse indexer loss got no target: pass its channel to sparse_mla_core")
-        x, qr, indices = ctx.saved_tensors
+        x, qr, indices, lse = ctx.saved_tensors
         indices = unpack_indices(indices)
         spec = ctx.spec
         p = normalize_heads(head_sums.float().contiguous(), spec.tp_group, in_place=True)  # ours alone
         with torch.enable_grad():
             through = spec.project(x, qr)
-        loss, grads, _ = spec.plan(indices, lambda r0, r1, _idx: p[:, r0:r1])(*(t.detach() for t in through))
+        loss, grads, _ = spec.plan(indices, lambda r0, r1, _idx: p[:, r0:r1], lse)(*(t.detach() for t in through))
         scale = IndexerLossAutoScaler.main_loss_backward_scale
         scale = spec.coeff * (1.0 if scale is None else scale)
         DSAMetrics.record("indexer_loss", spec.layer, loss)
         del p
-        return (None, None, None, None, *grads_through(through, ctx.params, tuple(g.mul_(scale) for g in grads)))
+        return (None, None, None, None, None,
+                *grads_through(through, ctx.params, tuple(g.mul_(scale) for g in grads)))
 
 
 def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tensor, indices: torch.Tensor,
-                               params) -> torch.Tensor:
+                               params, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The joint stage's sparse KL (sparse attention, `dsa_indexer_use_sparse_loss`), formed in backward.
 
     Its target p = sum_h P_h / sum is what the sparse attention's backward forms anyway (P = exp(s - lse)
@@ -251,13 +252,14 @@ def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tens
     hands the head sums back as the channel's gradient; autograd runs this function's backward after
     it: the KL, its gradient into (q_I, k_I, w) and on through the indexer's projection, recomputed from
     its detached inputs x and qr (tensors the layer keeps anyway), into the indexer's weights `params`.
-    `indices` may be packed (`indexer.pack_indices`). The gradient is that of coeff * L_I scaled as
+    `indices` may be packed (`indexer.pack_indices`); `lse`: the selection's log sum exp per token (the Triton
+    top-k's `with_lse`), kept for the plan (4 bytes a token). The gradient is that of coeff * L_I scaled as
     `IndexerLossAutoScaler` scales it; the loss is recorded for logging (`DSAMetrics`) when backward
     forms it. Same loss and gradient as `indexer_kl_sparse` with `sparse_target`, up to rounding."""
     params = tuple(params)
     if not params:
         raise ValueError("kl_from_attention_backward needs the indexer's trained weights")
-    return _KLFromAttentionBackward.apply(spec, x.detach(), qr.detach(), indices, *params)
+    return _KLFromAttentionBackward.apply(spec, x.detach(), qr.detach(), indices, lse, *params)
 
 
 class DSAMetrics:

@@ -217,15 +217,17 @@ class DSACoreAttention(SDPACoreAttention):
             channel = None
             if self.indexer is not None:
                 with torch.no_grad():  # the indexer loss recomputes the projection in backward
-                    indices = backend.topk(*self._index_inputs(x, qr, rope), cfg.dsa_indexer_topk, keys, chunk)
+                    indices, lse = backend.topk(*self._index_inputs(x, qr, rope), cfg.dsa_indexer_topk, keys, chunk,
+                                                with_lse=True)
                 kept = pack_indices(indices, t)  # what backward keeps: one storage for every function here
                 # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
                 self.last_indices = (indices, kept) if self.shared_by_others else None
                 if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
                     spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope),
-                                      plan=lambda idx, target: backend.sparse_kl_plan(idx, target, sparse_chunk),
+                                      plan=lambda idx, target, lse_: backend.sparse_kl_plan(idx, target, sparse_chunk,
+                                                                                            lse=lse_),
                                       coeff=coeff, layer=self.layer_number, tp_group=self.tp_group)
-                    channel = kl_from_attention_backward(spec, x, qr, kept, self._indexer_weights())
+                    channel = kl_from_attention_backward(spec, x, qr, kept, self._indexer_weights(), lse)
             else:
                 indices, kept = self._shared_indices(b, s)
             out, _ = sparse_mla_core(q_nope, q_pe, latent, k_pe, kv_up_weight, indices, backend, self.softmax_scale,
@@ -245,10 +247,11 @@ class DSACoreAttention(SDPACoreAttention):
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
                 backend = self._backend(q_nope.device)
-                indices = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk)
+                with torch.no_grad():
+                    indices, lse = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk, with_lse=True)
                 target = dense_target_selected(query, key, self.softmax_scale, keys, self.tp_group)
                 loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, max_rows=chunk,
-                                            params=self._indexer_weights())
+                                            params=self._indexer_weights(), lse=lse)
             else:
                 target = dense_target(query, key, self.softmax_scale, self.tp_group)
                 loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk,

@@ -2,7 +2,7 @@
 
 - `indexer_topk`: lightning-indexer scores and exact top-k selection, no [S, S] matrix;
 - `sparse_mla`: sparse MLA attention in absorbed form, forward and backward;
-- `indexer_kl`: the sparse indexer loss's attention target and index scores at the selected keys;
+- `indexer_kl`: the sparse indexer loss (KL at the selected keys) and its gradient, in one kernel;
 - `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;
 - `common`: launch parameters and the tile loads the kernels share.
 

@@ -15,6 +15,8 @@ Two kernels per block of query rows, never an [S, S] matrix:
    selection on the scores' order-preserving 32-bit keys (4 histogram passes of 8 bits; after the
    first two, the few keys still in play are usually copied out and the rest read only them), then
    writes the selected key indices in ascending order.
+3. (asked for by the sparse indexer loss) `_selected_lse_kernel`: each row's log sum exp over its selected keys'
+   scores, read back from the buffer, so that the loss's kernel (`indexer_kl`) need not form it again.
 
 Tie rule (the reference `pretrain.model.dsa.indexer.select_topk` follows it too): every key
 scoring above the K-th largest value is selected, and among keys equal to it the lowest key
@@ -23,6 +25,8 @@ list all of them and pad with -1. The result is deterministic.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -248,6 +252,27 @@ def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: t
     return out
 
 
+@triton.jit
+def _selected_lse_kernel(s_ptr, idx_ptr, lse_ptr, r0, S, K, s_sb, s_sr, s_ib, s_it, BLOCK: tl.constexpr):
+    # lse[t] = log sum_j exp(I[t, S_t[j]]) over row t's selection (0 where it has no key), read back from the row's
+    # scores while they are still in the buffer: the sparse indexer loss's normalizer, 4 bytes per token
+    row = tl.program_id(0).to(tl.int64)
+    bid = tl.program_id(1).to(tl.int64)
+    src = s_ptr + bid * s_sb + row * s_sr
+    idx_row = idx_ptr + bid * s_ib + (r0 + row) * s_it
+    m = tl.full([], float("-inf"), tl.float32)
+    lsum = tl.zeros([], tl.float32)
+    for j0 in range(0, K, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        idx = tl.load(idx_row + j, mask=j < K, other=-1)
+        v = tl.load(src + idx, mask=idx >= 0, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(v, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        lsum = lsum * tl.exp(m - m_use) + tl.sum(tl.where(idx >= 0, tl.exp(v - m_use), 0.0), 0)
+        m = m_new
+    tl.store(lse_ptr + bid * S + r0 + row, tl.where(lsum > 0, m + tl.log(tl.where(lsum > 0, lsum, 1.0)), 0.0))
+
+
 def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
     """lo / hi as the kernels take them; `check` that they never move backwards (a host sync: callers
     whose ranges are non-decreasing by construction, as `VisibleKeys.ranges`, skip it)."""
@@ -260,15 +285,19 @@ def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, lo: torch.Tensor, hi: torch.Tensor,
                  buffer_bytes: int = 1 << 30, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
-                 check_ranges: bool = True, k_scale=None) -> torch.Tensor:
+                 check_ranges: bool = True, k_scale=None, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [b, s, H_I, d], k [b, T, d], w [b, s, H_I] (fp32), lo / hi [b | 1, s] (visible keys [lo, hi)) ->
     indices [b, s, min(topk, T)] int32, ascending per row, -1 padded. `check_ranges`: see `visible_ranges`.
     FP8 selection (`pretrain.model.dsa.indexer_fp8`): q, k float8_e4m3fn, w with the query scales folded in,
-    `k_scale` [b, T] fp32 the key scales."""
+    `k_scale` [b, T] fp32 the key scales. `lse` (not with FP8 scores): a contiguous [b, s] fp32 tensor that receives
+    each row's log sum exp of its selected keys' scores (`indexer_kl.sparse_kl`'s `lse`)."""
     b, s, h, d = q.shape
     t = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("indexer_topk needs the head dim contiguous in q and k")
+    if lse is not None and (k_scale is not None or lse.shape != (b, s) or lse.dtype != torch.float32
+                            or not lse.is_contiguous()):
+        raise ValueError("indexer_topk's lse takes a contiguous fp32 [b, s] tensor, and no FP8 scores")
     w = w.float()
     lo, hi = visible_ranges(lo, hi, check_ranges)
     out = torch.empty(b, s, min(int(topk), t), dtype=torch.int32, device=q.device)
@@ -278,4 +307,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, l
         n = min(rows, s - r0)
         index_score_rows(q, k, w, lo, hi, r0, n, buf, block_m, block_n, num_warps, k_scale)
         select_rows(buf, lo, hi, r0, n, topk, out)
+        if lse is not None:
+            _selected_lse_kernel[(n, b)](buf, out, lse, r0, s, out.shape[-1], buf.stride(0), buf.stride(1),
+                                         out.stride(0), out.stride(1), BLOCK=256)
     return out
