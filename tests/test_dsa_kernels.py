@@ -171,10 +171,14 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, ~bits & 0xFFFFFFFF, bits + 2**31)
 
 
-def test_radix_select_compaction_both_ways(kern, monkeypatch):
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     """Rows whose candidates after two radix passes fit the capacity are finished on a compacted copy, the
-    others on the full row; both give the naive top-k (the tie rule included)."""
+    others on the full row; both give the naive top-k (the tie rule included); blocks of 64 (several per row and per
+    candidate list), each loaded one iteration ahead or not."""
     ktop = kern["indexer_topk"]
+    monkeypatch.setattr(ktop, "SELECT_PREFETCH", prefetch)
+    monkeypatch.setattr(ktop, "SELECT_BLOCK", 64)
     gen = torch.Generator().manual_seed(11)
     n, t, topk = 24, 300, 20
     rows = torch.randn(n, t, generator=gen)

@@ -90,13 +90,24 @@ def _order_key(x):
 
 
 @triton.jit
-def _digit_histogram(src, n, prefix, shift, BLOCK: tl.constexpr):
+def _block(src, j, n, x, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """(block j of src[0:n], what the loop carries): with PREFETCH the block was loaded one iteration ahead (x) and
+    the next one is issued now, so its load is in flight while this block is worked on; else loaded here."""
+    if PREFETCH:
+        return x, tl.load(src + j + BLOCK, mask=j + BLOCK < n, other=0.0)
+    return tl.load(src + j, mask=j < n, other=0.0), x
+
+
+@triton.jit
+def _digit_histogram(src, n, prefix, shift, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """Histogram of the 8-bit digit at `shift` over the keys of src[0:n] whose higher digits equal prefix's."""
     offs = tl.arange(0, BLOCK)
     hist = tl.zeros((256,), tl.int32)
+    x = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
     for j0 in range(0, n, BLOCK):
         j = j0 + offs
-        key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
+        cur, x = _block(src, j, n, x, BLOCK, PREFETCH)
+        key = _order_key(cur)
         match = (key >> (shift + 8)) == (prefix >> (shift + 8))
         hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=(j < n) & match)
     return hist
@@ -116,15 +127,18 @@ def _pick_digit(hist, prefix, k_rem, shift):
 
 
 @triton.jit
-def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
+def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """prefix is the K-th largest key: write every larger key's index and the first k_rem equal ones,
     ascending. Indices are lo + position, or idx_src[position] (compacted candidates)."""
     offs = tl.arange(0, BLOCK)
     ties = k_rem * 0
     written = k_rem * 0
+    x = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
     for j0 in range(0, n, BLOCK):
         j = j0 + offs
-        key = _order_key(tl.load(src + j, mask=j < n, other=0.0))
+        cur, x = _block(src, j, n, x, BLOCK, PREFETCH)
+        key = _order_key(cur)
         inside = j < n
         gt = inside & (key > prefix)
         eq = inside & (key == prefix)
@@ -141,7 +155,7 @@ def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr
 
 @triton.jit
 def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
-                         s_cb, s_cr, CAP, BLOCK: tl.constexpr):
+                         s_cb, s_cr, CAP, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     lo = tl.load(lo_ptr + bid * s_lb + r0 + row)
@@ -158,8 +172,8 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, 
         # Radix selection of the K-th largest key, 8 bits per pass from the top: two passes over the row.
         prefix = (lo * 0).to(tl.int64)
         k_rem = K
-        prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 24, BLOCK), prefix, k_rem, 24)
-        prefix, k_rem, bucket = _pick_digit(_digit_histogram(src, n, prefix, 16, BLOCK), prefix, k_rem, 16)
+        prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 24, BLOCK, PREFETCH), prefix, k_rem, 24)
+        prefix, k_rem, bucket = _pick_digit(_digit_histogram(src, n, prefix, 16, BLOCK, PREFETCH), prefix, k_rem, 16)
         # The keys whose top 16 bits reach the K-th largest's are K - k_rem larger ones plus its bucket; if
         # they fit in CAP, one more pass copies them (ascending) and the last passes read only them.
         n_cand = K - k_rem + bucket
@@ -167,21 +181,22 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, 
             cv = cv_ptr + bid * s_cb + row * s_cr
             ci = ci_ptr + bid * s_cb + row * s_cr
             count = k_rem * 0
+            nxt = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
             for j0 in range(0, n, BLOCK):
                 j = j0 + offs
-                x = tl.load(src + j, mask=j < n, other=0.0)
+                x, nxt = _block(src, j, n, nxt, BLOCK, PREFETCH)
                 keep = (j < n) & ((_order_key(x) >> 16) >= (prefix >> 16))
                 pos = tl.cumsum(keep.to(tl.int32), 0) - 1 + count
                 tl.store(cv + pos, x, mask=keep)
                 tl.store(ci + pos, (lo + j).to(tl.int32), mask=keep)
                 count += tl.sum(keep.to(tl.int32), 0)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK), prefix, k_rem, 0)
-            _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
+            _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True, PREFETCH)
         else:
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 8, BLOCK), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 0, BLOCK), prefix, k_rem, 0)
-            _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
+            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
+            _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False, PREFETCH)
 
 
 # (BM tokens, BN keys, num_warps, num_stages, keys as the MMA's M) of the score kernel; BM 0: 128 // heads.
@@ -218,6 +233,7 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
 
 
 SELECT_BLOCK, SELECT_WARPS = 512, 4  # H200 sweep
+SELECT_PREFETCH = True  # each pass loads its next block while it works on this one (`_block`)
 SELECT_CAPACITY = 2  # candidates kept per row after two radix passes, in multiples of K (see select_rows)
 SELECT_SCRATCH_BYTES = 64 << 20  # the candidates' scratch; rows beyond it are selected in further launches
 
@@ -248,7 +264,7 @@ def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: t
         _radix_select_kernel[(min(per, n - q0), b)](
             sc, lo, hi, out, cv, ci, r0 + q0, k, sc.stride(0), sc.stride(1),
             0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), cv.stride(0), cv.stride(1), cap,
-            BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+            BLOCK=SELECT_BLOCK, PREFETCH=bool(SELECT_PREFETCH), num_warps=SELECT_WARPS)
     return out
 
 
