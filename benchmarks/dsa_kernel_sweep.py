@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.dsa_kernels import C, D, H, SCALE, TOPK, inputs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import radix_select as tsel  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
@@ -66,7 +67,7 @@ def check_topk(s, topk, gen):
     ttopk.index_score_rows(qi, ki, w, lo, hi, 0, s, buf)
     out["scores_rel"] = rel(buf[vis], ref[vis])
     idx = torch.full((1, s, min(topk, s)), -7, device="cuda", dtype=torch.int32)
-    ttopk.select_rows(buf, lo, hi, 0, s, topk, idx)
+    tsel.select_rows(buf, lo, hi, 0, s, topk, idx)
     own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
     out["select_exact"] = bool(torch.equal(idx.long(), own))
     out["select_mismatch_rows"] = int((idx.long() != own).any(-1).sum())
@@ -192,15 +193,15 @@ def main():
         print("scores", row, flush=True)
     res["select"] = []
     for block, warps in [(512, 4), (1024, 4), (2048, 4)]:
-        ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = block, warps
+        tsel.SELECT_BLOCK, tsel.SELECT_WARPS = block, warps
         row = {"BLOCK": block, "warps": warps}
         try:
-            row["select_ms"] = timed(lambda: ttopk.select_rows(buf, lo32, hi32, 0, s, TOPK, out), 3)
+            row["select_ms"] = timed(lambda: tsel.select_rows(buf, lo32, hi32, 0, s, TOPK, out), 3)
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         res["select"].append(row)
         print("select", row, flush=True)
-    ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS = 512, 4
+    tsel.SELECT_BLOCK, tsel.SELECT_WARPS = 512, 4
     kl_breakdown(res, gen, s)
     if args.out:
         with open(args.out, "w") as f:

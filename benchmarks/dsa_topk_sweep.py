@@ -5,9 +5,10 @@
 GLM-5's indexer shapes (32 heads x 128, top-k 2048) on random inputs, batch 1, causal. Per S: the whole
 `indexer_topk` (scores of each block of query rows into a buffer, then the exact selection), the score
 kernel alone over the same blocks (TFLOP/s over the causal pairs: S^2 / 2 * 32 * 128 * 2), and the whole
-top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY[, SELECT_PREFETCH]]) of --select (capacity 0: no
-compaction after two radix passes, the five-pass selection; prefetch 0: each block loaded when it is worked on); every variant's indices are checked equal to the default's (the
-selection is exact, so they must be). With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
+top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY[, SELECT_PREFETCH[, SELECT_SAMPLE]]]) of --select
+(`kernels.radix_select`; capacity 0: no compaction after two radix passes, the five-pass selection; prefetch 0: each
+block loaded when it is worked on; sample 0: no sampled threshold); every variant's indices are checked equal to the
+default's (the selection is exact, so they must be). With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
 quantization, the score kernel on e4m3 inputs and the whole top-k, and the recall of the bf16 selection on the
 last 256 query rows (`benchmarks/dsa_indexer_fp8.py`). With --score-configs, the score kernel alone at each
 tile configuration (`indexer_topk.SCORE_CONFIG`), bf16 (and FP8 with --fp8), its scores checked against the default's.
@@ -30,6 +31,7 @@ from benchmarks.dsa_kernels import TOPK, inputs, save_json, tile_configs, timed 
 from pretrain.model.dsa.indexer_fp8 import selection_inputs  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
+from pretrain.model.dsa.kernels import radix_select as tsel  # noqa: E402
 
 
 def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30, k_scale=None):
@@ -93,19 +95,20 @@ def point(s, gen, reps, selects, fp8=False, score_configs=()):
             row["score_configs"] += score_variants(s, q8, k8, w8, lo, hi, reps, score_configs, k_scale=sk)
     if fp8:
         row.update(fp8_row(s, qi, ki, w, lo, hi, reps))
-    default = (ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY, int(ttopk.SELECT_PREFETCH))
+    default = (tsel.SELECT_BLOCK, tsel.SELECT_WARPS, tsel.SELECT_CAPACITY, int(tsel.SELECT_PREFETCH),
+               int(tsel.SELECT_SAMPLE))
     ref = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     row["topk"] = []
     try:
         for cfg in [default] + [c for c in selects if c != default]:
-            ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY, ttopk.SELECT_PREFETCH = cfg
+            tsel.SELECT_BLOCK, tsel.SELECT_WARPS, tsel.SELECT_CAPACITY, tsel.SELECT_PREFETCH, tsel.SELECT_SAMPLE = cfg
             got = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
             ms = timed(lambda: ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi), reps)
-            row["topk"].append({"block_warps_capacity_prefetch": list(cfg), "topk_ms": ms,
+            row["topk"].append({"block_warps_capacity_prefetch_sample": list(cfg), "topk_ms": ms,
                                 "select_ms": ms - row["scores_ms"], "same_indices": bool(torch.equal(got, ref))})
             print(json.dumps({"S": s, **row["topk"][-1]}), flush=True)
     finally:
-        ttopk.SELECT_BLOCK, ttopk.SELECT_WARPS, ttopk.SELECT_CAPACITY, ttopk.SELECT_PREFETCH = default
+        tsel.SELECT_BLOCK, tsel.SELECT_WARPS, tsel.SELECT_CAPACITY, tsel.SELECT_PREFETCH, tsel.SELECT_SAMPLE = default
     print(json.dumps({k: v for k, v in row.items() if k != "topk"}), flush=True)
     return row
 
@@ -114,7 +117,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="16384,32768,131072")
     ap.add_argument("--select", default="512x4x0,512x4x2,512x4x4",
-                    help="SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY [x SELECT_PREFETCH]] variants")
+                    help="SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY [x SELECT_PREFETCH [x SELECT_SAMPLE]]] "
+                         "variants")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fp8", action="store_true", help="also time the FP8 selection (model.dsa_indexer_fp8)")
     ap.add_argument("--score-configs", default="", help="also time the score kernel at these SCORE_CONFIGs: "
@@ -122,10 +126,10 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     selects = tile_configs(args.select)
-    if any(len(c) not in (2, 3, 4) for c in selects):
-        ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY [x SELECT_PREFETCH]], e.g. "
-                 "512x4, 512x4x2 or 512x4x2x0")
-    defaults = (ttopk.SELECT_CAPACITY, int(ttopk.SELECT_PREFETCH))
+    if any(len(c) not in (2, 3, 4, 5) for c in selects):
+        ap.error("--select entries are SELECT_BLOCK x SELECT_WARPS [x SELECT_CAPACITY [x SELECT_PREFETCH [x "
+                 "SELECT_SAMPLE]]], e.g. 512x4, 512x4x2 or 512x4x2x1x0")
+    defaults = (tsel.SELECT_CAPACITY, int(tsel.SELECT_PREFETCH), int(tsel.SELECT_SAMPLE))
     selects = [(*c, *defaults[len(c) - 2:]) for c in selects]
     score_configs = tile_configs(args.score_configs) if args.score_configs else []
     if any(len(c) != 5 for c in score_configs):

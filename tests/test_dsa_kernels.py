@@ -88,7 +88,7 @@ def test_visible_ranges_the_kernels_cannot_take_are_refused(kern):
 
 @pytest.mark.parametrize("mode", ["causal", "mask", "segments", "cp"])
 def test_indexer_scores_and_exact_selection(kern, mode):
-    ktop = kern["indexer_topk"]
+    ktop, ksel = kern["indexer_topk"], kern["radix_select"]
     gen = torch.Generator().manual_seed(len(mode))
     b, s, h, d = 2, 37, 3, 16
     if mode == "cp":
@@ -111,7 +111,7 @@ def test_indexer_scores_and_exact_selection(kern, mode):
     assert int(((scores == 0) & vis).sum()) > b * s  # the tie case is real
     for topk in (1, 6, 40):
         out = torch.full((b, s, min(topk, t)), -7, dtype=torch.int32)
-        ktop.select_rows(buf, lo, hi, 0, s, topk, out)
+        ksel.select_rows(buf, lo, hi, 0, s, topk, out)
         assert torch.equal(out.long(), ref_topk(scores, topk)), topk
         # the whole kernel, rows in two buffer blocks, equals selection on its own scores
         got = ktop.indexer_topk(q, k, w, topk, lo, hi, buffer_bytes=4 * t * b * 16, block_n=16)
@@ -140,7 +140,7 @@ def test_index_scores_by_tile_order(kern, monkeypatch, keys_m, bm):
 
 
 def test_radix_select_tie_rule_and_special_values(kern):
-    ktop = kern["indexer_topk"]
+    ktop, ksel = kern["indexer_topk"], kern["radix_select"]
     rows = torch.tensor([
         [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, 0.0, 2.0, -3.0, 0.0, 0.0, 0.0],  # zeros of both signs tie
         [-1.0, -2.0, -1.0, -5.0, -1.0, -1.0, -2.0, -2.0, -7.0, -1.0, -1e-30, 1e-30],  # negatives, denormal-ish
@@ -155,10 +155,10 @@ def test_radix_select_tie_rule_and_special_values(kern):
     scores[3, 7:] = NEG_INF
     for topk in (1, 3, 5, 8, 12):
         out = torch.full((1, n, topk), -7, dtype=torch.int32)
-        ktop.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
+        ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
         assert torch.equal(out[0].long(), ref_topk(scores, topk)[:, :topk]), topk
     out = torch.empty(1, n, 3, dtype=torch.int32)
-    ktop.select_rows(rows[None].clone(), lo, hi, 0, n, 3, out)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, 3, out)
     assert out[0, 2].tolist() == [0, 1, 2]
     assert out[0, 0].tolist() == [0, 4, 7]  # 2.0, 1.0 and the first of the (signed) zeros, ascending
     with pytest.raises(ValueError, match="contiguous|backwards"):
@@ -176,9 +176,9 @@ def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     """Rows whose candidates after two radix passes fit the capacity are finished on a compacted copy, the
     others on the full row; both give the naive top-k (the tie rule included); blocks of 64 (several per row and per
     candidate list), each loaded one iteration ahead or not."""
-    ktop = kern["indexer_topk"]
-    monkeypatch.setattr(ktop, "SELECT_PREFETCH", prefetch)
-    monkeypatch.setattr(ktop, "SELECT_BLOCK", 64)
+    ksel = kern["radix_select"]
+    monkeypatch.setattr(ksel, "SELECT_PREFETCH", prefetch)
+    monkeypatch.setattr(ksel, "SELECT_BLOCK", 64)
     gen = torch.Generator().manual_seed(11)
     n, t, topk = 24, 300, 20
     rows = torch.randn(n, t, generator=gen)
@@ -186,9 +186,9 @@ def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     rows[1::3] = rows[1::3] * 1e-3 + 7.0  # one exponent: the first two digits leave a wide bucket
     lo = torch.zeros(1, n, dtype=torch.int32)
     hi = torch.full((1, n), t, dtype=torch.int32)
-    monkeypatch.setattr(ktop, "SELECT_CAPACITY", 2)
-    monkeypatch.setattr(ktop, "SELECT_SCRATCH_BYTES", 8 * 40 * 5)  # 5 rows per launch: 5 launches
-    cap = ktop.select_capacity(topk, t)
+    monkeypatch.setattr(ksel, "SELECT_CAPACITY", 2)
+    monkeypatch.setattr(ksel, "SELECT_SCRATCH_BYTES", 8 * 40 * 5)  # 5 rows per launch: 5 launches
+    cap = ksel.select_capacity(topk, t)
     # which rows compact: the K-th largest key's top 16 bits, counted as the kernel counts them
     keys = _order_key(rows)
     kth = keys.sort(dim=-1, descending=True).values[:, topk - 1]
@@ -196,12 +196,53 @@ def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     fits = n_cand <= cap
     assert cap == 40 and bool(fits.any()) and bool((~fits).any())
     out = torch.full((1, n, topk), -7, dtype=torch.int32)
-    ktop.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
     assert torch.equal(out[0].long(), ref_topk(rows[None], topk)[0])
-    monkeypatch.setattr(ktop, "SELECT_CAPACITY", 100)  # capacity >= the row: never compacts
-    assert ktop.select_capacity(topk, t) == 0
+    monkeypatch.setattr(ksel, "SELECT_CAPACITY", 100)  # capacity >= the row: never compacts
+    assert ksel.select_capacity(topk, t) == 0
     out2 = torch.full((1, n, topk), -7, dtype=torch.int32)
-    ktop.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out2)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out2)
+    assert torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_radix_select_sampled_threshold(kern, monkeypatch, prefetch):
+    """The sampled threshold (8 chunks of 2 keys here): rows where the keys at or above it number K..capacity are
+    selected from that copy, the others (too few: a sample above its row's K-th largest; too many: ties) by the
+    radix passes; every row gives the naive top-k. Which rows take which way is predicted from the sample in
+    PyTorch and both must occur."""
+    ksel = kern["radix_select"]
+    monkeypatch.setattr(ksel, "SELECT_PREFETCH", prefetch)
+    monkeypatch.setattr(ksel, "SELECT_BLOCK", 64)
+    monkeypatch.setattr(ksel, "SAMPLE_CHUNKS", 8)
+    monkeypatch.setattr(ksel, "SAMPLE_CHUNK", 16)  # n / 128 = 2 keys per chunk here
+    monkeypatch.setattr(ksel, "SAMPLE_MIN_CHUNK", 2)
+    gen = torch.Generator().manual_seed(12)
+    n_rows, t, topk = 30, 300, 20
+    rows = torch.randn(n_rows, t, generator=gen)
+    rows[::5] = rows[::5].round()  # wide ties: more candidates than the capacity
+    rows[1::5] = torch.linspace(-1, 1, t)  # ascending: the chunks' last keys decide
+    rows[2::5, :150] += 3.0  # the first half above the second
+    lo = torch.zeros(1, n_rows, dtype=torch.int32)
+    hi = torch.full((1, n_rows), t, dtype=torch.int32)
+    cap = ksel.select_capacity(topk, t)
+    assert cap == 40
+    # the sample and its threshold as the kernel forms them
+    ch = min(t // 128, 16)
+    a = torch.arange(8 * ch)
+    keys = _order_key(rows)
+    sample = keys[:, (a // ch) * t // 8 + a % ch]
+    r = max(1, min(8 * ch, topk * 8 * ch * 3 // (2 * t)))
+    threshold = sample.sort(dim=-1, descending=True).values[:, r - 1]
+    count = (keys >= threshold[:, None]).sum(-1)
+    sampled = (count >= topk) & (count <= cap)
+    assert bool(sampled.any()) and bool((~sampled).any())
+    out = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out)
+    assert torch.equal(out[0].long(), ref_topk(rows[None], topk)[0])
+    monkeypatch.setattr(ksel, "SELECT_SAMPLE", False)
+    out2 = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out2)
     assert torch.equal(out2, out)
 
 

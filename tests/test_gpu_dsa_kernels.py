@@ -29,6 +29,7 @@ def _relmax(a, b):
 def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
     from pretrain.model.dsa.indexer import VisibleKeys, index_scores, segment_ids_from_cu_seqlens, select_topk
     from pretrain.model.dsa.kernels import indexer_topk as kt
+    from pretrain.model.dsa.kernels import radix_select as ksel
 
     if order != "default":  # both tile orders of the score kernel (benchmarks sweep them)
         monkeypatch.setattr(kt, "SCORE_CONFIG", (4, 64, 8, 3, False) if order == "tokens_m" else (4, 128, 8, 3, True))
@@ -52,11 +53,36 @@ def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
     own = select_topk(buf.masked_fill(~vis, float("-inf")), topk)
     _poison()
     out = torch.empty(1, s, topk, dtype=torch.int32, device="cuda")
-    kt.select_rows(buf, lo, hi, 0, s, topk, out)
+    ksel.select_rows(buf, lo, hi, 0, s, topk, out)
     assert torch.equal(out.long(), own)  # exact, ties included
     _poison()
     idx = kt.indexer_topk(qi, ki, w, topk, lo, hi, buffer_bytes=256 * s * 4)  # several row blocks
     assert torch.equal(idx.long(), own)
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["sampled", "radix_only"])
+def test_radix_select_long_rows_on_gpu(monkeypatch, sample):
+    """Rows long enough for the sampled threshold (16K-40K keys, top-2048): Gaussian rows, rows of wide ties (more
+    keys at the threshold than the capacity), ascending rows and rows whose first half is higher; exact against the
+    reference selection, with and without the sample."""
+    from pretrain.model.dsa.indexer import select_topk
+    from pretrain.model.dsa.kernels import radix_select as ksel
+
+    monkeypatch.setattr(ksel, "SELECT_SAMPLE", sample)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n_rows, t, topk = 512, 40000, 2048
+    rows = torch.randn(1, n_rows, t, device="cuda", generator=gen)
+    rows[:, ::4] = (rows[:, ::4] * 4).round()
+    rows[:, 1::4] = torch.linspace(-1, 1, t, device="cuda")
+    rows[:, 2::4, : t // 2] += 2.0
+    lo = torch.zeros(1, n_rows, dtype=torch.int32, device="cuda")
+    hi = (t - 45 * torch.arange(n_rows, device="cuda")).int()[None]  # 40,000 .. 17,005 visible keys
+    vis = torch.arange(t, device="cuda")[None, None] < hi[..., None]
+    want = select_topk(rows.masked_fill(~vis, float("-inf")), topk)
+    _poison()
+    out = torch.empty(1, n_rows, topk, dtype=torch.int32, device="cuda")
+    ksel.select_rows(rows, lo, hi, 0, n_rows, topk, out)
+    assert torch.equal(out.long(), want)
 
 
 def test_dsa_fp8_topk_kernel_on_gpu():

@@ -1,6 +1,6 @@
 """Triton kernels of DeepSeek Sparse Attention (GLM-5 report, DSA section).
 
-- `indexer_topk`: lightning-indexer scores and exact top-k selection, no [S, S] matrix;
+- `indexer_topk`: lightning-indexer scores and exact top-k selection (`radix_select`), no [S, S] matrix;
 - `sparse_mla`: sparse MLA attention in absorbed form, forward and backward;
 - `indexer_kl`: the sparse indexer loss (KL at the selected keys) and its gradient, in one kernel;
 - `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;

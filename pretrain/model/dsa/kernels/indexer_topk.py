@@ -11,10 +11,9 @@ Two kernels per block of query rows, never an [S, S] matrix:
    queries (tensor cores, keys as the MMA's M), applies ReLU and the head weights, sums over heads and writes
    the [BM, BN] fp32 scores into a row-block buffer [rows, T] (rows x T x 4 bytes, bounded by
    `buffer_bytes`).
-2. `_radix_select_kernel`: one program per query row finds the K-th largest score exactly by radix
-   selection on the scores' order-preserving 32-bit keys (4 histogram passes of 8 bits; after the
-   first two, the few keys still in play are usually copied out and the rest read only them), then
-   writes the selected key indices in ascending order.
+2. `radix_select`: one program per query row finds the K-th largest score exactly by radix selection on
+   the scores' order-preserving 32-bit keys, usually reading the row once (a sampled threshold, then a copy of
+   the keys above it), then writes the selected key indices in ascending order.
 3. (asked for by the sparse indexer loss) `_selected_lse_kernel`: each row's log sum exp over its selected keys'
    scores, read back from the buffer, so that the loss's kernel (`indexer_kl`) need not form it again.
 
@@ -34,6 +33,7 @@ import triton.language as tl
 
 from pretrain.model.dsa.indexer import ranges_move_backwards
 from pretrain.model.dsa.kernels.common import dot_precision, pow2
+from pretrain.model.dsa.kernels.radix_select import select_rows
 
 
 @triton.jit
@@ -81,124 +81,6 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, ks_ptr, r0, n_r
                  mask=row_ok[:, None] & (n[None, :] < T))
 
 
-@triton.jit
-def _order_key(x):
-    """fp32 -> int64 in [0, 2^32) with the same order (-0.0 mapped to +0.0)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(x == 0.0, 0, bits)
-    return tl.where(bits < 0, (~bits).to(tl.int64), bits.to(tl.int64) + 2147483648)
-
-
-@triton.jit
-def _block(src, j, n, x, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
-    """(block j of src[0:n], what the loop carries): with PREFETCH the block was loaded one iteration ahead (x) and
-    the next one is issued now, so its load is in flight while this block is worked on; else loaded here."""
-    if PREFETCH:
-        return x, tl.load(src + j + BLOCK, mask=j + BLOCK < n, other=0.0)
-    return tl.load(src + j, mask=j < n, other=0.0), x
-
-
-@triton.jit
-def _digit_histogram(src, n, prefix, shift, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
-    """Histogram of the 8-bit digit at `shift` over the keys of src[0:n] whose higher digits equal prefix's."""
-    offs = tl.arange(0, BLOCK)
-    hist = tl.zeros((256,), tl.int32)
-    x = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + offs
-        cur, x = _block(src, j, n, x, BLOCK, PREFETCH)
-        key = _order_key(cur)
-        match = (key >> (shift + 8)) == (prefix >> (shift + 8))
-        hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=(j < n) & match)
-    return hist
-
-
-@triton.jit
-def _pick_digit(hist, prefix, k_rem, shift):
-    """The digit holding the k_rem-th largest matching key: (prefix with it, its rank within that digit,
-    the count of keys with that digit)."""
-    bins = tl.arange(0, 256)
-    below = tl.cumsum(hist, 0)
-    above = tl.sum(hist, 0) - below               # count with a larger digit
-    hit = (above < k_rem) & (above + hist >= k_rem)
-    digit_sel = tl.sum(tl.where(hit, bins, 0), 0)
-    k_rem -= tl.sum(tl.where(hit, above, 0), 0)
-    return prefix + (digit_sel.to(tl.int64) << shift), k_rem, tl.sum(tl.where(hit, hist, 0), 0)
-
-
-@triton.jit
-def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
-                    PREFETCH: tl.constexpr):
-    """prefix is the K-th largest key: write every larger key's index and the first k_rem equal ones,
-    ascending. Indices are lo + position, or idx_src[position] (compacted candidates)."""
-    offs = tl.arange(0, BLOCK)
-    ties = k_rem * 0
-    written = k_rem * 0
-    x = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
-    for j0 in range(0, n, BLOCK):
-        j = j0 + offs
-        cur, x = _block(src, j, n, x, BLOCK, PREFETCH)
-        key = _order_key(cur)
-        inside = j < n
-        gt = inside & (key > prefix)
-        eq = inside & (key == prefix)
-        eq_rank = tl.cumsum(eq.to(tl.int32), 0) + ties
-        sel = gt | (eq & (eq_rank <= k_rem))
-        pos = tl.cumsum(sel.to(tl.int32), 0) - 1 + written
-        if HAS_IDX:
-            tl.store(dst + pos, tl.load(idx_src + j, mask=sel, other=0), mask=sel)
-        else:
-            tl.store(dst + pos, lo + j, mask=sel)
-        ties += tl.sum(eq.to(tl.int32), 0)
-        written += tl.sum(sel.to(tl.int32), 0)
-
-
-@triton.jit
-def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
-                         s_cb, s_cr, CAP, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    bid = tl.program_id(1).to(tl.int64)
-    lo = tl.load(lo_ptr + bid * s_lb + r0 + row)
-    hi = tl.load(hi_ptr + bid * s_lb + r0 + row)
-    n = hi - lo
-    src = s_ptr + bid * s_sb + row * s_sr + lo
-    dst = out_ptr + bid * s_ob + (r0 + row) * s_ot
-    offs = tl.arange(0, BLOCK)
-    if n <= K:
-        for j0 in range(0, K, BLOCK):
-            j = j0 + offs
-            tl.store(dst + j, tl.where(j < n, lo + j, -1), mask=j < K)
-    else:
-        # Radix selection of the K-th largest key, 8 bits per pass from the top: two passes over the row.
-        prefix = (lo * 0).to(tl.int64)
-        k_rem = K
-        prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 24, BLOCK, PREFETCH), prefix, k_rem, 24)
-        prefix, k_rem, bucket = _pick_digit(_digit_histogram(src, n, prefix, 16, BLOCK, PREFETCH), prefix, k_rem, 16)
-        # The keys whose top 16 bits reach the K-th largest's are K - k_rem larger ones plus its bucket; if
-        # they fit in CAP, one more pass copies them (ascending) and the last passes read only them.
-        n_cand = K - k_rem + bucket
-        if n_cand <= CAP:  # CAP = 0: never
-            cv = cv_ptr + bid * s_cb + row * s_cr
-            ci = ci_ptr + bid * s_cb + row * s_cr
-            count = k_rem * 0
-            nxt = tl.load(src + offs, mask=(offs < n) & PREFETCH, other=0.0)
-            for j0 in range(0, n, BLOCK):
-                j = j0 + offs
-                x, nxt = _block(src, j, n, nxt, BLOCK, PREFETCH)
-                keep = (j < n) & ((_order_key(x) >> 16) >= (prefix >> 16))
-                pos = tl.cumsum(keep.to(tl.int32), 0) - 1 + count
-                tl.store(cv + pos, x, mask=keep)
-                tl.store(ci + pos, (lo + j).to(tl.int32), mask=keep)
-                count += tl.sum(keep.to(tl.int32), 0)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
-            _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True, PREFETCH)
-        else:
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
-            _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False, PREFETCH)
-
-
 # (BM tokens, BN keys, num_warps, num_stages, keys as the MMA's M) of the score kernel; BM 0: 128 // heads.
 # H200 sweep at S = 32K, 32 heads (benchmarks/results/README.md): keys as M, 64 keys x 4 tokens, 4 warps 567 TFLOP/s;
 # the (token, head) rows as M at their best (4 x 64, 8 warps) 294: the head sum then crosses warps.
@@ -229,42 +111,6 @@ def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_
         0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), ks.stride(0), d**-0.5,
         H=h, D=d, BH=bh, BD=pow2(d, 32 if q.dtype == torch.float8_e4m3fn else 16), BM=bm, BN=bn,
         PREC=dot_precision(q), KSCALE=k_scale is not None, KEYS_M=keys_m, num_warps=warps, num_stages=stages)
-    return out
-
-
-SELECT_BLOCK, SELECT_WARPS = 512, 4  # H200 sweep
-SELECT_PREFETCH = True  # each pass loads its next block while it works on this one (`_block`)
-SELECT_CAPACITY = 2  # candidates kept per row after two radix passes, in multiples of K (see select_rows)
-SELECT_SCRATCH_BYTES = 64 << 20  # the candidates' scratch; rows beyond it are selected in further launches
-
-
-def select_capacity(topk: int, t: int) -> int:
-    """Candidates per row that `select_rows` compacts (0: it never compacts, the rows are short)."""
-    cap = SELECT_CAPACITY * int(topk)
-    return cap if cap < t else 0
-
-
-def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor) -> torch.Tensor:
-    """Exact top-k (the tie rule above) of score rows [r0, r0 + n) (scores[:, :n]) into out[:, r0:r0 + n].
-
-    After the first two 8-bit radix passes over a row, the keys that can still be selected (those above
-    the K-th largest's 16-bit bucket, and that bucket) are usually a few more than K; when they fit in
-    `select_capacity` they are copied out once and the last two passes and the write read only them:
-    three passes over the row instead of five, the same result (1.3-1.5x at 16K-128K, H200,
-    `benchmarks/results/README.md`). The copies take 8 bytes per candidate in a scratch of at most
-    `SELECT_SCRATCH_BYTES`, reused by launches over successive rows."""
-    b = out.shape[0]
-    k = min(int(topk), scores.shape[-1])
-    cap = select_capacity(k, scores.shape[-1])
-    per = max(1, min(n, SELECT_SCRATCH_BYTES // (8 * cap * b))) if cap else n
-    cv = torch.empty(b, per if cap else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
-    ci = torch.empty(cv.shape, dtype=torch.int32, device=scores.device)
-    for q0 in range(0, n, per):
-        sc = scores[:, q0:]
-        _radix_select_kernel[(min(per, n - q0), b)](
-            sc, lo, hi, out, cv, ci, r0 + q0, k, sc.stride(0), sc.stride(1),
-            0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), cv.stride(0), cv.stride(1), cap,
-            BLOCK=SELECT_BLOCK, PREFETCH=bool(SELECT_PREFETCH), num_warps=SELECT_WARPS)
     return out
 
 
