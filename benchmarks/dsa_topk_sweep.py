@@ -8,7 +8,8 @@ kernel alone over the same blocks (TFLOP/s over the causal pairs: S^2 / 2 * 32 *
 top-k at each (SELECT_BLOCK, SELECT_WARPS[, SELECT_CAPACITY[, SELECT_PREFETCH[, SELECT_SAMPLE]]]) of --select
 (`kernels.radix_select`; capacity 0: no compaction after two radix passes, the five-pass selection; prefetch 0: each
 block loaded when it is worked on; sample 0: no sampled threshold); every variant's indices are checked equal to the
-default's (the selection is exact, so they must be). With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
+default's (the selection is exact, so they must be), and `sampled_share` is the share of rows the default selection
+finished from its sampled threshold's copy. With --fp8, the same for FP8 index scores (`model.dsa_indexer_fp8`): the
 quantization, the score kernel on e4m3 inputs and the whole top-k, and the recall of the bf16 selection on the
 last 256 query rows (`benchmarks/dsa_indexer_fp8.py`). With --score-configs, the score kernel alone at each
 tile configuration (`indexer_topk.SCORE_CONFIG`), bf16 (and FP8 with --fp8), its scores checked against the default's.
@@ -34,13 +35,24 @@ from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import radix_select as tsel  # noqa: E402
 
 
-def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30, k_scale=None):
-    """The score kernel over the row blocks `indexer_topk` uses, without the selection."""
+def scores_only(qi, ki, w, lo, hi, buffer_bytes=1 << 30, k_scale=None, select=None):
+    """The score kernel over the row blocks `indexer_topk` uses, without the selection (`select(buf, r0, n)`:
+    called on each block's scores)."""
     s, t = qi.shape[1], ki.shape[1]
     rows = max(16, min(s, buffer_bytes // (4 * t)) // 16 * 16)
     buf = torch.empty(1, min(rows, s), t, dtype=torch.float32, device=qi.device)
     for r0 in range(0, s, rows):
         ttopk.index_score_rows(qi, ki, w.float(), lo, hi, r0, min(rows, s - r0), buf, k_scale=k_scale)
+        if select is not None:
+            select(buf, r0, min(rows, s - r0))
+
+
+def sampled_share(qi, ki, w, lo, hi) -> float:
+    """The share of query rows that the default selection finished from its sampled threshold's copy."""
+    out = torch.empty(1, qi.shape[1], TOPK, dtype=torch.int32, device=qi.device)
+    took = torch.zeros(1, dtype=torch.int32, device=qi.device)
+    scores_only(qi, ki, w, lo, hi, select=lambda buf, r0, n: tsel.select_rows(buf, lo, hi, r0, n, TOPK, out, took))
+    return int(took) / qi.shape[1]
 
 
 def fp8_row(s, qi, ki, w, lo, hi, reps):
@@ -98,6 +110,7 @@ def point(s, gen, reps, selects, fp8=False, score_configs=()):
     default = (tsel.SELECT_BLOCK, tsel.SELECT_WARPS, tsel.SELECT_CAPACITY, int(tsel.SELECT_PREFETCH),
                int(tsel.SELECT_SAMPLE))
     ref = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
+    row["sampled_share"] = sampled_share(qi, ki, w, lo, hi)  # rows of < 8K keys never sample
     row["topk"] = []
     try:
         for cfg in [default] + [c for c in selects if c != default]:

@@ -238,8 +238,10 @@ def test_radix_select_sampled_threshold(kern, monkeypatch, prefetch):
     sampled = (count >= topk) & (count <= cap)
     assert bool(sampled.any()) and bool((~sampled).any())
     out = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
-    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out)
+    took = torch.zeros(1, dtype=torch.int32)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out, sampled=took)
     assert torch.equal(out[0].long(), ref_topk(rows[None], topk)[0])
+    assert int(took) == int(sampled.sum())  # the rows predicted to take the sample's copy, and no other
     monkeypatch.setattr(ksel, "SELECT_SAMPLE", False)
     out2 = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
     ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out2)

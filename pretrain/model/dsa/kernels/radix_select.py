@@ -21,6 +21,8 @@ Passes over a row of n keys (each pass loads its next block while it works on th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -145,9 +147,9 @@ def _compact(src, n, lo, threshold, shift, cv, ci, CAP, BLOCK: tl.constexpr, PRE
 
 
 @triton.jit
-def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, s_sb, s_sr, s_lb, s_ob, s_ot,
-                         s_cb, s_cr, CAP, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, SAMPLE: tl.constexpr,
-                         NCH: tl.constexpr, CH: tl.constexpr, MIN_CH: tl.constexpr):
+def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, count_ptr, r0, K, s_sb, s_sr, s_lb, s_ob,
+                         s_ot, s_cb, s_cr, CAP, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, SAMPLE: tl.constexpr,
+                         NCH: tl.constexpr, CH: tl.constexpr, MIN_CH: tl.constexpr, COUNT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
     lo = tl.load(lo_ptr + bid * s_lb + r0 + row)
@@ -179,6 +181,8 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, r0, K, 
             prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
             _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True, PREFETCH)
             done = count >= 0
+            if COUNT:  # rows selected from the sample's copy (`select_rows`' `sampled`)
+                tl.atomic_add(count_ptr, 1)
     if not done:
         # Radix selection of the K-th largest key, 8 bits per pass from the top: two passes over the row.
         prefix = (lo * 0).to(tl.int64)
@@ -217,14 +221,16 @@ def select_capacity(topk: int, t: int) -> int:
     return cap if cap < t else 0
 
 
-def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor) -> torch.Tensor:
+def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor,
+                sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact top-k (the tie rule above) of score rows [r0, r0 + n) (scores[:, :n]) into out[:, r0:r0 + n].
 
     The passes are the module docstring's: a sampled threshold and one copy of the keys above it (rows long enough
     for the sample), else two 8-bit radix passes and a copy of the keys still in play when they fit in
     `select_capacity` (three passes over the row instead of five, 1.3-1.5x at 16K-128K, H200,
     `benchmarks/results/README.md`). The copies take 8 bytes per candidate in a scratch of at most
-    `SELECT_SCRATCH_BYTES`, reused by launches over successive rows."""
+    `SELECT_SCRATCH_BYTES`, reused by launches over successive rows. `sampled` (an int32 tensor of one element):
+    add to it the number of rows selected from the sample's copy (the others took the radix passes)."""
     b = out.shape[0]
     k = min(int(topk), scores.shape[-1])
     cap = select_capacity(k, scores.shape[-1])
@@ -234,8 +240,9 @@ def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: t
     for q0 in range(0, n, per):
         sc = scores[:, q0:]
         _radix_select_kernel[(min(per, n - q0), b)](
-            sc, lo, hi, out, cv, ci, r0 + q0, k, sc.stride(0), sc.stride(1),
+            sc, lo, hi, out, cv, ci, ci if sampled is None else sampled, r0 + q0, k, sc.stride(0), sc.stride(1),
             0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), cv.stride(0), cv.stride(1), cap,
             BLOCK=SELECT_BLOCK, PREFETCH=bool(SELECT_PREFETCH), SAMPLE=bool(SELECT_SAMPLE) and cap > 0,
-            NCH=SAMPLE_CHUNKS, CH=SAMPLE_CHUNK, MIN_CH=SAMPLE_MIN_CHUNK, num_warps=SELECT_WARPS)
+            NCH=SAMPLE_CHUNKS, CH=SAMPLE_CHUNK, MIN_CH=SAMPLE_MIN_CHUNK, COUNT=sampled is not None,
+            num_warps=SELECT_WARPS)
     return out
