@@ -141,8 +141,8 @@ class TritonBackend:
     def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
                        lse=None) -> Callable:
         """As the reference, in one kernel per block of query rows (`kernels.indexer_kl.sparse_kl`: no [rows, K]
-        tensor besides the target, which it asks for `max_rows` rows at a time, all at once if None); `lse` from
-        `topk(with_lse=True)` spares it a walk over the selection."""
+        tensor besides the target, which it asks for `max_rows` rows at a time, all at once if None; `chunk` is
+        unused); `lse` from `topk(with_lse=True)` spares it a walk over the selection."""
         from pretrain.model.dsa.kernels.indexer_kl import sparse_kl as kernel
 
         deterministic = self.deterministic
