@@ -15,9 +15,7 @@ with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, o
 pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
 `--key-partition-mib 0,48,96` (`partition_rows`). With --atomics, the backward again by how the key gradients
 reach memory (`kernels.atomics`): `scalar` (Triton's `tl.atomic_add`, the default) and `vector` (16-byte
-reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`). With --overlap, the backward again with the
-split backward's key-gradient pass on a second stream behind the next block's first pass (`on`, the default) or
-after it (`off`), e.g. `--overlap off,on` (`overlap_rows`).
+reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`).
 """
 
 from __future__ import annotations
@@ -126,33 +124,7 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
     return rows
 
 
-OVERLAPS = {"on": True, "off": False}  # name: sparse_mla_dkv.OVERLAP
-
-
-def overlap_rows(h, s, q, kv, idx, g, reps, names):
-    """Backward ms with the split backward's key-gradient pass on a second stream, one block of query rows behind
-    the first pass, or after it on one stream (`sparse_mla_dkv.blocks`); with fewer than 32 heads the fused
-    kernel runs and the switch changes nothing. Each row also gives dq's and dkv's largest difference from the
-    first name's, relative to their largest value (dkv: fp32 atomics in another order)."""
-    rows, first = [], None
-    fl = 2 * s * TOPK * h * (C + D) * 2.53
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    try:
-        for name in names:
-            tsm_dkv.OVERLAP = OVERLAPS[name]
-            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-            grads = torch.autograd.grad(o, (qg, kvg), g, retain_graph=True)
-            first = first or grads
-            ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            rows.append({"heads": h, "S": s, "overlap": name, "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9,
-                         "dq_rel": rel(grads[0], first[0]), "dkv_rel": rel(grads[1], first[1])})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        tsm_dkv.OVERLAP = True
-    return rows
-
-
-def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=(), overlaps=()):
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -183,7 +155,6 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_na
         print(json.dumps(row), flush=True)
     rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
     rows += atomic_rows(h, s, q, kv, idx, g, reps, atomic_names) if atomic_names else []
-    rows += overlap_rows(h, s, q, kv, idx, g, reps, overlaps) if overlaps else []
     return rows + (partition_rows(h, s, q, kv, idx, g, reps, mibs) if mibs else [])
 
 
@@ -204,9 +175,6 @@ def main():
                     "at most this many MiB of kv + fp32 dkv rows: comma list, 0 = one launch over all keys")
     ap.add_argument("--atomics", default="", help="also time the backward by how key gradients are added: comma "
                     "list of " + ", ".join(ATOMICS))
-    ap.add_argument("--overlap", default="", help="also time the backward with the split backward's key-gradient "
-                    "pass overlapped with the next block's first pass or not: comma list of on, off "
-                    "(sparse_mla_dkv.OVERLAP; the first is the reference of the dq / dkv differences)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = tile_configs(args.configs)
@@ -221,9 +189,6 @@ def main():
     atomic_names = [a for a in args.atomics.split(",") if a]
     if set(atomic_names) - set(ATOMICS):
         ap.error(f"unknown --atomics {sorted(set(atomic_names) - set(ATOMICS))}; choose from {list(ATOMICS)}")
-    overlaps = [a for a in args.overlap.split(",") if a]
-    if set(overlaps) - set(OVERLAPS):
-        ap.error(f"unknown --overlap {sorted(set(overlaps) - set(OVERLAPS))}; choose from {list(OVERLAPS)}")
     if set(modes) - set(DKV_MODES):
         ap.error(f"unknown --dkv-modes {sorted(set(modes) - set(DKV_MODES))}; choose from {list(DKV_MODES)}")
     if any(len(c) != 4 for c in dkv_configs):
@@ -233,7 +198,7 @@ def main():
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
-                                 dkv_configs, mibs, atomic_names, overlaps)
+                                 dkv_configs, mibs, atomic_names)
             torch.cuda.empty_cache()
     save_json(res, args.out)
 

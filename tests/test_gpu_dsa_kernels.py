@@ -226,39 +226,6 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
     assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
 
 
-@pytest.mark.parametrize("h", [32, 64])
-def test_split_backward_overlapped_on_gpu(monkeypatch, h):
-    """The split backward (>= 32 heads) with its key-gradient pass on a second stream one block of query rows behind
-    the first pass (sparse_mla_dkv.OVERLAP), over many blocks with a ragged last one and both buffers reused: dq
-    bitwise the one-stream run's (the first pass alone forms it), dkv equal up to the order of its fp32 atomics, both
-    against the fp32 reference; the streams' ordering holds for work queued right after (dkv read at once)."""
-    from pretrain.model.dsa.kernels import sparse_mla as km
-    from pretrain.model.dsa.kernels import sparse_mla_dkv as kd
-    from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
-
-    s, topk = 3000, 512
-    q, kv, idx = _sparse_inputs(s, h, topk, 5 * h)
-    scale = 256**-0.5
-    q32, kv32 = q.float().requires_grad_(), kv.float().requires_grad_()
-    ref, _ = ref_attn(q32, kv32, idx.long(), scale, 512, 64)
-    g = torch.randn(ref.shape, device="cuda").bfloat16()
-    rdq, rdkv = torch.autograd.grad(ref, (q32, kv32), g.float())
-    monkeypatch.setattr(kd, "SCRATCH_BYTES", topk * 2 * h * 2 * 880)  # 880 rows a buffer; overlapped: 7 blocks of 440 (the last 360)
-    assert kd.scratch_rows(1, topk, h, s, 2) == 880
-    runs = {}
-    for overlap in (False, True):
-        monkeypatch.setattr(kd, "OVERLAP", overlap)
-        qb, kvb = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        out, _ = km.sparse_mla_attention(qb, kvb, idx, scale, 512, False)
-        _poison()
-        dq, dkv = torch.autograd.grad(out, (qb, kvb), g)
-        runs[overlap] = (dq, dkv.float() * 1.0)  # read on the current stream right away
-        assert not dq.isnan().any() and not dkv.isnan().any()
-        assert _relmax(dq, rdq) < 2e-2 and _relmax(dkv, rdkv) < 2e-2
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert _relmax(runs[True][1], runs[False][1]) < 1e-2  # bf16 rounding of fp32 sums in another order
-
-
 @pytest.mark.parametrize("mode", [0, 2])
 def test_add_rows_vector_reductions_on_gpu(monkeypatch, mode):
     """The key gradients' row adds as Triton's scalar atomics (mode 0, the default) and as 16-byte vector reductions

@@ -31,8 +31,6 @@ from pretrain.model.dsa.kernels.common import (
     LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
 )
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.dsa.kernels import sparse_mla_dkv as dkv_pass
-from pretrain.model.dsa.kernels.sparse_mla_dkv import blocks as split_blocks
 from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows, separate_pass_pays
 
 @triton.jit
@@ -316,12 +314,13 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     if mode == 1:
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
     elif mode == 5:  # blocks of query rows within the [dS | P] buffer
-        def key_pass(r0, rows, part):
+        part = empty_scratch(q, indices.shape[-1], block)
+        for r0 in range(0, s, block):
+            rows = min(block, s - r0)
+            launch(r0, rows, part, mode)
             for keys in parts:
                 key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
                              keys if partitioned else None)
-        split_blocks(lambda r0, rows, part: launch(r0, rows, part, mode), key_pass, s, block,
-                     lambda rows: empty_scratch(q, indices.shape[-1], rows), dkv_pass.OVERLAP and q.is_cuda)
     elif partitioned:  # blocks of query rows within the fp32 dq accumulator
         for r0 in range(0, s, block):
             rows = min(block, s - r0)

@@ -27,9 +27,6 @@ from pretrain.model.dsa.kernels.common import pow2, slot_range
 
 # Bytes of the per-(token, slot) [dS | P] buffer: the backward runs over blocks of query rows that fit.
 SCRATCH_BYTES = 1 << 30
-# On CUDA, the key-gradient pass of one block of query rows runs on a second stream while the first pass of the next
-# block runs (two buffers of SCRATCH_BYTES / 2): see `blocks`. False: one stream, one after the other.
-OVERLAP = True
 
 
 @triton.jit
@@ -108,57 +105,6 @@ def key_gradient(q, grad_out, indices, nvalid, part, dkv, r0: int, rows: int, c:
             indices.stride(0), indices.stride(1), part.stride(0), part.stride(1), part.stride(2),
             C=c, R=r, BH=pow2(h), BN=bn, DS=ds if not rope else pow2(width), NSL=nsl, ROPE=rope, PREC=prec,
             PART=keys is not None, RED=red, num_warps=warps, num_stages=stages)
-
-
-def blocks(first_pass, key_pass, s: int, rows_fit: int, make_buffer, overlap: bool):
-    """Run the split backward over blocks of query rows: `first_pass(r0, rows, buf)` stores their [dS | P] rows into
-    `buf` (from `make_buffer(rows)`), then `key_pass(r0, rows, buf)` adds their key gradient; `rows_fit`: rows per
-    buffer of SCRATCH_BYTES.
-
-    Why `overlap`: the key-gradient pass is bound by its fp32 row writes into dkv (about 3 TB/s of scattered L2
-    writes, benchmarks/results/README.md "What bounds the key-gradient pass"), the first pass by its MMA pipeline and
-    gathers, so the two can share the GPU. With it, the key-gradient pass runs on a side stream, one block behind
-    the first pass on the current stream, each over half-size buffers used in turn (the same scratch bytes); a
-    buffer is refilled only after its key-gradient pass, and the current stream waits for the side stream at the
-    end, so callers see the same ordering as without it."""
-    if not overlap:
-        buf = make_buffer(min(rows_fit, s))
-        for r0 in range(0, s, rows_fit):
-            rows = min(rows_fit, s - r0)
-            first_pass(r0, rows, buf)
-            key_pass(r0, rows, buf)
-        return
-    block = max(1, min(s, rows_fit // 2))
-    main = torch.cuda.current_stream()
-    side = _side_stream(main.device)
-    side.wait_stream(main)  # the inputs (q, dO, dkv zeroed, ...) are ready on the current stream
-    bufs = [make_buffer(block), make_buffer(block)]
-    free = [None, None]  # per buffer: the event after its last key-gradient pass
-    for n, r0 in enumerate(range(0, s, block)):
-        rows, i = min(block, s - r0), n % 2
-        if free[i] is not None:
-            main.wait_event(free[i])
-        first_pass(r0, rows, bufs[i])
-        ready = torch.cuda.Event()
-        ready.record(main)
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            key_pass(r0, rows, bufs[i])
-            free[i] = torch.cuda.Event()
-            free[i].record(side)
-    main.wait_stream(side)
-    for buf in bufs:  # allocated on the current stream, last used on the side stream
-        buf.record_stream(side)
-
-
-_SIDE = {}
-
-
-def _side_stream(device) -> torch.cuda.Stream:
-    # one side stream per device, reused (creating streams per call costs more than the passes' launch gaps)
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device=device)
-    return _SIDE[device]
 
 
 def empty_scratch(q: torch.Tensor, k: int, rows: int) -> torch.Tensor:
