@@ -15,7 +15,8 @@ specialization), in the MMA's layout (ATOMIC_VEC 0) or as whole rows per warp wi
 thread. Inputs are random (the pass's time does not depend on the values): GLM-5's 576 = 512 + 64 key width,
 top-k 2048, the last --rows query rows of an S-token causal sequence, each selecting 2048 keys at random among
 those it sees. Reported per variant: ms, ns per (token, slot), and for WRITE 0 and 3 the largest difference from
-the Triton pass's dkv relative to its largest value (fp32 atomics in another order: ~1e-6). Not a kernel of the model: it measures where the pass's time goes (benchmarks/results/README.md).
+the Triton pass's dkv relative to its largest value (fp32 atomics in another order: ~1e-6). Not a kernel of the
+model: it measures where the pass's time goes (benchmarks/results/README.md).
 """
 
 from __future__ import annotations
