@@ -74,6 +74,20 @@ def _pick_digit(hist, prefix, k_rem, shift):
 
 
 @triton.jit
+def _radix_pass(src, n, prefix, k_rem, shift, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """One radix pass over src[0:n]: `_pick_digit` of the digit at `shift` -> (prefix, k_rem, bucket)."""
+    return _pick_digit(_digit_histogram(src, n, prefix, shift, BLOCK, PREFETCH), prefix, k_rem, shift)
+
+
+@triton.jit
+def _low_passes(src, n, prefix, k_rem, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """The two low-digit passes (bits 8-15, then 0-7) -> (prefix, k_rem)."""
+    prefix, k_rem, _ = _radix_pass(src, n, prefix, k_rem, 8, BLOCK, PREFETCH)
+    prefix, k_rem, _ = _radix_pass(src, n, prefix, k_rem, 0, BLOCK, PREFETCH)
+    return prefix, k_rem
+
+
+@triton.jit
 def _write_selected(src, idx_src, n, lo, prefix, k_rem, dst, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
                     PREFETCH: tl.constexpr):
     """prefix is the K-th largest key: write every larger key's index and the first k_rem equal ones,
@@ -175,10 +189,9 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, count_p
         if (count >= K) & (count <= CAP):
             prefix = (lo * 0).to(tl.int64)
             k_rem = K
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 24, BLOCK, PREFETCH), prefix, k_rem, 24)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 16, BLOCK, PREFETCH), prefix, k_rem, 16)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
+            prefix, k_rem, _ = _radix_pass(cv, count, prefix, k_rem, 24, BLOCK, PREFETCH)
+            prefix, k_rem, _ = _radix_pass(cv, count, prefix, k_rem, 16, BLOCK, PREFETCH)
+            prefix, k_rem = _low_passes(cv, count, prefix, k_rem, BLOCK, PREFETCH)
             _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True, PREFETCH)
             done = count >= 0
             if COUNT:  # rows selected from the sample's copy (`select_rows`' `sampled`)
@@ -187,19 +200,17 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, count_p
         # Radix selection of the K-th largest key, 8 bits per pass from the top: two passes over the row.
         prefix = (lo * 0).to(tl.int64)
         k_rem = K
-        prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 24, BLOCK, PREFETCH), prefix, k_rem, 24)
-        prefix, k_rem, bucket = _pick_digit(_digit_histogram(src, n, prefix, 16, BLOCK, PREFETCH), prefix, k_rem, 16)
+        prefix, k_rem, _ = _radix_pass(src, n, prefix, k_rem, 24, BLOCK, PREFETCH)
+        prefix, k_rem, bucket = _radix_pass(src, n, prefix, k_rem, 16, BLOCK, PREFETCH)
         # The keys whose top 16 bits reach the K-th largest's are K - k_rem larger ones plus its bucket; if
         # they fit in CAP, one more pass copies them (ascending) and the last passes read only them.
         n_cand = K - k_rem + bucket
         if n_cand <= CAP:  # CAP = 0: never
             count = _compact(src, n, lo, prefix, 16, cv, ci, CAP, BLOCK, PREFETCH)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(cv, count, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
+            prefix, k_rem = _low_passes(cv, count, prefix, k_rem, BLOCK, PREFETCH)
             _write_selected(cv, ci, count, lo, prefix, k_rem, dst, BLOCK, True, PREFETCH)
         else:
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 8, BLOCK, PREFETCH), prefix, k_rem, 8)
-            prefix, k_rem, _ = _pick_digit(_digit_histogram(src, n, prefix, 0, BLOCK, PREFETCH), prefix, k_rem, 0)
+            prefix, k_rem = _low_passes(src, n, prefix, k_rem, BLOCK, PREFETCH)
             _write_selected(src, src, n, lo, prefix, k_rem, dst, BLOCK, False, PREFETCH)
 
 
