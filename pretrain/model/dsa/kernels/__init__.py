@@ -1,7 +1,8 @@
-"""Triton kernels of DeepSeek Sparse Attention (GLM-5 report, DSA section).
+"""Triton (and Gluon) kernels of DeepSeek Sparse Attention (GLM-5 report, DSA section).
 
 - `indexer_topk`: lightning-indexer scores and exact top-k selection (`radix_select`), no [S, S] matrix;
-- `sparse_mla`: sparse MLA attention in absorbed form, forward and backward;
+- `sparse_mla`: sparse MLA attention in absorbed form, forward and backward (`sparse_mla_dkv`: the key gradient's
+  own pass from 32 heads; `sparse_mla_fwd_ws`: the 64-head forward on Hopper, warp-specialized, in Gluon);
 - `indexer_kl`: the sparse indexer loss (KL at the selected keys) and its gradient, in one kernel;
 - `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;
 - `common`: launch parameters and the tile loads the kernels share.

@@ -1,0 +1,46 @@
+"""Compile the warp-specialized sparse MLA forward (`sparse_mla_fwd_ws`) for sm_90 without a GPU (Triton's bundled
+ptxas) and print, per (C, R), what its PTX holds: warp-group MMAs, cp.async gathers and their mbarrier arrivals,
+the loader partition's register budget, barriers of 256 threads (the consumer warps), and the shared memory.
+
+    TRITON_INTERPRET=0 python -m tests.dsa_fwd_ws_build     (tests/test_dsa_fwd_ws_build.py runs it)
+
+Gluon's reductions cannot be compiled under TRITON_INTERPRET=1, which the CPU tests set: hence a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+
+
+def build(c: int, r: int) -> dict:
+    fn = ws._fwd_kernel
+    bn, nbuf = ws.CONFIG
+    cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8)
+    types = {"idx_ptr": "*i32", "nv_ptr": "*i32", "lse_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in cons else (types.get(n, "*bf16") if n.endswith("_ptr")
+                                             else "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cons and n != "qk_scale"}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=ws.MAXNREG))
+    ptx = kernel.asm["ptx"]
+    return {"wgmma": ptx.count("wgmma.mma_async"),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
+            "cp_async_arrive_noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
+            "setmaxnreg_inc": [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)],
+            "barrier_threads": sorted({int(x) for x in re.findall(r"bar\.sync\s+\d+, (\d+);", ptx)}),
+            "shared": kernel.metadata.shared, "loader_regs": ws.LOADER_REGS.value}
+
+
+def main():
+    print(json.dumps({f"{c}x{r}": build(c, r) for c, r in ((512, 64), (256, 32))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The warp-specialized sparse MLA forward (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`) builds for sm_90
+without a GPU into what its speed rests on (`tests/dsa_fwd_ws_build.py`, in a process without the interpreter):
+warp-group MMAs, cp.async gathers that arrive on mbarriers, a loader partition with its own register budget,
+barriers of the eight consumer warps only, and shared memory within Hopper's 232,448 bytes per block. Its values
+are tested on the GPU (tests/test_gpu_dsa_kernels.py); Gluon has no CPU interpreter. On CPU tensors the forward
+takes the Triton kernel."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def test_warp_specialized_forward_builds_for_hopper():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "tests.dsa_fwd_ws_build"], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    builds = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(builds) == {"512x64", "256x32"}
+    for shape, b in builds.items():
+        assert b["wgmma"] >= 8 and b["cp_async"] > 0 and b["cp_async_arrive_noinc"] > 0, (shape, b)
+        assert b["loader_regs"] in b["setmaxnreg_inc"], (shape, b)
+        assert 256 in b["barrier_threads"] and 384 not in b["barrier_threads"], (shape, b)
+        assert b["shared"] <= 232448, (shape, b)
+
+
+def test_cpu_tensors_take_the_triton_forward():
+    from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+
+    q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
+    assert not ws.supported(q, q[:, :, 0], 64, 512, 64)
