@@ -234,9 +234,9 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
     tout, tlse = km.sparse_mla_forward(q, kv, idx, scale, c)
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[:, 5] == 0).all() and torch.isinf(lse[:, 5]).all() and (lse[:, 5] < 0).all()
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), fin)
-    assert _relmax(out, ref) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-3
+    fin = torch.isfinite(ref_lse)  # the reference's softmax over no key is NaN: compare the other rows
+    assert torch.equal(torch.isfinite(lse), fin) and int((~fin).sum()) == b * 64
+    assert _relmax(out[fin], ref[fin]) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-3
     assert _relmax(out, tout) < 1e-2 and (lse[fin] - tlse[fin]).abs().max() < 1e-4
 
 
