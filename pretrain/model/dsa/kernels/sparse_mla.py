@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bwd_ws
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
 from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import (
@@ -319,9 +320,14 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
     elif mode == 5:  # blocks of query rows within the [dS | P] buffer
         part = empty_scratch(q, indices.shape[-1], block)
+        ws = bwd_ws.supported(q, kv, h, c, r) and DKV_MODE is None
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
-            launch(r0, rows, part, mode)
+            if ws:  # 64 heads on Hopper: the warp-specialized first pass
+                bwd_ws.first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0, rows, scale,
+                                  scale * LOG2E, c, r)
+            else:
+                launch(r0, rows, part, mode)
             for keys in parts:
                 key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
                              keys if partitioned else None)

@@ -42,9 +42,11 @@ MAXNREG = 168  # (8 consumer + 4 loader warps) x 32 x 168 registers fit the regi
 
 
 @gluon.jit
-def _loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
-            BN: gl.constexpr, NBUF: gl.constexpr):
-    # gathers block i of the selection into stage i % NBUF once the consumers released it
+def key_loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
+               BN: gl.constexpr, NBUF: gl.constexpr):
+    """The loader partition (LOADER_WARPS warps): gathers block i of a token's selection (BN key rows, latent and
+    rope parts) into stage i % NBUF once the consumers released it, and arrives on ready[stage] per thread when its
+    cp.async copies land; rows past nv are zero-filled. The backward's warp-specialized first pass shares it."""
     LL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [LOADER_WARPS, 1], [1, 0])
     cl = gl.arange(0, C, layout=gl.SliceLayout(0, LL))
@@ -139,7 +141,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s
     gl.warp_specialize([
         (_consumer, (qlat_s, qrope_s, klat_s, krope_s, p_s, ready, empty, nv, qk_scale, o_ptr + bid * s_ob + t * s_ot,
                      s_oh, lse_ptr + (bid * S + t) * H, H, C, BN, NBUF, num_warps)),
-        (_loader, (klat_s, krope_s, ready, empty, idx_row, kv_ptr + bid * s_kb, s_kt, nv, C, R, BN, NBUF)),
+        (key_loader, (klat_s, krope_s, ready, empty, idx_row, kv_ptr + bid * s_kb, s_kt, nv, C, R, BN, NBUF)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
@@ -165,10 +167,11 @@ def _capability(index: int) -> tuple:
 _SAID = set()
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int) -> bool:
-    """Whether this kernel runs the forward: ENABLED, CUDA sm_90, bf16 q and kv, h = 64, c in {256, 512}, r in
-    {32, 64}. A CUDA GPU of another generation gets the Triton forward and one log line saying so."""
-    if not (ENABLED and q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16):
+def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int, enabled=None) -> bool:
+    """Whether this kernel runs the forward: ENABLED (or `enabled`), CUDA sm_90, bf16 q and kv, h = 64, c in {256,
+    512}, r in {32, 64}. A CUDA GPU of another generation gets the Triton kernels and one log line saying so."""
+    if not ((ENABLED if enabled is None else enabled) and q.is_cuda and q.dtype == torch.bfloat16
+            and kv.dtype == torch.bfloat16):
         return False
     if h != 64 or c not in (256, 512) or r not in (32, 64):
         return False
@@ -177,7 +180,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int) -> bool
     if major != 9:
         if major not in _SAID:
             _SAID.add(major)
-            log.info("DSA sparse attention: the warp-specialized forward needs sm_90 (this GPU is sm_%d0); "
-                     "using the Triton forward", major)
+            log.info("DSA sparse attention: the warp-specialized kernels need sm_90 (this GPU is sm_%d0); "
+                     "using the Triton ones", major)
         return False
     return True
