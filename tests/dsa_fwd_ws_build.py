@@ -1,5 +1,6 @@
-"""Compile the warp-specialized sparse MLA forward (`sparse_mla_fwd_ws`) for sm_90 without a GPU (Triton's bundled
-ptxas) and print, per (C, R), what its PTX holds: warp-group MMAs, cp.async gathers and their mbarrier arrivals,
+"""Compile the warp-specialized sparse MLA kernels (the forward, `sparse_mla_fwd_ws`, and the backward's first pass,
+`sparse_mla_bwd_ws`) for sm_90 without a GPU (Triton's bundled ptxas) and print, per kernel and (C, R), what its PTX
+holds: warp-group MMAs, cp.async gathers and their mbarrier arrivals,
 the loader partition's register budget, barriers of 256 threads (the consumer warps), and the shared memory.
 
     TRITON_INTERPRET=0 python -m tests.dsa_fwd_ws_build     (tests/test_dsa_fwd_ws_build.py runs it)
@@ -16,17 +17,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
 
 
-def build(c: int, r: int) -> dict:
-    fn = ws._fwd_kernel
-    bn, nbuf = ws.CONFIG
-    cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8)
-    types = {"idx_ptr": "*i32", "nv_ptr": "*i32", "lse_ptr": "*fp32"}
+def build(c: int, r: int, first_pass: bool = False) -> dict:
+    fn = bws._first_pass_kernel if first_pass else ws._fwd_kernel
+    bn, nbuf = bws.CONFIG if first_pass else ws.CONFIG
+    cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8, **({"HEAD_SUMS": True} if first_pass else {}))
+    types = {"idx_ptr": "*i32", "nv_ptr": "*i32", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "hs_ptr": "*fp32"}
+    floats = ("qk_scale", "sm_scale")
     sig = {n: "constexpr" if n in cons else (types.get(n, "*bf16") if n.endswith("_ptr")
-                                             else "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cons and n != "qk_scale"}
+                                             else "fp32" if n in floats else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cons and n not in floats}
     kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=ws.MAXNREG))
     ptx = kernel.asm["ptx"]
@@ -39,7 +42,9 @@ def build(c: int, r: int) -> dict:
 
 
 def main():
-    print(json.dumps({f"{c}x{r}": build(c, r) for c, r in ((512, 64), (256, 32))}))
+    out = {f"forward {c}x{r}": build(c, r) for c, r in ((512, 64), (256, 32))}
+    out["first_pass 512x64"] = build(512, 64, first_pass=True)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The warp-specialized sparse MLA forward (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`) builds for sm_90
-without a GPU into what its speed rests on (`tests/dsa_fwd_ws_build.py`, in a process without the interpreter):
-warp-group MMAs, cp.async gathers that arrive on mbarriers, a loader partition with its own register budget,
-barriers of the eight consumer warps only, and shared memory within Hopper's 232,448 bytes per block. Its values
-are tested on the GPU (tests/test_gpu_dsa_kernels.py); Gluon has no CPU interpreter. On CPU tensors the forward
-takes the Triton kernel."""
+"""The warp-specialized sparse MLA kernels, the forward (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`) and the
+backward's first pass (`sparse_mla_bwd_ws.py`), build for sm_90 without a GPU into what their speed rests on
+(`tests/dsa_fwd_ws_build.py`, in a process without the interpreter): warp-group MMAs, cp.async gathers that arrive
+on mbarriers, a loader partition with its own register budget, barriers of the eight consumer warps only, and
+shared memory within Hopper's 232,448 bytes per block. Their values are tested on the GPU
+(tests/test_gpu_dsa_kernels.py); Gluon has no CPU interpreter. On CPU tensors the Triton kernels run."""
 
 import json
 import os
@@ -19,7 +19,7 @@ def test_warp_specialized_forward_builds_for_hopper():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     builds = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"512x64", "256x32"}
+    assert set(builds) == {"forward 512x64", "forward 256x32", "first_pass 512x64"}
     for shape, b in builds.items():
         assert b["wgmma"] >= 8 and b["cp_async"] > 0 and b["cp_async_arrive_noinc"] > 0, (shape, b)
         assert b["loader_regs"] in b["setmaxnreg_inc"], (shape, b)
@@ -27,8 +27,9 @@ def test_warp_specialized_forward_builds_for_hopper():
         assert b["shared"] <= 232448, (shape, b)
 
 
-def test_cpu_tensors_take_the_triton_forward():
+def test_cpu_tensors_take_the_triton_kernels():
+    from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
     from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
 
     q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
-    assert not ws.supported(q, q[:, :, 0], 64, 512, 64)
+    assert not ws.supported(q, q[:, :, 0], 64, 512, 64) and not bws.supported(q, q[:, :, 0], 64, 512, 64)

@@ -240,6 +240,53 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
     assert _relmax(out, tout) < 1e-2 and (lse[fin] - tlse[fin]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("b,s,topk", [(2, 1500, 300), (1, 4096, 2048)])
+def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk):
+    """The backward's warp-specialized first pass (64 heads, Hopper) against the Triton first pass on the same
+    inputs: dq, the stored dS / P rows and sum_h P bitwise equal (both accumulate the same products in the same
+    16-key steps), dkv equal up to the order of its fp32 atomics; dO head-major as the DSA layer hands it over,
+    batches, rows with no valid slot (test_sparse_mla_kernels_on_gpu checks the 64-head backward, through this
+    pass, against the fp32 reference)."""
+    from pretrain.model.dsa.kernels import sparse_mla as km
+    from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
+    from pretrain.model.dsa.kernels import sparse_mla_dkv as kd
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized first pass is Hopper's (sm_90)")
+    parts = [_sparse_inputs(s, 64, topk, 11 * i + s) for i in range(b)]
+    q = torch.cat([x[0] for x in parts])
+    kv = torch.cat([x[1] for x in parts])
+    idx = torch.cat([x[2] for x in parts])
+    idx[:, 3] = -1
+    assert bws.supported(q, kv, 64, 512, 64)
+    scale = 256**-0.5
+    out, lse = km.sparse_mla_forward(q, kv, idx, scale, 512)
+    g = torch.randn(out.shape, device="cuda").bfloat16()
+    g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    delta = km.output_delta(g_hm, out)
+    stored = {}
+    real_scratch = kd.empty_scratch
+
+    def keep(q_, k_, rows):  # the [dS | P] buffer of the last block, to compare
+        buf = real_scratch(q_, k_, rows)
+        stored["part"] = buf
+        return buf
+
+    monkeypatch.setattr(km, "empty_scratch", keep)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(bws, "ENABLED", on)
+        hs = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
+        _poison()
+        dq, dkv = km.sparse_mla_backward(q, kv, idx, lse, delta, g_hm, scale, 512, head_sums=hs)
+        runs[on] = (dq, dkv, hs, stored["part"].clone())
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][2], runs[False][2])
+    valid = (idx[:, -runs[True][3].shape[1]:] >= 0)[..., None].expand(-1, -1, -1, 128)
+    assert torch.equal(runs[True][3][valid], runs[False][3][valid])  # dS and P of the last block's valid slots
+    assert _relmax(runs[True][1], runs[False][1]) < 1e-2
+    assert not runs[True][0].isnan().any() and not runs[True][1].isnan().any()
+
+
 @pytest.mark.parametrize("h", [16, 64])
 def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
     """The backward with its keys walked in partitions (KEY_PARTITION_BYTES: 4096 keys in 3 ranges here; the fp32 dq
