@@ -9,7 +9,9 @@ when asked (the indexer loss's target). As in the warp-specialized forward (`spa
 partition this kernel shares), a loader partition gathers each block of BN selected key rows into one of NBUF
 shared-memory stages; the eight consumer warps (two warp groups, each holding half of dq's columns) form S and dP
 (wgmma, warps [4, 2]: each warp group half of the block's keys), dS in shared memory as the A operand of dq's
-products, and release the stage. q and dO stay resident in shared memory (137 KB), so blocks are 32 keys.
+products, and release the stage. q and dO stay resident in shared memory (137 KB), so blocks are 32 keys. Measured
+on an H200 (benchmarks/results/README.md, "The backward's first pass, warp-specialized"): the 64-head backward
+1.06-1.07x (201 TFLOP/s at 16K), with dq, dS / P and the head sums bitwise the Triton first pass's.
 
 Runs where `supported` says (as the forward: CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64});
 `sparse_mla` takes the Triton first pass elsewhere.
