@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
-from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader
+from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader, key_stages
 
 CONFIG = (32, 2)  # (BN selected keys per block, NBUF stages): q, dO and two stages of 32 keys fill 213 KB
 ENABLED = True  # False: the Triton first pass everywhere (benchmarks time both)
@@ -108,16 +108,8 @@ def _first_pass_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_pt
                                         gl.NVMMASharedLayout.get_default_for([H, R], gl.bfloat16),
                                         gl.load(qb + hr[:, None] * s_qh + cr[None, :]))
     do_s = gl.allocate_shared_memory(gl.bfloat16, [H, C], lat, gl.load(dob + hq[:, None] * s_doh + cq[None, :]))
-    klat_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, C],
-                                       gl.NVMMASharedLayout.get_default_for([BN, C], gl.bfloat16))
-    krope_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R],
-                                        gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16))
+    klat_s, krope_s, ready, empty = key_stages(C, R, BN, NBUF)
     ds_s = gl.allocate_shared_memory(gl.bfloat16, [H, BN], gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(NBUF):
-        mbarrier.init(ready.index(b), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
-        mbarrier.init(empty.index(b), count=1)
     fence_async_shared()  # q and dO were stored through the generic proxy; wgmma reads them through the async one
     nv = gl.load(nv_ptr + bid * S + t)
     idx_row = idx_ptr + bid * s_ib + t * s_it

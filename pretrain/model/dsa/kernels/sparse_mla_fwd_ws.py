@@ -42,6 +42,22 @@ MAXNREG = 168  # (8 consumer + 4 loader warps) x 32 x 168 registers fit the regi
 
 
 @gluon.jit
+def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """The NBUF shared-memory stages of BN key rows (latent [BN, C], rope [BN, R]) that `key_loader` fills, and their
+    ready / empty mbarriers, initialized: (klat_s, krope_s, ready, empty)."""
+    klat_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, C],
+                                       gl.NVMMASharedLayout.get_default_for([BN, C], gl.bfloat16))
+    krope_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R],
+                                        gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NBUF):
+        mbarrier.init(ready.index(b), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
+        mbarrier.init(empty.index(b), count=1)
+    return klat_s, krope_s, ready, empty
+
+
+@gluon.jit
 def key_loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
                BN: gl.constexpr, NBUF: gl.constexpr):
     """The loader partition (LOADER_WARPS warps): gathers block i of a token's selection (BN key rows, latent and
@@ -125,16 +141,8 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s
     qrope_s = gl.allocate_shared_memory(gl.bfloat16, [H, R],
                                         gl.NVMMASharedLayout.get_default_for([H, R], gl.bfloat16),
                                         gl.load(qb + hr[:, None] * s_qh + cr[None, :]))
-    klat_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, C],
-                                       gl.NVMMASharedLayout.get_default_for([BN, C], gl.bfloat16))
-    krope_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R],
-                                        gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16))
+    klat_s, krope_s, ready, empty = key_stages(C, R, BN, NBUF)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BN], gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(NBUF):
-        mbarrier.init(ready.index(b), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
-        mbarrier.init(empty.index(b), count=1)
     fence_async_shared()  # q was stored through the generic proxy; wgmma reads it through the async one
     nv = gl.load(nv_ptr + bid * S + t)
     idx_row = idx_ptr + bid * s_ib + t * s_it
