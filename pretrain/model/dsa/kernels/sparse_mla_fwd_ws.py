@@ -11,8 +11,8 @@ BN selected key rows into one of NBUF shared-memory stages and signal it through
 per loader thread); the eight consumer warps, two warp groups each holding half of the [64, C] fp32 output (wgmma
 with warps [4, 2]), form S = q k^T over the latent and rope parts, the online softmax (exp2 domain), P in shared
 memory and O += P V, and release the stage. q stays resident in shared memory; 229,924 bytes in all, one program
-per SM. Measured on an H200 (benchmarks/results/README.md, "The sparse MLA forward, warp-specialized"): 1.67-1.76x
-the Triton forward at 4K-32K tokens, 416-506 TFLOP/s.
+per SM. Measured on an H200 (benchmarks/results/README.md, "The sparse MLA forward, warp-specialized"): 1.61-1.71x
+the Triton forward at 4K-32K tokens, 408-460 TFLOP/s (380 at 128K).
 
 Runs where `supported` says (CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64}); `sparse_mla` takes the
 Triton forward elsewhere (on other GPUs it says so once in the log). No atomics: deterministic like the Triton one.
