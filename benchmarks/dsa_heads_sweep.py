@@ -15,7 +15,8 @@ with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, o
 pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
 `--key-partition-mib 0,48,96` (`partition_rows`). With --atomics, the backward again by how the key gradients
 reach memory (`kernels.atomics`): `scalar` (Triton's `tl.atomic_add`, the default) and `vector` (16-byte
-reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`).
+reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`). With --ws, forward and backward again with
+the warp-specialized Gluon kernels (64 heads on Hopper) on and off, e.g. `--ws off,on` (`ws_rows`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import atomics  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as tsm_bwd_ws  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dkv as tsm_dkv  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as tsm_fwd_ws  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
 
@@ -124,7 +127,31 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
     return rows
 
 
-def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=()):
+WS = {"on": True, "off": False}  # name: sparse_mla_fwd_ws.ENABLED and sparse_mla_bwd_ws.ENABLED
+
+
+def ws_rows(h, s, q, kv, idx, g, reps, names):
+    """Forward and backward ms with the warp-specialized Gluon kernels (64 heads on Hopper: the forward and the
+    backward's first pass) on or off; elsewhere the switch changes nothing (`on` rows say whether they ran)."""
+    rows = []
+    fl = 2 * s * TOPK * h * (C + D)
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    try:
+        for name in names:
+            tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = WS[name]
+            fwd = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
+            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
+            bwd = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+            rows.append({"heads": h, "S": s, "ws": name, "ran": tsm_fwd_ws.supported(q, kv, h, C, D - C),
+                         "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fl / fwd / 1e9,
+                         "bwd_tflops": fl * 2.53 / bwd / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = True
+    return rows
+
+
+def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_names=(), ws_names=()):
     q, kv, qi, ki, w = inputs(s, gen)
     q = q[:, :, :h].contiguous()
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
@@ -155,6 +182,7 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_na
         print(json.dumps(row), flush=True)
     rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
     rows += atomic_rows(h, s, q, kv, idx, g, reps, atomic_names) if atomic_names else []
+    rows += ws_rows(h, s, q, kv, idx, g, reps, ws_names) if ws_names else []
     return rows + (partition_rows(h, s, q, kv, idx, g, reps, mibs) if mibs else [])
 
 
@@ -175,6 +203,8 @@ def main():
                     "at most this many MiB of kv + fp32 dkv rows: comma list, 0 = one launch over all keys")
     ap.add_argument("--atomics", default="", help="also time the backward by how key gradients are added: comma "
                     "list of " + ", ".join(ATOMICS))
+    ap.add_argument("--ws", default="", help="also time forward and backward with the warp-specialized kernels "
+                    "(64 heads, Hopper) on or off: comma list of on, off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = tile_configs(args.configs)
@@ -189,6 +219,9 @@ def main():
     atomic_names = [a for a in args.atomics.split(",") if a]
     if set(atomic_names) - set(ATOMICS):
         ap.error(f"unknown --atomics {sorted(set(atomic_names) - set(ATOMICS))}; choose from {list(ATOMICS)}")
+    ws_names = [a for a in args.ws.split(",") if a]
+    if set(ws_names) - set(WS):
+        ap.error(f"unknown --ws {sorted(set(ws_names) - set(WS))}; choose from {list(WS)}")
     if set(modes) - set(DKV_MODES):
         ap.error(f"unknown --dkv-modes {sorted(set(modes) - set(DKV_MODES))}; choose from {list(DKV_MODES)}")
     if any(len(c) != 4 for c in dkv_configs):
@@ -198,7 +231,7 @@ def main():
     for s in (int(x) for x in args.seqs.split(",")):
         for h in (int(x) for x in args.heads.split(",")):
             res["rows"] += point(h, s, gen, args.reps, configs if str(h) in args.config_heads.split(",") else [], modes,
-                                 dkv_configs, mibs, atomic_names)
+                                 dkv_configs, mibs, atomic_names, ws_names)
             torch.cuda.empty_cache()
     save_json(res, args.out)
 

@@ -11,6 +11,7 @@ import pytest
     ("dsa_heads_sweep", ["--key-partition-mib", "-1"], "--key-partition-mib values must be >= 0"),
     ("dsa_heads_sweep", ["--dkv-modes", "bogus"], "unknown --dkv-modes"),
     ("dsa_heads_sweep", ["--atomics", "vector,bogus"], "unknown --atomics"),
+    ("dsa_heads_sweep", ["--ws", "off,maybe"], "unknown --ws"),
     ("dsa_kernels", ["--key-partition-mib", "-2"], "--key-partition-mib must be >= 0"),
     ("dsa_topk_sweep", ["--select", "5"], "--select entries are"),
     ("dsa_topk_sweep", ["--score-configs", "4x64x8"], "--score-configs entries are"),

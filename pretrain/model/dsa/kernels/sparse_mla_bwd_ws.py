@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
 from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader, key_stages
 
-CONFIG = (32, 2)  # (BN selected keys per block, NBUF stages): q, dO and two stages of 32 keys fill 213 KB
-ENABLED = True  # False: the Triton first pass everywhere (benchmarks time both)
+CONFIG = (32, 2)  # (BN selected keys per block, NBUF stages): with q and dO, 221 KB of shared memory
+ENABLED = True  # False: the Triton first pass everywhere (`benchmarks/dsa_heads_sweep.py --ws off,on` times both)
 
 
 @gluon.jit

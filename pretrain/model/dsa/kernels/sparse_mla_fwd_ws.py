@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 log = logging.getLogger(__name__)
 
 CONFIG = (64, 2)  # (BN selected keys per block, NBUF stages): the H200 probe's best (32 x 3 ran at the Triton speed)
-ENABLED = True  # False: the Triton forward everywhere (benchmarks time both)
+ENABLED = True  # False: the Triton forward everywhere (`benchmarks/dsa_heads_sweep.py --ws off,on` times both)
 
 
 LOADER_WARPS = gl.constexpr(4)
