@@ -144,7 +144,7 @@ def _writer(staged, ready, empty, idx_row, dkv_ptr, nv, bid, T, c0, D: gl.conste
 
 
 @gluon.jit
-def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, T, r0,
+def dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, T, r0,
                 s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_pb, s_pt, s_pj,
                 C: gl.constexpr, R: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, DS: gl.constexpr,
                 NSL: gl.constexpr, ROPE: gl.constexpr, NBUF: gl.constexpr, ATOMIC_VEC: gl.constexpr,
@@ -191,7 +191,7 @@ def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, T, r0,
             (_writer, (staged, ready, empty, idx_row, dkv_ptr, nv, bid, T, c0, C + R, BN, DS, ATOMIC_VEC,
                        WRITER_WARPS)),
         ], [WRITER_WARPS], [WRITER_REGS])
-    else:
+    else:  # no writer: staged / ready / empty are never touched (WRITE < 3), any descriptor stands in
         _products(q_s, do_s, ring_ds, ring_p, ring_ds, ring_ds, ring_ds, idx_row, prow, dkv_ptr, nv, bid, T, c0, s_pj,
                   C, R, H, BN, DS, ROPE, NBUF, ATOMIC_VEC, WRITE, MMA, LOAD, num_warps)
 
@@ -201,7 +201,7 @@ def gluon_key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, 
     b, s, h = q.shape[:3]
     bn, ds, nbuf, warps = cfg
     for rope, width, nsl in ((False, ds, c // ds), (True, r, 1)):
-        _dkv_kernel[(rows * nsl, b)](
+        dkv_kernel[(rows * nsl, b)](
             q, grad_out, indices, nvalid, part, dkv, s, dkv.shape[1], r0,
             q.stride(0), q.stride(1), q.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             indices.stride(0), indices.stride(1), part.stride(0), part.stride(1), part.stride(2),

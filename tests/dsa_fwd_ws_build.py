@@ -22,7 +22,7 @@ from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
 
 
 def build(c: int, r: int, first_pass: bool = False) -> dict:
-    fn = bws._first_pass_kernel if first_pass else ws._fwd_kernel
+    fn = bws.first_pass_kernel if first_pass else ws.fwd_kernel
     bn, nbuf = bws.CONFIG if first_pass else ws.CONFIG
     cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8, **({"HEAD_SUMS": True} if first_pass else {}))
     types = {"idx_ptr": "*i32", "nv_ptr": "*i32", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "hs_ptr": "*fp32"}

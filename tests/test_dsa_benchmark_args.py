@@ -40,7 +40,7 @@ def test_dkv_probe_kernel_builds_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from benchmarks.dsa_dkv_probe import _dkv_kernel as fn
+    from benchmarks.dsa_dkv_probe import dkv_kernel as fn
 
     def ptx(write, rope):
         cons = dict(C=512, R=64, H=64, BN=64, DS=64 if rope else 128, NSL=1 if rope else 4, ROPE=rope, NBUF=3,

@@ -88,7 +88,7 @@ def _consumer(qlat_s, qrope_s, do_s, klat_s, krope_s, ds_s, ready, empty, nv, ls
 
 
 @gluon.jit
-def _first_pass_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, hs_ptr, S, r0,
+def first_pass_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, hs_ptr, S, r0,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh, s_pb, s_pt, s_pj, s_hb, s_ht,
                        sm_scale, qk_scale, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr,
                        NBUF: gl.constexpr, HEAD_SUMS: gl.constexpr, num_warps: gl.constexpr):
@@ -135,7 +135,7 @@ def first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums
     bn, nbuf = CONFIG
     hs = head_sums if head_sums is not None else lse
     hstr = head_sums.stride()[:2] if head_sums is not None else (0, 0)
-    _first_pass_kernel[(rows, b)](
+    first_pass_kernel[(rows, b)](
         q, kv, indices, nvalid, grad_out, lse, delta, dq, part, hs, s, r0,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), part.stride(0), part.stride(1), part.stride(2),

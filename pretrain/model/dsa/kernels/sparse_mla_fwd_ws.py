@@ -124,7 +124,7 @@ def _consumer(qlat_s, qrope_s, klat_s, krope_s, p_s, ready, empty, nv, qk_scale,
 
 
 @gluon.jit
-def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it,
+def fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it,
                 s_ob, s_ot, s_oh, qk_scale, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr,
                 NBUF: gl.constexpr, num_warps: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
@@ -161,7 +161,7 @@ def forward(q, kv, indices, nvalid, scale_log2: float, c: int, r: int):
     bn, nbuf = CONFIG
     out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
-    _fwd_kernel[(s, b)](q, kv, indices, nvalid, out, lse, s, q.stride(0), q.stride(1), q.stride(2), kv.stride(0),
+    fwd_kernel[(s, b)](q, kv, indices, nvalid, out, lse, s, q.stride(0), q.stride(1), q.stride(2), kv.stride(0),
                         kv.stride(1), indices.stride(0), indices.stride(1), out.stride(0), out.stride(1),
                         out.stride(2), scale_log2, H=h, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8, maxnreg=MAXNREG)
     return out, lse
