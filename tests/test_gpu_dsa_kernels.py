@@ -240,13 +240,14 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
     assert _relmax(out, tout) < 1e-2 and (lse[fin] - tlse[fin]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("b,s,topk", [(2, 1500, 300), (1, 4096, 2048)])
-def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk):
-    """The backward's warp-specialized first pass (64 heads, Hopper) against the Triton first pass on the same
-    inputs: dq, the stored dS / P rows and sum_h P bitwise equal (both accumulate the same products in the same
-    16-key steps), dkv equal up to the order of its fp32 atomics; dO head-major as the DSA layer hands it over,
-    batches, rows with no valid slot (test_sparse_mla_kernels_on_gpu checks the 64-head backward, through this
-    pass, against the fp32 reference)."""
+@pytest.mark.parametrize("b,s,topk,c,r", [(2, 1500, 300, 512, 64), (1, 4096, 2048, 512, 64), (1, 700, 200, 256, 32)])
+def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk, c, r):
+    """The backward's warp-specialized first pass (64 heads, Hopper: the score kernel, then the query gradient's
+    own kernel from the stored dS) against the Triton first pass on the same inputs: dq, the stored dS / P rows and
+    sum_h P bitwise equal (both accumulate the same products in the same 16-key steps), dkv equal up to the order
+    of its fp32 atomics; dO head-major as the DSA layer hands it over, batches, top-k not a multiple of the 32- and
+    64-key blocks, rows with no valid slot, another latent / rope width (test_sparse_mla_kernels_on_gpu checks the
+    64-head backward, through this pass, against the fp32 reference)."""
     from pretrain.model.dsa.kernels import sparse_mla as km
     from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
     from pretrain.model.dsa.kernels import sparse_mla_dkv as kd
@@ -254,13 +255,13 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized first pass is Hopper's (sm_90)")
     parts = [_sparse_inputs(s, 64, topk, 11 * i + s) for i in range(b)]
-    q = torch.cat([x[0] for x in parts])
-    kv = torch.cat([x[1] for x in parts])
+    q = torch.cat([x[0] for x in parts])[..., :c + r].contiguous()
+    kv = torch.cat([x[1] for x in parts])[..., :c + r].contiguous()
     idx = torch.cat([x[2] for x in parts])
     idx[:, 3] = -1
-    assert bws.supported(q, kv, 64, 512, 64)
+    assert bws.supported(q, kv, 64, c, r)
     scale = 256**-0.5
-    out, lse = km.sparse_mla_forward(q, kv, idx, scale, 512)
+    out, lse = km.sparse_mla_forward(q, kv, idx, scale, c)
     g = torch.randn(out.shape, device="cuda").bfloat16()
     g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     delta = km.output_delta(g_hm, out)
@@ -278,7 +279,7 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk):
         monkeypatch.setattr(bws, "ENABLED", on)
         hs = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
         _poison()
-        dq, dkv = km.sparse_mla_backward(q, kv, idx, lse, delta, g_hm, scale, 512, head_sums=hs)
+        dq, dkv = km.sparse_mla_backward(q, kv, idx, lse, delta, g_hm, scale, c, head_sums=hs)
         runs[on] = (dq, dkv, hs, stored["part"].clone())
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][2], runs[False][2])
     valid = (idx[:, -runs[True][3].shape[1]:] >= 0)[..., None].expand(-1, -1, -1, 128)

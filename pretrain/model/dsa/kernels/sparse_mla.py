@@ -7,7 +7,7 @@ DeepSeek-V3.2 section 2). The math and the reference are `pretrain.model.dsa.spa
 One program per query token: its H heads form the MMA's M dimension (all heads share S_t), the
 token's selected keys are gathered BN at a time, with an online softmax in fp32 (exp2 domain). With 64 heads on
 Hopper the forward runs the warp-specialized Gluon kernel of `sparse_mla_fwd_ws` instead (same results, 1.7x), and
-the backward's first pass that of `sparse_mla_bwd_ws` (bitwise the same results).
+the backward's first pass those of `sparse_mla_bwd_ws` and `sparse_mla_dq_ws` (bitwise the same results).
 
 Backward per token recomputes P = exp(s - lse), dP = dO kv[:, :C]^T, dS = P (dP - Delta) scale, with
 Delta = rowsum(dO * O), and forms dq = dS kv and the key/value gradient of each gathered block,

@@ -42,9 +42,10 @@ MAXNREG = 168  # (8 consumer + 4 loader warps) x 32 x 168 registers fit the regi
 
 
 @gluon.jit
-def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
-    """The NBUF shared-memory stages of BN key rows (latent [BN, C], rope [BN, R]) that `key_loader` fills, and their
-    ready / empty mbarriers, initialized: (klat_s, krope_s, ready, empty)."""
+def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
+               GATHER_WARPS: gl.constexpr = LOADER_WARPS):
+    """The NBUF shared-memory stages of BN key rows (latent [BN, C], rope [BN, R]) that `gather_block` fills from
+    GATHER_WARPS warps, and their ready / empty mbarriers, initialized: (klat_s, krope_s, ready, empty)."""
     klat_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, C],
                                        gl.NVMMASharedLayout.get_default_for([BN, C], gl.bfloat16))
     krope_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R],
@@ -52,33 +53,41 @@ def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.cons
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(NBUF):
-        mbarrier.init(ready.index(b), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
+        mbarrier.init(ready.index(b), count=GATHER_WARPS * 32)  # one cp.async arrival per gathering thread
         mbarrier.init(empty.index(b), count=1)
     return klat_s, krope_s, ready, empty
 
 
 @gluon.jit
-def key_loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
-               BN: gl.constexpr, NBUF: gl.constexpr):
-    """The loader partition (LOADER_WARPS warps): gathers block i of a token's selection (BN key rows, latent and
-    rope parts) into stage i % NBUF once the consumers released it, and arrives on ready[stage] per thread when its
-    cp.async copies land; rows past nv are zero-filled. The backward's warp-specialized first pass shares it."""
-    LL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [LOADER_WARPS, 1], [1, 0])
+def gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
+                 BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
+    """Block i of a token's selection (BN key rows, latent and rope parts) gathered by this partition's num_warps
+    warps into stage i % NBUF by cp.async; each thread arrives on ready[stage] when its copies land. Rows past nv
+    are zero-filled."""
+    LL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [num_warps, 1], [1, 0])
+    st = i % NBUF
     cl = gl.arange(0, C, layout=gl.SliceLayout(0, LL))
     cr = C + gl.arange(0, R, layout=gl.SliceLayout(0, LR))
+    jl = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
+    rows = gl.load(idx_row + jl, mask=jl < nv, other=0).to(gl.int64) * s_kt
+    async_copy.async_copy_global_to_shared(klat_s.index(st), kv_base + rows[:, None] + cl[None, :],
+                                           mask=(jl < nv)[:, None])
+    jr = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
+    rows_r = gl.load(idx_row + jr, mask=jr < nv, other=0).to(gl.int64) * s_kt
+    async_copy.async_copy_global_to_shared(krope_s.index(st), kv_base + rows_r[:, None] + cr[None, :],
+                                           mask=(jr < nv)[:, None])
+    async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+
+@gluon.jit
+def key_loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
+               BN: gl.constexpr, NBUF: gl.constexpr):
+    """The loader partition (LOADER_WARPS warps): gathers block i of a token's selection into stage i % NBUF
+    (`gather_block`) once the consumers released it."""
     for i in range(gl.cdiv(nv, BN)):
-        st = i % NBUF
-        mbarrier.wait(empty.index(st), (i // NBUF & 1) ^ 1)
-        jl = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
-        rows = gl.load(idx_row + jl, mask=jl < nv, other=0).to(gl.int64) * s_kt
-        async_copy.async_copy_global_to_shared(klat_s.index(st), kv_base + rows[:, None] + cl[None, :],
-                                               mask=(jl < nv)[:, None])
-        jr = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
-        rows_r = gl.load(idx_row + jr, mask=jr < nv, other=0).to(gl.int64) * s_kt
-        async_copy.async_copy_global_to_shared(krope_s.index(st), kv_base + rows_r[:, None] + cr[None, :],
-                                               mask=(jr < nv)[:, None])
-        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        mbarrier.wait(empty.index(i % NBUF), (i // NBUF & 1) ^ 1)
+        gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C, R, BN, NBUF, LOADER_WARPS)
 
 
 @gluon.jit
