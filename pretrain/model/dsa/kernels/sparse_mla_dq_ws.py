@@ -19,8 +19,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import (LOADER_REGS, LOADER_WARPS, MAXNREG, gather_block,
-                                                          key_stages)
+from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import (LOADER_REGS, LOADER_WARPS, MAXNREG, block_rows,
+                                                          gather_block, key_stages)
 
 CONFIG = (64, 2)  # (BN selected keys per block, NBUF stages)
 
@@ -30,6 +30,7 @@ def _loader(klat_s, krope_s, ds_s, ready, empty, idx_row, kv_base, s_kt, part_ro
             C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
     DLD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (H // 8), H // 8], [LOADER_WARPS, 1], [1, 0])
     hd = gl.arange(0, H, layout=gl.SliceLayout(0, DLD))
+    rows, rows_r = block_rows(idx_row, 0, nv, s_kt, BN, R, LOADER_WARPS)
     for i in range(gl.cdiv(nv, BN)):
         st = i % NBUF
         mbarrier.wait(empty.index(st), (i // NBUF & 1) ^ 1)
@@ -37,7 +38,8 @@ def _loader(klat_s, krope_s, ds_s, ready, empty, idx_row, kv_base, s_kt, part_ro
         async_copy.async_copy_global_to_shared(ds_s.index(st), part_row + jd.to(gl.int64)[:, None] * s_pj
                                                + hd[None, :], mask=(jd < nv)[:, None])
         # the stage's key rows; its arrival on ready[st] also covers the dS copies above
-        gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C, R, BN, NBUF, LOADER_WARPS)
+        gather_block(klat_s, krope_s, ready, i, rows, rows_r, kv_base, nv, C, R, BN, NBUF, LOADER_WARPS)
+        rows, rows_r = block_rows(idx_row, i + 1, nv, s_kt, BN, R, LOADER_WARPS)
 
 
 @gluon.jit

@@ -59,22 +59,33 @@ def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.cons
 
 
 @gluon.jit
-def gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
+def block_rows(idx_row, i, nv, s_kt, BN: gl.constexpr, R: gl.constexpr, num_warps: gl.constexpr):
+    """The kv row offsets of block i's BN selected keys, in the layouts `gather_block` copies the latent and rope
+    parts with (0 past nv). Loaders fetch them a block ahead, so that the index load's latency is not on the
+    path from a stage's release to its next gather."""
+    LL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [num_warps, 1], [1, 0])
+    jl = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
+    jr = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
+    return (gl.load(idx_row + jl, mask=jl < nv, other=0).to(gl.int64) * s_kt,
+            gl.load(idx_row + jr, mask=jr < nv, other=0).to(gl.int64) * s_kt)
+
+
+@gluon.jit
+def gather_block(klat_s, krope_s, ready, i, rows, rows_r, kv_base, nv, C: gl.constexpr, R: gl.constexpr,
                  BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
-    """Block i of a token's selection (BN key rows, latent and rope parts) gathered by this partition's num_warps
-    warps into stage i % NBUF by cp.async; each thread arrives on ready[stage] when its copies land. Rows past nv
-    are zero-filled."""
+    """Block i of a token's selection (BN key rows at `block_rows`' offsets, latent and rope parts) gathered by this
+    partition's num_warps warps into stage i % NBUF by cp.async; each thread arrives on ready[stage] when its copies
+    land. Rows past nv are zero-filled."""
     LL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [num_warps, 1], [1, 0])
     st = i % NBUF
     cl = gl.arange(0, C, layout=gl.SliceLayout(0, LL))
     cr = C + gl.arange(0, R, layout=gl.SliceLayout(0, LR))
     jl = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
-    rows = gl.load(idx_row + jl, mask=jl < nv, other=0).to(gl.int64) * s_kt
     async_copy.async_copy_global_to_shared(klat_s.index(st), kv_base + rows[:, None] + cl[None, :],
                                            mask=(jl < nv)[:, None])
     jr = i * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LR))
-    rows_r = gl.load(idx_row + jr, mask=jr < nv, other=0).to(gl.int64) * s_kt
     async_copy.async_copy_global_to_shared(krope_s.index(st), kv_base + rows_r[:, None] + cr[None, :],
                                            mask=(jr < nv)[:, None])
     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
@@ -84,10 +95,12 @@ def gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C: gl.co
 def key_loader(klat_s, krope_s, ready, empty, idx_row, kv_base, s_kt, nv, C: gl.constexpr, R: gl.constexpr,
                BN: gl.constexpr, NBUF: gl.constexpr):
     """The loader partition (LOADER_WARPS warps): gathers block i of a token's selection into stage i % NBUF
-    (`gather_block`) once the consumers released it."""
+    (`gather_block`) once the consumers released it, with the next block's indices already loaded."""
+    rows, rows_r = block_rows(idx_row, 0, nv, s_kt, BN, R, LOADER_WARPS)
     for i in range(gl.cdiv(nv, BN)):
         mbarrier.wait(empty.index(i % NBUF), (i // NBUF & 1) ^ 1)
-        gather_block(klat_s, krope_s, ready, i, idx_row, kv_base, s_kt, nv, C, R, BN, NBUF, LOADER_WARPS)
+        gather_block(klat_s, krope_s, ready, i, rows, rows_r, kv_base, nv, C, R, BN, NBUF, LOADER_WARPS)
+        rows, rows_r = block_rows(idx_row, i + 1, nv, s_kt, BN, R, LOADER_WARPS)
 
 
 @gluon.jit
