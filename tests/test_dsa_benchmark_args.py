@@ -17,6 +17,7 @@ import pytest
     ("dsa_topk_sweep", ["--score-configs", "4x64x8"], "--score-configs entries are"),
     ("dsa_dkv_probe", ["--configs", "64x128x3x4"], "--configs entries are"),
     ("dsa_dkv_probe", ["--writes", "atomic,bogus"], "--writes takes"),
+    ("dsa_first_pass_probe", ["--dq-configs", "64x2x1"], "--dq-configs entries are"),
 ])
 def test_bad_arguments_are_refused_before_gpu_work(monkeypatch, capsys, module, argv, message):
     import importlib
