@@ -16,7 +16,8 @@ when asked (the indexer loss's target). Two kernels:
 Why dq is not in the score kernel (as it was at first, with eight warps): its [64, C + R] fp32 accumulator needs
 eight warps' registers, and each stage was then held from its gather through S, dP, dS and dq, a chain two
 stages could not hide. Measured on an H100 (benchmarks/results/README.md, "The backward's first pass in two
-kernels"): 31.8 -> 23.2 ms at 16K tokens (scores 13.0, dq 10.2), dq, dS / P and the head sums still bitwise the
+kernels; loaders a block ahead"): at 16K tokens the first pass takes 20.8 ms (score kernel 12.9, dq 7.0) against
+the single Gluon kernel's 31.4-31.8 and the Triton pass's 35.1, with dq, dS / P and the head sums still bitwise the
 Triton first pass's.
 
 Runs where `supported` says (as the forward: CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64});
