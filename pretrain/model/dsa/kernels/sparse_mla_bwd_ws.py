@@ -37,7 +37,7 @@ from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
 from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader, key_stages
 
 CONFIG = (32,)  # (BN selected keys per block,): two stages (one per score warp group), with q and dO 217 KB
-SCORE_REGS = gl.constexpr(160)
+SCORE_REGS = gl.constexpr(160)  # the second score warp group's register budget (a worker partition's)
 ENABLED = True  # False: the Triton first pass everywhere (`benchmarks/dsa_heads_sweep.py --ws off,on` times both)
 
 
@@ -130,8 +130,8 @@ def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int) -> bool
 def first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0: int, rows: int, scale: float,
                scale_log2: float, c: int, r: int):
     """The first pass over query rows r0 .. r0 + rows: part [b, rows', k, 2h] (dS, then P), head_sums [b, s, k] fp32
-    += sum_h P when given (else None), then dq rows (q's dtype, [b, s, h, c + r] contiguous) from dS
-    (`sparse_mla_dq_ws`)."""
+    receives sum_h P at the valid slots when given (else None), then dq rows (q's dtype, [b, s, h, c + r]
+    contiguous) from dS (`sparse_mla_dq_ws`)."""
     b, s, h = q.shape[:3]
     hs = head_sums if head_sums is not None else lse
     hstr = head_sums.stride()[:2] if head_sums is not None else (0, 0)
