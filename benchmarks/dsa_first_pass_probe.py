@@ -21,14 +21,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.dsa_fwd_probe import inputs  # noqa: E402
-from benchmarks.dsa_kernels import save_json, tile_configs, timed  # noqa: E402
+from benchmarks.dsa_fwd_probe import inputs, require_hopper, stage_configs  # noqa: E402
+from benchmarks.dsa_kernels import save_json, timed  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dkv as kd  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dq_ws as dqws  # noqa: E402
-
-LOG2E = 1.4426950408889634
+from pretrain.model.dsa.kernels.common import LOG2E  # noqa: E402
 
 
 def first_pass_only(q, kv, idx, lse, delta, g, scale, hs, kept: dict):
@@ -53,15 +52,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    configs = tile_configs(args.dq_configs)
-    if any(len(cfg) != 2 for cfg in configs):
-        ap.error("--dq-configs entries are BN x NBUF, e.g. 64x2")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        sys.exit("dsa_first_pass_probe: needs a Hopper GPU (sm_90: wgmma, warp specialization)")
+    configs = stage_configs(ap, args.dq_configs, "--dq-configs")
+    require_hopper("dsa_first_pass_probe")
     h, k, scale = 64, 2048, 256**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}
-    original = bws.ENABLED, dqws.CONFIG, dqws.query_gradient
+    original = bws.ENABLED, dqws.CONFIG
     try:
         for s in [int(x) for x in args.seqs.split(",")]:
             q, kv, idx = inputs(s, k, h, gen)
@@ -95,13 +91,8 @@ def main(argv=None):
                 for r0 in range(0, s, rows):
                     fn(r0, min(rows, s - r0))
 
-            def scores():
-                blocks(lambda r0, n: bws.first_pass(q, kv, idx, nvalid, g, lse, delta, dq, part, hs, r0, n, scale,
-                                                    scale * LOG2E, 512, 64))
-
-            dqws.query_gradient = lambda *a, **kw: None
-            row["scores_ms"] = timed(scores, args.reps)
-            dqws.query_gradient = original[2]
+            row["scores_ms"] = timed(lambda: blocks(lambda r0, n: bws.scores(
+                q, kv, idx, nvalid, g, lse, delta, part, hs, r0, n, scale, scale * LOG2E, 512, 64)), args.reps)
             for cfg in configs:
                 dqws.CONFIG = tuple(cfg)
                 row[f"dq_{cfg[0]}x{cfg[1]}_ms"] = timed(
@@ -115,7 +106,7 @@ def main(argv=None):
             print(row, flush=True)
             res["rows"].append(row)
     finally:
-        bws.ENABLED, dqws.CONFIG, dqws.query_gradient = original
+        bws.ENABLED, dqws.CONFIG = original
     save_json(res, args.out)
 
 

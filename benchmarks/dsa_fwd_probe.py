@@ -23,6 +23,20 @@ from benchmarks.dsa_kernels import save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws  # noqa: E402
 
+
+def stage_configs(ap: argparse.ArgumentParser, text: str, flag: str) -> list:
+    """A Gluon kernel's BN x NBUF variants from `flag`'s text (one-line argparse error otherwise)."""
+    configs = tile_configs(text)
+    if any(len(cfg) != 2 for cfg in configs):
+        ap.error(f"{flag} entries are BN x NBUF, e.g. 64x2")
+    return configs
+
+
+def require_hopper(name: str) -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        sys.exit(f"{name}: needs a Hopper GPU (sm_90: wgmma, warp specialization)")
+
+
 def inputs(s, k, h, gen):
     dev = "cuda"
     q = (torch.randn(1, s, h, 576, device=dev, generator=gen) * 0.5).bfloat16()
@@ -46,11 +60,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    configs = tile_configs(args.configs)
-    if any(len(cfg) != 2 for cfg in configs):
-        ap.error("--configs entries are BN x NBUF, e.g. 64x2")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        sys.exit("dsa_fwd_probe: needs a Hopper GPU (sm_90: wgmma, warp specialization)")
+    configs = stage_configs(ap, args.configs, "--configs")
+    require_hopper("dsa_fwd_probe")
     h, k, scale = 64, 2048, 256**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}

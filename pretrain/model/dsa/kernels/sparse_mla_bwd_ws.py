@@ -129,9 +129,16 @@ def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int) -> bool
 
 def first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0: int, rows: int, scale: float,
                scale_log2: float, c: int, r: int):
-    """The first pass over query rows r0 .. r0 + rows: part [b, rows', k, 2h] (dS, then P), head_sums [b, s, k] fp32
-    receives sum_h P at the valid slots when given (else None), then dq rows (q's dtype, [b, s, h, c + r]
-    contiguous) from dS (`sparse_mla_dq_ws`)."""
+    """The first pass over query rows r0 .. r0 + rows: `scores`, then dq rows (q's dtype, [b, s, h, c + r]
+    contiguous) from the stored dS (`sparse_mla_dq_ws`)."""
+    scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0, rows, scale, scale_log2, c, r)
+    dq_ws.query_gradient(kv, indices, nvalid, dq, part, r0, rows, c, r)
+
+
+def scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0: int, rows: int, scale: float,
+           scale_log2: float, c: int, r: int):
+    """The score kernel over query rows r0 .. r0 + rows: part [b, rows', k, 2h] (dS, then P); head_sums [b, s, k]
+    fp32 receives sum_h P at the valid slots when given (else None)."""
     b, s, h = q.shape[:3]
     hs = head_sums if head_sums is not None else lse
     hstr = head_sums.stride()[:2] if head_sums is not None else (0, 0)
@@ -141,4 +148,3 @@ def first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), part.stride(0), part.stride(1), part.stride(2),
         hstr[0], hstr[1], scale, scale_log2, H=h, C=c, R=r, BN=CONFIG[0], HEAD_SUMS=head_sums is not None,
         num_warps=4, maxnreg=MAXNREG)
-    dq_ws.query_gradient(kv, indices, nvalid, dq, part, r0, rows, c, r)

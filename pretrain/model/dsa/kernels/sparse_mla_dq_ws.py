@@ -7,9 +7,10 @@ Why its own pass: the first pass (`sparse_mla_bwd_ws.scores_kernel`) keeps q and
 memory), which leaves room for two key stages only; with dq in it as well, each stage was held from its gather
 through S, dP and dS to dq's product, a chain the two stages could not hide. Here a loader partition gathers
 each block of BN selected key rows with its dS rows (`part`, [slot, head]) into one of NBUF stages (the forward's
-`gather_block`, the next block's indices loaded ahead), and eight consumer warps, two warp groups each holding half of dq's columns, multiply (wgmma,
-A = dS^T's view, MN-major). No atomics: deterministic. Runs where `sparse_mla_bwd_ws.supported` says. 7.0 ms at
-16K tokens on an H100 (`benchmarks/dsa_first_pass_probe.py`; 9.0 with 32-key blocks in four stages).
+`gather_block`, the next block's indices loaded ahead), and eight consumer warps, two warp groups each holding
+half of dq's columns, multiply (wgmma, A = dS^T's view, MN-major). No atomics: deterministic. Runs where
+`sparse_mla_bwd_ws.supported` says. 7.0 ms at 16K tokens on an H100 (`benchmarks/dsa_first_pass_probe.py`; 9.0
+with 32-key blocks in four stages).
 """
 
 from __future__ import annotations

@@ -42,10 +42,9 @@ MAXNREG = 168  # (8 consumer + 4 loader warps) x 32 x 168 registers fit the regi
 
 
 @gluon.jit
-def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-               GATHER_WARPS: gl.constexpr = LOADER_WARPS):
-    """The NBUF shared-memory stages of BN key rows (latent [BN, C], rope [BN, R]) that `gather_block` fills from
-    GATHER_WARPS warps, and their ready / empty mbarriers, initialized: (klat_s, krope_s, ready, empty)."""
+def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr):
+    """The NBUF shared-memory stages of BN key rows (latent [BN, C], rope [BN, R]) that a loader partition fills
+    (`gather_block`), and their ready / empty mbarriers, initialized: (klat_s, krope_s, ready, empty)."""
     klat_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, C],
                                        gl.NVMMASharedLayout.get_default_for([BN, C], gl.bfloat16))
     krope_s = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R],
@@ -53,7 +52,7 @@ def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.cons
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(NBUF):
-        mbarrier.init(ready.index(b), count=GATHER_WARPS * 32)  # one cp.async arrival per gathering thread
+        mbarrier.init(ready.index(b), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
         mbarrier.init(empty.index(b), count=1)
     return klat_s, krope_s, ready, empty
 
