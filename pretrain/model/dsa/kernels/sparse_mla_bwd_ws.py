@@ -17,8 +17,17 @@ Why dq is not in the score kernel (as it was at first, with eight warps): its [6
 eight warps' registers, and each stage was then held from its gather through S, dP, dS and dq, a chain two
 stages could not hide. Measured on an H100 (benchmarks/results/README.md, "The backward's first pass in two
 kernels; loaders a block ahead"): at 16K tokens the first pass takes 20.8 ms (score kernel 12.9, dq 7.0) against
-the single Gluon kernel's 31.4-31.8 and the Triton pass's 35.1, with dq, dS / P and the head sums still bitwise the
-Triton first pass's.
+the single Gluon kernel's 31.4-31.8 and the Triton pass's 35.1, with dq and dS / P bitwise the Triton first pass's.
+
+What the score groups' overlap costs (per-phase clocks read inside one program, H100, 16K): a block's products take
+about 2,100 cycles and its P / dS part about 3,000, of which about 1,900 went to sum_h P reduced across the four
+warps through shared memory, whose port the other group's products keep busy. P in fp32 now goes to the store
+layout first (one shared-memory round trip that the P store needed anyway), where the sum is a reduction within each
+warp: 12.7 -> 12.25 ms. The head sums then add the same fp32 values in another order than the Triton pass
+(within (64 - 1) 2^-24 of the sum). Tried and slower (the results section): dS and P stored straight from the
+MMA's layout (2-byte scattered stores, 12.9-14.6 ms), and keys as the MMA's M (S^T = k q^T, all heads of a key in
+one warp, no shared memory in the P / dS part) with the keys' latent dims streamed through per-group rings of
+64 x 64 chunks, which the two 64-key blocks in flight need since q and dO take 139 KB (16.0 ms).
 
 Runs where `supported` says (as the forward: CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64});
 `sparse_mla` takes the Triton first pass elsewhere.
@@ -71,14 +80,18 @@ def _scores(qlat_s, qrope_s, do_s, klat_s, krope_s, ready, empty, nv, lse_row, d
         mbarrier.arrive(empty.index(FIRST), count=1)
         ok = i * BN + n < nv
         p = gl.where(ok[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        if HEAD_SUMS:  # the indexer loss's target, sum_h P_h(t, j)
-            gl.store(hs_row + i * BN + n, gl.sum(p, 0), mask=ok)
         dsc = (p * (dp - delta[:, None]) * sm_scale).to(gl.bfloat16)
         jp = i * BN + np_
         pm = (jp < nv)[None, :]
         prow = part_row + jp.to(gl.int64)[None, :] * s_pj + hp[:, None]
         gl.store(prow, gl.convert_layout(dsc, PL), mask=pm)
-        gl.store(prow + H, gl.convert_layout(p.to(gl.bfloat16), PL), mask=pm)
+        # P in fp32 goes to the store layout once, where each warp holds all heads of its slots: sum_h P is then
+        # a reduction within the warp. In the MMA's layout it crossed the four warps through shared memory, whose
+        # port the other warp group's products keep busy (about 1,900 of the 3,000 cycles of this part per block).
+        p = gl.convert_layout(p, PL)
+        if HEAD_SUMS:  # the indexer loss's target, sum_h P_h(t, j)
+            gl.store(hs_row + jp, gl.sum(p, 0), mask=jp < nv)
+        gl.store(prow + H, p.to(gl.bfloat16), mask=pm)
 
 
 @gluon.jit
