@@ -23,11 +23,10 @@ What the score groups' overlap costs (per-phase clocks read inside one program, 
 about 2,100 cycles and its P / dS part about 3,000, of which about 1,900 went to sum_h P reduced across the four
 warps through shared memory, whose port the other group's products keep busy. P in fp32 now goes to the store
 layout first (one shared-memory round trip that the P store needed anyway), where the sum is a reduction within each
-warp: 12.7 -> 12.25 ms. The head sums then add the same fp32 values in another order than the Triton pass
-(each order within (64 - 1) 2^-24 of the exact sum). Tried and slower (the results section): dS and P stored
-straight from the MMA's layout (2-byte scattered stores, 12.9-14.6 ms), and keys as the MMA's M (S^T = k q^T, all
-heads of a key in one warp, no shared memory in the P / dS part) with the keys' latent dims streamed through
-per-group rings of 64 x 64 chunks, which the two 64-key blocks in flight need since q and dO take 139 KB (16.0 ms).
+warp: the score kernel 12.80 -> 12.27 ms in one call. The head sums then add the same fp32 values in another order
+than the Triton pass (each order within (64 - 1) 2^-24 of the exact sum). The variants tried and found slower
+(chunk rings, keys as the MMA's M, stores straight from the MMA's layout) are in benchmarks/results/README.md,
+"The score kernel's phases read from inside; sum_h P within each warp".
 
 Runs where `supported` says (as the forward: CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64});
 `sparse_mla` takes the Triton first pass elsewhere.
