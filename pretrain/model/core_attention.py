@@ -11,7 +11,12 @@ their dense attention. `model.window_size` makes it sliding-window attention
 
 Context parallelism (`parallel.context_parallel`): the queries are this rank's tokens, K and V are
 all-gathered over the CP group into global order, and the mask is causal in global positions (and,
-with packed documents, the rows of the document mask that belong to this rank's queries).
+with packed documents, the rows of the document mask that belong to this rank's queries). Without a
+document mask no mask tensor is built (`attend_cp_causal`): the rank's two query chunks, at global
+rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagonal aligned to the
+last key (`torch.nn.attention.bias.causal_lower_right`), which SDPA's flash and memory-efficient
+kernels take without a mask and with their causal block skipping. An explicit [s / cp, s] mask
+instead sends SDPA to a kernel that reads the mask and computes every (query, key) block.
 """
 
 from __future__ import annotations
@@ -21,10 +26,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from parallel.context_parallel import causal_visibility, cp_size_and_rank, gather_sequence, local_positions
+from parallel.context_parallel import (
+    causal_visibility,
+    chunk_ids,
+    cp_size_and_rank,
+    gather_sequence,
+    local_positions,
+)
 from pretrain.model.sliding_window import combine, sliding_window_mask
 
 
@@ -80,16 +92,31 @@ class SDPACoreAttention(MegatronModule):
         cp_size, cp_rank = cp_size_and_rank(self.cp_group)
         if cp_size > 1:
             key, value = gather_sequence(key, 0, self.cp_group), gather_sequence(value, 0, self.cp_group)
+            if attention_mask is None and self.window_size is None:
+                return self.attend_cp_causal(query, key, value, cp_size, cp_rank)
             visible = causal_visibility(local_positions(query.shape[0], cp_size, cp_rank, query.device), key.shape[0])
             attention_mask = ~visible if attention_mask is None else attention_mask | ~visible
         return self.attend(query, key, value, attention_mask, mask_type)
 
-    def attend(self, query, key, value, attention_mask, mask_type=None) -> torch.Tensor:
-        """query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv], mask True = masked -> [sq, b, np * hv]."""
+    def attend_cp_causal(self, query, key, value, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """Causal attention of this CP rank's queries (its two chunks, `parallel.context_parallel`) to the
+        whole sequence's keys in global order, one lower-right-aligned causal call per chunk."""
+        c = query.shape[0] // 2
+        outs = []
+        for i, chunk in enumerate(chunk_ids(cp_size, cp_rank)):
+            end = (chunk + 1) * c  # the chunk's last global row sees keys 0 .. end - 1
+            outs.append(self.attend(query[i * c:(i + 1) * c], key[:end], value[:end], None, lower_right=True))
+        return torch.cat(outs, dim=0)
+
+    def attend(self, query, key, value, attention_mask, mask_type=None, lower_right: bool = False) -> torch.Tensor:
+        """query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv], mask True = masked -> [sq, b, np * hv].
+        `lower_right`: causal with query i seeing keys <= i + sk - sq (no mask tensor; `attend_cp_causal`)."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         attn_mask = None
         is_causal = False
-        if attention_mask is not None:
+        if lower_right:
+            attn_mask = causal_lower_right(q.shape[2], k.shape[2])
+        elif attention_mask is not None:
             # megatron convention: True marks a masked-out position
             attn_mask = ~attention_mask
         elif mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal):

@@ -240,9 +240,13 @@ class DSACoreAttention(SDPACoreAttention):
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)
         mask = attention_mask
-        if (mask is None and segment_ids is not None) or query_positions is not None:
-            mask = ~keys.rows(0, s).unsqueeze(1)  # THD documents, or causal in global positions (CP)
-        out = self.attend(query, key, value, mask, self.attn_mask_type)
+        cp_size, cp_rank = cp_size_and_rank(self.cp_group)
+        if mask is None and segment_ids is None and cp_size > 1:  # causal in global positions, no mask tensor
+            out = self.attend_cp_causal(query, key, value, cp_size, cp_rank)
+        else:
+            if (mask is None and segment_ids is not None) or query_positions is not None:
+                mask = ~keys.rows(0, s).unsqueeze(1)  # THD documents, or a document mask under CP
+            out = self.attend(query, key, value, mask, self.attn_mask_type)
         if train_indexer:
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
