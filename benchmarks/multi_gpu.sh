@@ -4,16 +4,19 @@
 #   bash benchmarks/multi_gpu.sh equivalence OUT_DIR   # TP=2 (+SP), PP=2, CP=2, DP=4, EP=4, TP=2 x CP=2
 #   bash benchmarks/multi_gpu.sh zero2 OUT_DIR         # ZeRO-2 fp32 / bf16 reductions, per micro-batch / step;
 #                                                      # resume from its own checkpoint at DP=4 and at DP=2
-#   bash benchmarks/multi_gpu.sh scaling OUT_DIR       # 1 GPU, DP=4, EP=4 x DP=4, TP=2 x DP=2, CP=2 x DP=2 (32K)
+#   bash benchmarks/multi_gpu.sh scaling OUT_DIR       # 1 GPU, DP=4 (DDP, ZeRO-2), EP=4 x DP=4, TP=2 x DP=2,
+#                                                      # CP=2 x DP=2 (32K)
 #
 # equivalence / zero2: a 4-layer cut of glm5-proxy (dense layer 0, 3 MoE layers, 3 MTP depths), Muon, 10 steps of
 # 8 x 4,096 tokens, every run started from one checkpoint (`init`, one step on one GPU; `checkpoint.pretrained`
 # reshards it). `ref` is one GPU; `floor` is one GPU with micro-batch 2, the same arithmetic in another order: the
 # bf16 noise every layout is measured against. The table and its pass rule: benchmarks/multi_gpu_compare.py.
 # Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` times anything.
-# EXTRA adds overrides to every run. A CPU rehearsal on gloo (bf16 reductions need a GPU, so zero2's bf16 runs fail):
+# EXTRA adds overrides to every run. A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
+# megatron's CUDA-only distributed optimizer: hence Muon):
 #   MODEL=configs/models/glm5-tiny.yaml CUT= SEQ=64 \
-#   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" bash benchmarks/multi_gpu.sh equivalence /tmp/mg
+#   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" \
+#   bash benchmarks/multi_gpu.sh equivalence /tmp/mg
 set -euo pipefail
 mode=${1:?usage: multi_gpu.sh equivalence|zero2|scaling OUT_DIR}
 out=${2:?usage: multi_gpu.sh equivalence|zero2|scaling OUT_DIR}
@@ -102,11 +105,14 @@ scaling)
           model.recompute_num_layers=1)
     launch gpu1 0 train.global_batch_size=8
     launch dp4 0,1,2,3 train.global_batch_size=32
+    # GLM-5's setup, Muon with ZeRO-2: each rank owns a quarter of the update's work
+    launch dp4_zero2 0,1,2,3 train.global_batch_size=32 "${zero2[@]}"
     launch ep4 0,1,2,3 train.global_batch_size=32 parallel.expert_model_parallel_size=4
     launch tp2dp2 0,1,2,3 train.global_batch_size=16 "${tp2[@]}"
     launch gpu1_32k 0 train.global_batch_size=2 "${long[@]}"
     launch cp2dp2_32k 0,1,2,3 train.global_batch_size=4 parallel.context_parallel_size=2 "${long[@]}"
-    python benchmarks/summarize_scaling.py "$out" gpu1 dp4:4 ep4:4 tp2dp2:4 gpu1_32k:1:gpu1_32k cp2dp2_32k:4:gpu1_32k
+    python benchmarks/summarize_scaling.py "$out" gpu1 dp4:4 dp4_zero2:4 ep4:4 tp2dp2:4 gpu1_32k:1:gpu1_32k \
+        cp2dp2_32k:4:gpu1_32k
     ;;
 *)
     echo "unknown mode $mode (equivalence | zero2 | scaling)" >&2
