@@ -17,9 +17,12 @@ Attention (MLA, DSA, GQA) all-gathers what is small per token over the CP group,
 queries: MLA's compressed latent and rope key (kv_lora_rank + qk_pos_emb_head_dim = 576 numbers per
 token at GLM-5's shapes, after the latent norm and the rope), the DSA indexer keys (128), GQA's
 K/V heads. `gather_sequence` returns them in global order (rank j's block holds chunks j and
-2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys with
-the global causal / document mask. Its backward sums the gathered tensor's gradient over the CP
-group and hands each rank the rows of its own tokens (a reduce-scatter):
+2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys in
+global positions: dense attention without documents as one causal call per query chunk (chunk k
+sees keys [0, (k + 1) c), diagonal aligned to the last key; no mask tensor:
+`SDPACoreAttention.attend_cp_causal`), with documents through the global causal / document mask,
+sparse DSA through its selected key positions. The gather's backward sums the gathered tensor's
+gradient over the CP group and hands each rank the rows of its own tokens (a reduce-scatter):
 
     d L / d x_j = sum_r  d L_r / d gather(x)[rows of rank j]
 
