@@ -41,15 +41,31 @@ class FakeReader:
         return math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in a))
 
 
-def test_measures_and_pass_rule(tmp_path):
-    ref = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
-    write_run(tmp_path, "ref", ref, [1.0] * 7)
-    write_run(tmp_path, "floor", [x + 1e-3 for x in ref], [1.01] * 7)  # floor: 1e-3 loss, 1% grad norm
-    write_run(tmp_path, "good", [ref[0]] + [x - 2e-3 for x in ref[1:]], [1.0, 1.02] + [1.0] * 5)
-    write_run(tmp_path, "bad", [x + 0.05 for x in ref], [1.0] * 7)
-    write_run(tmp_path, "z2_fp32_micro", ref, [1.0] * 7)
+REF = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
+
+
+def write_runs(out: Path):
+    write_run(out, "ref", REF, [1.0] * 7)
+    write_run(out, "floor", [x + 1e-3 for x in REF], [1.01] * 7)  # floor: 1e-3 loss, 1% grad norm
+    write_run(out, "good", [REF[0]] + [x - 2e-3 for x in REF[1:]], [1.0, 1.02] + [1.0] * 5)
+    write_run(out, "bad", [x + 0.05 for x in REF], [1.0] * 7)
+    write_run(out, "z2_fp32_micro", REF, [1.0] * 7)
     # resumed at step 5: steps 1-5 copied, 6-7 its own (step 7 off by 4e-3)
-    write_run(tmp_path, "z2_resume_dp2", ref[:6] + [ref[6] + 4e-3], [1.0] * 7)
+    write_run(out, "z2_resume_dp2", REF[:6] + [REF[6] + 4e-3], [1.0] * 7)
+
+
+def test_losses_and_grad_norms_alone_without_weights(tmp_path):
+    """--no-weights: the curves are judged by the same rule, the drift is neither measured nor required."""
+    write_runs(tmp_path)
+    rows = {r["run"]: r for r in mgc.compare(tmp_path, ["floor", "good", "bad", "z2_resume_dp2"], None)}
+    assert all("drift" not in r for r in rows.values())
+    assert rows["good"]["pass"] and not rows["bad"]["pass"]
+    assert set(rows["good"]["tolerance"]) == {"loss_step1", "loss_max", "grad_norm_max"}
+    assert rows["z2_resume_dp2"]["reference"] == "z2_fp32_micro"  # read although not listed in the runs
+
+
+def test_measures_and_pass_rule(tmp_path):
+    write_runs(tmp_path)
     w0 = {"a": torch.zeros(4, dtype=torch.float64)}
     w_ref = {"a": vec([3.0, 4.0, 0.0, 0.0])}  # moved by 5
     weights = {"init": w0, "ref": w_ref, "floor": {"a": vec([3.0, 4.0, 0.1, 0.0])},

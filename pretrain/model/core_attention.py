@@ -16,7 +16,8 @@ document mask no mask tensor is built (`attend_cp_causal`): the rank's two query
 rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagonal aligned to the
 last key (`torch.nn.attention.bias.causal_lower_right`), which SDPA's flash and memory-efficient
 kernels take without a mask and with their causal block skipping. An explicit [s / cp, s] mask
-instead sends SDPA to a kernel that reads the mask and computes every (query, key) block.
+(at 128K and CP = 2, 8 GB per layer) leaves SDPA only its kernels that read a mask, which skip no
+block (CP = 2 at 32K trained at 0.31 of one GPU that way: benchmarks/results/README.md).
 """
 
 from __future__ import annotations
