@@ -66,4 +66,5 @@ def kern():
     import importlib
 
     return {name: importlib.import_module(f"pretrain.model.dsa.kernels.{name}")
-            for name in ["segment_sum", "sparse_mla", "sparse_mla_dkv", "indexer_kl", "indexer_topk", "radix_select"]}
+            for name in ["segment_sum", "sparse_mla", "sparse_mla_dkv", "indexer_kl", "indexer_topk", "radix_select",
+                         "packed_indices"]}

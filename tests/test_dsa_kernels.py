@@ -358,6 +358,23 @@ def test_output_delta_kernel_matches_float64(kern, c):
         sm.output_delta(grad[:, :5], out)
 
 
+def test_unpack_kernel_matches_the_naive_rule(kern):
+    """The one-pass unpack of int16-packed top-k indices against the rule written out per element: -1 stays -1
+    (an empty slot), any other value is its unsigned 16-bit reading (keys 32768..65534 wrap to negative int16);
+    a size not a multiple of the kernel's block, and a non-contiguous input."""
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 65535, (2, 37, 130), generator=gen, dtype=torch.int32)
+    idx[0, 0, :5] = torch.tensor([-1, 0, 32767, 32768, 65534])
+    packed = idx.to(torch.int16)
+    naive = torch.tensor([-1 if v == -1 else v % 65536 for v in packed.flatten().tolist()], dtype=torch.int32)
+    assert torch.equal(naive.view(idx.shape), idx)  # the rule inverts the packing
+    got = kern["packed_indices"].unpack(packed)
+    assert got.dtype == torch.int32 and torch.equal(got, idx)
+    assert torch.equal(kern["packed_indices"].unpack(packed.transpose(1, 2)), idx.transpose(1, 2))
+    with pytest.raises(ValueError, match="int16"):
+        kern["packed_indices"].unpack(idx)
+
+
 @pytest.mark.parametrize("mode", [0, 1])
 def test_add_rows_matches_naive(kern, mode):
     """The key gradients' row adds (`atomics.add_rows`) against a float64 loop: rows selected twice or more sum

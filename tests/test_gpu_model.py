@@ -127,3 +127,23 @@ def test_tiny_dsa_model_sparse_step_on_gpu():
     bf16(ids, pos, None, labels=ids).mean().backward()
     grads = [p.grad for n, p in bf16.named_parameters() if ".indexer." in n]
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("shape", [(4096, 1, 16, 128, 64), (4096, 2, 16, 64, 64), (1000, 2, 1, 128, 64)])
+def test_fused_mla_rope_is_megatrons_formula_bitwise_in_bf16(shape):
+    """The MLA RoPE kernel (pretrain/model/rope.py) against megatron-core's unfused formula on CUDA: bf16 outputs and
+    gradients bit for bit (the kernel rounds where PyTorch's elementwise operations round), on a strided view."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from pretrain.model.rope import mla_rope
+
+    s, b, h, d, r = shape
+    freqs = (torch.rand(s, 1, 1, r // 2, device="cuda") * s).repeat(1, 1, 1, 2)
+    wide = torch.randn(s, b, h, d + 64, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16)
+    t_ref, t = wide.clone().requires_grad_(True), wide.clone().requires_grad_(True)
+    ref = _apply_rotary_pos_emb_bshd(t_ref[..., 64:], freqs, rotary_interleaved=False, multi_latent_attention=True)
+    got = mla_rope(freqs)(t[..., 64:])
+    ref.backward(grad)
+    got.backward(grad)
+    assert torch.equal(got, ref) and torch.equal(t.grad, t_ref.grad)

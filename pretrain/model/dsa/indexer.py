@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from pretrain.model.dsa.kernels import triton_available
+
 
 class LightningIndexer(nn.Module):
     """The indexer's parameters, named as the checkpoint converter maps them to Hugging Face's
@@ -231,9 +233,14 @@ def pack_indices(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def unpack_indices(packed: torch.Tensor) -> torch.Tensor:
-    """`pack_indices`' inverse: int32 indices (-1 on empty slots)."""
+    """`pack_indices`' inverse: int32 indices (-1 on empty slots). On CUDA with triton, one kernel
+    (`kernels.packed_indices`) instead of the four passes below."""
     if packed.dtype != torch.int16:
         return packed
+    if packed.is_cuda and triton_available():
+        from pretrain.model.dsa.kernels.packed_indices import unpack
+
+        return unpack(packed)
     wide = packed.to(torch.int32)
     return torch.where(wide == -1, wide, wide & 0xFFFF)
 

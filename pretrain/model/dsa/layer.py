@@ -34,6 +34,7 @@ key range. The gathers' backward reduce-scatters the gradients. The same classes
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -52,6 +53,7 @@ from parallel.context_parallel import cp_size_and_rank, gather_sequence, local_p
 from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa.backend import select_backend
+from pretrain.model.dsa.kernels import triton_available
 from pretrain.model.dsa.indexer import (
     LightningIndexer, VisibleKeys, default_chunk, pack_indices, segment_ids_from_cu_seqlens,
 )
@@ -59,6 +61,15 @@ from pretrain.model.dsa.indexer_loss import (
     DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
 )
 from pretrain.model.dsa.sparse_core import sparse_mla_core
+
+
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _tp_size(group) -> int:
@@ -160,8 +171,21 @@ class DSAMLASelfAttention(MLASelfAttention):
             freqs, mscale = self.rotary_pos_emb(length)
         freqs = freqs[positions] if positions is not None else freqs[:s]
         cp = self.pg_collection.cp
+        # On CUDA one Triton kernel per direction (`pretrain.model.rope`), bitwise megatron's unfused formula,
+        # which takes seven passes and recomputes its cos / sin on every call; megatron's own on CPU.
+        fused = None
+        if freqs.is_cuda and triton_available():
+            if cfg.rotary_interleaved:
+                _warn_once("model.rotary_interleaved=true: MLA's RoPE runs megatron-core's unfused formula (the "
+                           "fused kernel takes the non-interleaved rotation GLM-5 uses)")
+            else:
+                from pretrain.model.rope import mla_rope
+
+                fused = mla_rope(freqs, mscale)
 
         def rope(t: torch.Tensor) -> torch.Tensor:
+            if fused is not None:
+                return fused(t)
             return apply_rotary_pos_emb(t, freqs, config=cfg, mscale=mscale, cp_group=cp)
 
         return rope, segment_ids

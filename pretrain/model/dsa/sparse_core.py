@@ -37,12 +37,33 @@ from __future__ import annotations
 import torch
 
 from pretrain.model.dsa.indexer import pack_indices, unpack_indices
-from pretrain.model.dsa.sparse_mla import absorb_query, expand_values
 
 
 def _absorbed(q_nope, q_pe, w_uk):
-    """q_nope [s, b, h, dn], q_pe [s, b, h, dr] -> q_abs [b, s, h, c + dr] (a view of an [s, b, ...] tensor)."""
-    return torch.cat([absorb_query(q_nope, w_uk), q_pe], dim=-1).transpose(0, 1)
+    """q_nope [s, b, h, dn], q_pe [s, b, h, dr] -> q_abs [b, s, h, c + dr] (a view of an [s, b, ...] tensor).
+
+    One GEMM per head writes W_UK_h^T q_nope_h straight into the latent columns of q_abs (cuBLAS takes the row
+    stride h (c + dr)), and q_pe is copied into the rope columns. The product followed by a cat took 1.65 ms per
+    layer at glm5-proxy's 32K, in forward and again in backward (benchmarks/results/README.md)."""
+    s, b, h, dn = q_nope.shape
+    c, dr = w_uk.shape[-1], q_pe.shape[-1]
+    q_abs = q_nope.new_empty(s, b, h, c + dr)
+    rows = q_abs.view(s * b, h, c + dr)
+    torch.bmm(q_nope.reshape(s * b, h, dn).transpose(0, 1), w_uk, out=rows.transpose(0, 1)[..., :c])
+    rows[..., c:].copy_(q_pe.reshape(s * b, h, dr))
+    return q_abs.transpose(0, 1)
+
+
+def _expanded(o_lat, w_uv):
+    """o_lat [b, s, h, c], w_uv [h, dv, c] -> out [s, b, h * dv], out_h = W_UV_h o_lat_h: one GEMM per head into
+    [b, s, h, dv] rows, so that with b = 1 the [s, b, h * dv] result is a view, not a copy (0.34 ms per layer at 32K
+    as a head-major product then a reshape)."""
+    b, s, h, c = o_lat.shape
+    dv = w_uv.shape[1]
+    out = o_lat.new_empty(b, s, h, dv)
+    torch.bmm(o_lat.reshape(b * s, h, c).transpose(0, 1), w_uv.transpose(1, 2),
+              out=out.view(b * s, h, dv).transpose(0, 1))
+    return out.transpose(0, 1).reshape(s, b, h * dv)
 
 
 KL_CHANNEL = 10  # the position of `kl_channel` among SparseMLACore.forward's inputs
@@ -55,11 +76,10 @@ class SparseMLACore(torch.autograd.Function):
         s, b, h, dn = q_nope.shape
         c = latent.shape[-1]
         w = weight.view(h, -1, c)
-        dv = w.shape[1] - dn
         q_abs = _absorbed(q_nope, q_pe, w[:, :dn])
         kv = torch.cat([latent, k_pe[:, :, 0]], dim=-1).transpose(0, 1)  # [b, t, c + dr]
         o_lat, lse = backend.attention_forward(q_abs, kv, indices, scale, c, chunk)
-        out = expand_values(o_lat, w[:, dn:]).transpose(0, 1).reshape(s, b, h * dv)
+        out = _expanded(o_lat, w[:, dn:])
         kept = () if recompute else (o_lat, lse)
         # q_nope is a view of the q projection (q_nope and the pre-rope q_pe): keep only its part
         if kept_indices is None:

@@ -75,7 +75,8 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
 
 @triton.jit
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, part_ptr, hs_ptr,
-                dq32_ptr, S, H, T, r0, k_lo, k_hi, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it, s_dob, s_dot, s_doh,
+                dq32_ptr, S, H, T, r0, k_lo, k_hi, first, last, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it,
+                s_dob, s_dot, s_doh,
                 s_pb, s_pt, s_pj, s_hb, s_ht, s_db, s_dt, sm_scale, qk_scale,
                 C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
                 BN: tl.constexpr, CC: tl.constexpr, PREC: tl.constexpr, DKV: tl.constexpr,
@@ -148,14 +149,21 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
                 add_rows(drow, c0, dk_c, ok, C, RED)
     ml = hm[:, None] & (c[None, :] < C)
     mr = hm[:, None] & (r[None, :] < R)
+    dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
     if PART:  # one launch per key partition, in order: the fp32 sum over partitions is deterministic
+        # The first partition starts the fp32 sum (no zeroed buffer), the last writes dq (no copy after); every
+        # head takes part, since a token may have no key in the first or the last partition.
+        ml = (h[:, None] < H) & (c[None, :] < C)
+        mr = (h[:, None] < H) & (r[None, :] < R)
         d32 = dq32_ptr + bid * s_db + (t - r0).to(tl.int64) * s_dt + h[:, None] * (C + R)
-        tl.store(d32 + c[None, :], tl.load(d32 + c[None, :], mask=ml, other=0.0) + dq_lat, mask=ml)
-        tl.store(d32 + C + r[None, :], tl.load(d32 + C + r[None, :], mask=mr, other=0.0) + dq_rope, mask=mr)
-    else:
-        dqb = dq_ptr + (bid * S + t).to(tl.int64) * H * (C + R) + h[:, None] * (C + R)
-        tl.store(dqb + c[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=ml)
-        tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=mr)
+        dq_lat += tl.load(d32 + c[None, :], mask=ml & (first == 0), other=0.0)
+        dq_rope += tl.load(d32 + C + r[None, :], mask=mr & (first == 0), other=0.0)
+        tl.store(d32 + c[None, :], dq_lat, mask=ml & (last == 0))
+        tl.store(d32 + C + r[None, :], dq_rope, mask=mr & (last == 0))
+        ml = ml & (last != 0)
+        mr = mr & (last != 0)
+    tl.store(dqb + c[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=ml)
+    tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=mr)
 
 
 DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
@@ -303,14 +311,16 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     if mode == 5:
         block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
     # unpartitioned, the kernel never touches dq32 (PART is off): dq stands in for the pointer
-    dq32 = torch.zeros(b, block, h, c + r, dtype=torch.float32, device=q.device) if dq_parts else dq
+    dq32 = torch.empty(b, block, h, c + r, dtype=torch.float32, device=q.device) if dq_parts else dq
     red = reduction_mode(dkv, c, r)
 
     def launch(r0, rows, part, dkv_mode, keys=(0, t)):
         split = keys != (0, t)
         pstrides = part.stride()[:3] if part.dim() == 4 else (0, 0, 0)
+        first, last = int(keys[0] == 0), int(keys[1] == t)  # the first / last key partition (dq32's sum)
         _bwd_kernel[(rows, b)](
             q, kv, indices, nvalid, grad_out, lse, delta, dq, dkv, part, hs, dq32, s, h, t, r0, keys[0], keys[1],
+            first, last,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
             indices.stride(1), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *pstrides,
             hs.stride(0), hs.stride(1), dq32.stride(0), dq32.stride(1), scale, scale * LOG2E, C=c, R=r, BC=pow2(c),
@@ -335,10 +345,8 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     elif partitioned:  # blocks of query rows within the fp32 dq accumulator
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
-            dq32.zero_()
-            for keys in parts:
+            for keys in parts:  # in order: the first starts dq32's sum, the last writes dq
                 launch(r0, rows, dkv, mode, keys)
-            dq[:, r0:r0 + rows] = dq32[:, :rows]
     else:
         launch(0, s, dkv, mode)
     return dq, dkv.to(kv.dtype)
