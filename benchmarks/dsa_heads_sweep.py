@@ -37,6 +37,7 @@ from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as tsm_bwd_ws  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dkv as tsm_dkv  # noqa: E402
+from pretrain.model.dsa.kernels import sparse_mla_fwd_km as tsm_fwd_km  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as tsm_fwd_ws  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
@@ -127,27 +128,29 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
     return rows
 
 
-WS = {"on": True, "off": False}  # name: sparse_mla_fwd_ws.ENABLED and sparse_mla_bwd_ws.ENABLED
+WS = {"on": True, "off": False}  # name: sparse_mla_fwd_ws / _fwd_km / _bwd_ws .ENABLED
 
 
 def ws_rows(h, s, q, kv, idx, g, reps, names):
-    """Forward and backward ms with the warp-specialized Gluon kernels (64 heads on Hopper: the forward and the
-    backward's first pass) on or off; elsewhere the switch changes nothing (`on` rows say whether they ran)."""
+    """Forward and backward ms with the warp-specialized Gluon kernels (on Hopper: at 64 heads the forward and the
+    backward's first pass, at 8-32 heads the forward with the keys as M) on or off; elsewhere the switch changes
+    nothing (`on` rows say whether they ran)."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D)
     qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
     try:
         for name in names:
-            tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = WS[name]
+            tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = tsm_fwd_km.ENABLED = WS[name]
             fwd = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
             o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
             bwd = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            rows.append({"heads": h, "S": s, "ws": name, "ran": tsm_fwd_ws.supported(q, kv, h, C, D - C),
+            ran = tsm_fwd_ws.supported(q, kv, h, C, D - C) or tsm_fwd_km.supported(q, kv, h, C, D - C)
+            rows.append({"heads": h, "S": s, "ws": name, "ran": ran,
                          "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fl / fwd / 1e9,
                          "bwd_tflops": fl * 2.53 / bwd / 1e9})
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = True
+        tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = tsm_fwd_km.ENABLED = True
     return rows
 
 

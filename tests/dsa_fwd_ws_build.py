@@ -1,4 +1,5 @@
-"""Compile the warp-specialized sparse MLA kernels (the forward, `sparse_mla_fwd_ws`; the backward's first pass,
+"""Compile the warp-specialized sparse MLA kernels (the forwards, `sparse_mla_fwd_ws` and, for 8-32 heads,
+`sparse_mla_fwd_km`; the backward's first pass,
 `sparse_mla_bwd_ws`, and its query gradient, `sparse_mla_dq_ws`) for sm_90 without a GPU (Triton's bundled ptxas)
 and print, per kernel and (C, R), what its PTX holds: warp-group MMAs, cp.async gathers and their mbarrier arrivals,
 the loader partition's register budget, the threads of its barriers (one partition's warps), and the shared memory.
@@ -19,12 +20,16 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
 from pretrain.model.dsa.kernels import sparse_mla_dq_ws as dqws
+from pretrain.model.dsa.kernels import sparse_mla_fwd_km as km
 from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
 
 
 def build(c: int, r: int, kernel: str = "forward") -> dict:
     if kernel == "scores":  # two score warp groups of 4 warps and the loader; one stage each
         fn, cons = bws.scores_kernel, dict(H=64, C=c, R=r, BN=bws.CONFIG[0], HEAD_SUMS=True, num_warps=4)
+    elif kernel.startswith("keys-as-M"):  # 8-32 heads: one consumer warp group and the loader
+        (bn, nbuf), h = km.CONFIG, int(kernel.split()[-1])
+        fn, cons = km.fwd_kernel, dict(H=h, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=km.CONSUMER_WARPS)
     else:
         fn, (bn, nbuf) = (dqws.dq_kernel, dqws.CONFIG) if kernel == "dq" else (ws.fwd_kernel, ws.CONFIG)
         cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8)
@@ -50,6 +55,9 @@ def main():
     out = {f"forward {c}x{r}": build(c, r) for c, r in ((512, 64), (256, 32))}
     out["scores 512x64"] = build(512, 64, "scores")
     out["dq 512x64"] = build(512, 64, "dq")
+    out["forward, keys as M, 16 heads 512x64"] = build(512, 64, "keys-as-M 16")
+    out["forward, keys as M, 8 heads 256x32"] = build(256, 32, "keys-as-M 8")
+    out["forward, keys as M, 32 heads 512x64"] = build(512, 64, "keys-as-M 32")
     print(json.dumps(out))
 
 

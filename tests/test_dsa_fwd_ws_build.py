@@ -1,5 +1,5 @@
-"""The warp-specialized sparse MLA kernels, the forward (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`) and the
-backward's first pass (`sparse_mla_bwd_ws.py`), build for sm_90 without a GPU into what their speed rests on
+"""The warp-specialized sparse MLA kernels, the forwards (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`, and
+`sparse_mla_fwd_km.py` for 8-32 heads) and the backward's first pass (`sparse_mla_bwd_ws.py`), build for sm_90 without a GPU into what their speed rests on
 (`tests/dsa_fwd_ws_build.py`, in a process without the interpreter): warp-group MMAs, cp.async gathers that arrive
 on mbarriers, a loader partition with its own register budget, barriers of the eight consumer warps only, and
 shared memory within Hopper's 232,448 bytes per block. Their values are tested on the GPU
@@ -19,12 +19,15 @@ def test_warp_specialized_forward_builds_for_hopper():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     builds = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(builds) == {"forward 512x64", "forward 256x32", "scores 512x64", "dq 512x64"}
+    assert set(builds) == {"forward 512x64", "forward 256x32", "scores 512x64", "dq 512x64",
+                           "forward, keys as M, 16 heads 512x64", "forward, keys as M, 8 heads 256x32",
+                           "forward, keys as M, 32 heads 512x64"}
     for shape, b in builds.items():
         assert b["wgmma"] >= 8 and b["cp_async"] > 0 and b["cp_async_arrive_noinc"] > 0, (shape, b)
         assert b["loader_regs"] in b["setmaxnreg"], (shape, b)
-        # barriers within one partition: the eight consumer warps, or one score warp group; never all warps
-        assert b["barrier_threads"] == ([128] if shape.startswith("scores") else [128, 256]), (shape, b)
+        # barriers within one partition: the eight consumer warps, or one (score or keys-as-M) warp group; never all
+        one_group = shape.startswith("scores") or "keys as M" in shape
+        assert b["barrier_threads"] == ([128] if one_group else [128, 256]), (shape, b)
         assert b["shared"] <= 232448, (shape, b)
 
 
@@ -34,3 +37,6 @@ def test_cpu_tensors_take_the_triton_kernels():
 
     q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
     assert not ws.supported(q, q[:, :, 0], 64, 512, 64) and not bws.supported(q, q[:, :, 0], 64, 512, 64)
+    from pretrain.model.dsa.kernels import sparse_mla_fwd_km as km
+
+    assert not km.supported(q[:, :, :16], q[:, :, 0], 16, 512, 64)

@@ -197,14 +197,21 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
     assert torch.equal(dq2, results[True][0]) and torch.equal(dkv2, results[True][1])  # deterministic mode
 
 
-@pytest.mark.parametrize("b,s,topk,c,r", [(2, 1500, 300, 512, 64), (1, 4096, 2048, 512, 64), (1, 700, 200, 256, 32)])
-def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, r):
-    """The warp-specialized forward (64 heads, Hopper) against the fp32 reference and the Triton forward: batches,
-    top-k not a multiple of its 64-key blocks, rows with no valid slot (output 0, lse -inf), q with a padded head
-    stride, another latent / rope width; two runs bitwise equal."""
+@pytest.mark.parametrize("b,s,topk,c,r,h", [(2, 1500, 300, 512, 64, 64), (1, 4096, 2048, 512, 64, 64),
+                                             (1, 700, 200, 256, 32, 64), (2, 1500, 300, 512, 64, 16),
+                                             (1, 4096, 2048, 512, 64, 16), (1, 700, 200, 256, 32, 16),
+                                             (1, 4096, 2048, 512, 64, 8), (2, 1500, 300, 512, 64, 32)])
+def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, r, h):
+    """The warp-specialized forwards (Hopper; 64 heads as the MMA's M, `sparse_mla_fwd_ws`; 8-32 heads with the keys
+    as M, `sparse_mla_fwd_km`) against the fp32 reference and the Triton forward: batches, top-k not a multiple of
+    their 64-key blocks, rows with no valid slot (output 0, lse -inf), q with a padded head stride, another latent /
+    rope width; two runs bitwise equal."""
     from pretrain.model.dsa.kernels import sparse_mla as km
-    from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+    from pretrain.model.dsa.kernels import sparse_mla_fwd_km as fwd_km
+    from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
+
+    ws = fwd_ws if h == 64 else fwd_km
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is Hopper's (sm_90)")
@@ -216,15 +223,15 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
         qs.append((q1, kv1))
         idxs.append(idx1)
     d = c + r
-    q = torch.stack([x[0][0, :, :, :d] if d < 576 else x[0][0] for x in qs])
+    q = torch.stack([x[0][0, :, :h, :d] for x in qs])
     kv = torch.stack([x[1][0, :, :d] for x in qs]).contiguous()
     idx = torch.cat(idxs)
     idx[:, 5] = -1  # a row with no valid slot
     idx[:, 9, 7:] = -1  # and one with seven
-    padded = torch.zeros(b, s, 64, d + 32, device="cuda", dtype=torch.bfloat16)
+    padded = torch.zeros(b, s, h, d + 32, device="cuda", dtype=torch.bfloat16)
     padded[..., :d] = q * (torch.rand(1, device="cuda", generator=gen) + 0.5)
     q = padded[..., :d]  # head stride d + 32
-    assert ws.supported(q, kv, 64, c, r)
+    assert ws.supported(q, kv, h, c, r)
     scale = 256**-0.5
     ref, ref_lse = ref_attn(q.float(), kv.float(), idx.long(), scale, c, 64)
     out, lse = km.sparse_mla_forward(q, kv, idx, scale, c)
@@ -235,7 +242,7 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[:, 5] == 0).all() and torch.isinf(lse[:, 5]).all() and (lse[:, 5] < 0).all()
     fin = torch.isfinite(ref_lse)  # the reference's softmax over no key is NaN: compare the other rows
-    assert torch.equal(torch.isfinite(lse), fin) and int((~fin).sum()) == b * 64
+    assert torch.equal(torch.isfinite(lse), fin) and int((~fin).sum()) == b * h
     assert _relmax(out[fin], ref[fin]) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-3
     assert _relmax(out, tout) < 1e-2 and (lse[fin] - tlse[fin]).abs().max() < 1e-4
 

@@ -3,7 +3,9 @@
 - `indexer_topk`: lightning-indexer scores and exact top-k selection (`radix_select`), no [S, S] matrix;
 - `sparse_mla`: sparse MLA attention in absorbed form, forward and backward (`sparse_mla_dkv`: the key gradient's
   own pass from 32 heads; `sparse_mla_fwd_ws`, `sparse_mla_bwd_ws`, `sparse_mla_dq_ws`: the 64-head forward and
-  the backward's first pass (scores, then dq) on Hopper, warp-specialized, in Gluon);
+  the backward's first pass (scores, then dq) on Hopper, warp-specialized, in Gluon; `sparse_mla_fwd_km`: the
+  8-32-head forward on Hopper, the selected keys as the MMA's M);
+- `packed_indices`: the int16 top-k indices kept for backward, unpacked in one pass;
 - `indexer_kl`: the sparse indexer loss (KL at the selected keys) and its gradient, in one kernel;
 - `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;
 - `common`: launch parameters and the tile loads the kernels share.

@@ -196,14 +196,14 @@ def _capability(index: int) -> tuple:
 _SAID = set()
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int, enabled=None) -> bool:
-    """Whether this kernel runs the forward: ENABLED (or `enabled`), CUDA sm_90, bf16 q and kv, h = 64, c in {256,
-    512}, r in {32, 64}, kv rows 16-byte aligned. A CUDA GPU of another generation gets the Triton kernels and one log
-    line saying so."""
+def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int, enabled=None, heads=(64,)) -> bool:
+    """Whether this kernel runs the forward: ENABLED (or `enabled`), CUDA sm_90, bf16 q and kv, h = 64 (or in
+    `heads`: the other Hopper kernels share these checks), c in {256, 512}, r in {32, 64}, kv rows 16-byte aligned. A
+    CUDA GPU of another generation gets the Triton kernels and one log line saying so."""
     if not ((ENABLED if enabled is None else enabled) and q.is_cuda and q.dtype == torch.bfloat16
             and kv.dtype == torch.bfloat16):
         return False
-    if h != 64 or c not in (256, 512) or r not in (32, 64):
+    if h not in heads or c not in (256, 512) or r not in (32, 64):
         return False
     if kv.stride(1) % 8 or kv.data_ptr() % 16:  # the loader's cp.async copies 16-byte pieces of each key row
         return False
