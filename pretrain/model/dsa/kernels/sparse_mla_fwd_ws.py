@@ -58,6 +58,24 @@ def key_stages(C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NBUF: gl.cons
 
 
 @gluon.jit
+def resident_query(qb, s_qh, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, num_warps: gl.constexpr):
+    """A token's H query rows (latent [H, C] and rope [H, R] parts, head stride s_qh) loaded into shared memory, where
+    they stay for the whole selection: (qlat_s, qrope_s). The caller fences before wgmma reads them."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    QR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [num_warps, 1], [1, 0])
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
+    hr = gl.arange(0, H, layout=gl.SliceLayout(1, QR))
+    cr = C + gl.arange(0, R, layout=gl.SliceLayout(0, QR))
+    qlat_s = gl.allocate_shared_memory(gl.bfloat16, [H, C], gl.NVMMASharedLayout.get_default_for([H, C], gl.bfloat16),
+                                       gl.load(qb + hq[:, None] * s_qh + cq[None, :]))
+    qrope_s = gl.allocate_shared_memory(gl.bfloat16, [H, R],
+                                        gl.NVMMASharedLayout.get_default_for([H, R], gl.bfloat16),
+                                        gl.load(qb + hr[:, None] * s_qh + cr[None, :]))
+    return qlat_s, qrope_s
+
+
+@gluon.jit
 def block_rows(idx_row, i, nv, s_kt, BN: gl.constexpr, R: gl.constexpr, num_warps: gl.constexpr):
     """The kv row offsets of block i's BN selected keys, in the layouts `gather_block` copies the latent and rope
     parts with (0 past nv). Loaders fetch them a block ahead, so that the index load's latency is not on the
@@ -150,18 +168,7 @@ def fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s_
                 NBUF: gl.constexpr, num_warps: gl.constexpr):
     t = gl.program_id(0).to(gl.int64)
     bid = gl.program_id(1).to(gl.int64)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    QR: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [num_warps, 1], [1, 0])
-    qb = q_ptr + bid * s_qb + t * s_qt
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
-    cq = gl.arange(0, C, layout=gl.SliceLayout(0, QL))
-    hr = gl.arange(0, H, layout=gl.SliceLayout(1, QR))
-    cr = C + gl.arange(0, R, layout=gl.SliceLayout(0, QR))
-    qlat_s = gl.allocate_shared_memory(gl.bfloat16, [H, C], gl.NVMMASharedLayout.get_default_for([H, C], gl.bfloat16),
-                                       gl.load(qb + hq[:, None] * s_qh + cq[None, :]))
-    qrope_s = gl.allocate_shared_memory(gl.bfloat16, [H, R],
-                                        gl.NVMMASharedLayout.get_default_for([H, R], gl.bfloat16),
-                                        gl.load(qb + hr[:, None] * s_qh + cr[None, :]))
+    qlat_s, qrope_s = resident_query(q_ptr + bid * s_qb + t * s_qt, s_qh, H, C, R, num_warps)
     klat_s, krope_s, ready, empty = key_stages(C, R, BN, NBUF)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BN], gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16))
     fence_async_shared()  # q was stored through the generic proxy; wgmma reads it through the async one
