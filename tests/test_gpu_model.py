@@ -133,16 +133,15 @@ def test_tiny_dsa_model_sparse_step_on_gpu():
 def test_fused_mla_rope_is_megatrons_formula_bitwise_in_bf16(shape):
     """The MLA RoPE kernel (pretrain/model/rope.py) against megatron-core's unfused formula on CUDA: bf16 outputs and
     gradients bit for bit (the kernel rounds where PyTorch's elementwise operations round), on a strided view."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
     from pretrain.model.rope import mla_rope
+    from tests.rope_reference import megatron_rope
 
     s, b, h, d, r = shape
     freqs = (torch.rand(s, 1, 1, r // 2, device="cuda") * s).repeat(1, 1, 1, 2)
     wide = torch.randn(s, b, h, d + 64, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16)
     t_ref, t = wide.clone().requires_grad_(True), wide.clone().requires_grad_(True)
-    ref = _apply_rotary_pos_emb_bshd(t_ref[..., 64:], freqs, rotary_interleaved=False, multi_latent_attention=True)
+    ref = megatron_rope(t_ref[..., 64:], freqs)
     got = mla_rope(freqs)(t[..., 64:])
     ref.backward(grad)
     got.backward(grad)

@@ -1,14 +1,13 @@
 """The fused MLA RoPE kernel (pretrain/model/rope.py) in Triton's interpreter, against megatron-core's own unfused
-formula (`_apply_rotary_pos_emb_bshd` with multi_latent_attention): outputs and gradients bitwise in float32, and
+formula (its public `apply_rotary_pos_emb`, tests/rope_reference.py): outputs and gradients bitwise in float32, and
 within the interpreter's bf16 rounding in bf16 (the interpreter truncates where the GPU rounds to nearest even; the
 GPU test in tests/test_gpu_model.py requires bf16 bit for bit)."""
 
 import pytest
 import torch
 
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
 from pretrain.model.rope import mla_rope
+from tests.rope_reference import megatron_rope
 
 SHAPES = [(7, 2, 3, 64, 64), (5, 1, 16, 128, 64), (9, 2, 1, 40, 16)]  # [s, b, heads, d], rope dims r
 
@@ -26,8 +25,7 @@ def _both(shape, dtype, mscale):
     freqs, wide, grad = _case(shape, dtype)
     d = shape[3]
     t_ref = wide.clone().requires_grad_(True)
-    ref = _apply_rotary_pos_emb_bshd(t_ref[..., 3:3 + d], freqs, rotary_interleaved=False,
-                                     multi_latent_attention=True, mscale=mscale)
+    ref = megatron_rope(t_ref[..., 3:3 + d], freqs, mscale)
     ref.backward(grad)
     t = wide.clone().requires_grad_(True)
     got = mla_rope(freqs, mscale)(t[..., 3:3 + d])

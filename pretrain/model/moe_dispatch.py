@@ -27,9 +27,6 @@ permutation) stays with megatron's dispatcher.
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
 try:  # Triton ships with CUDA builds of torch; the CPU path needs none
@@ -40,6 +37,8 @@ except ImportError:  # pragma: no cover - depends on the install
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from pretrain.model.notices import warn_once
 
 
 class PermuteTokens(torch.autograd.Function):
@@ -78,16 +77,11 @@ def sum_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
     if rows.is_cuda and rows.dtype != torch.float64:
         if triton is not None:
             return gather_sum_triton(rows, token_rows)
-        _warn_once("triton is not importable: MoE combine runs as gather + sum ([T, k, H] intermediate)")
+        warn_once("triton is not importable: MoE combine runs as gather + sum ([T, k, H] intermediate)", stacklevel=2)
     t, k = token_rows.shape
     picked = rows.index_select(0, token_rows.reshape(-1)).view(t, k, rows.shape[-1])
     acc = torch.promote_types(rows.dtype, torch.float32)
     return picked.sum(dim=1, dtype=acc).to(rows.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def gather_sum_triton(rows: torch.Tensor, token_rows: torch.Tensor, block_h: int = 1024) -> torch.Tensor:

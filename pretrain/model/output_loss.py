@@ -34,11 +34,12 @@ summed over TP by that region's backward, as for the unchunked ColumnParallelLin
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from pretrain.model.notices import warn_once
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -47,13 +48,8 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-_WARNED = set()
-
-
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"chunked output loss: {reason}", RuntimeWarning, stacklevel=4)
+    warn_once(f"chunked output loss: {reason}", stacklevel=3)
 
 
 def use_kernels(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

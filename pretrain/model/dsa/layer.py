@@ -34,7 +34,6 @@ key range. The gathers' backward reduce-scatters the gradients. The same classes
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -61,15 +60,7 @@ from pretrain.model.dsa.indexer_loss import (
     DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
 )
 from pretrain.model.dsa.sparse_core import sparse_mla_core
-
-
-_WARNED = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+from pretrain.model.notices import warn_once
 
 
 def _tp_size(group) -> int:
@@ -176,8 +167,8 @@ class DSAMLASelfAttention(MLASelfAttention):
         fused = None
         if freqs.is_cuda and triton_available():
             if cfg.rotary_interleaved:
-                _warn_once("model.rotary_interleaved=true: MLA's RoPE runs megatron-core's unfused formula (the "
-                           "fused kernel takes the non-interleaved rotation GLM-5 uses)")
+                warn_once("model.rotary_interleaved=true: MLA's RoPE runs megatron-core's unfused formula (the "
+                          "fused kernel takes the non-interleaved rotation GLM-5 uses)", stacklevel=2)
             else:
                 from pretrain.model.rope import mla_rope
 

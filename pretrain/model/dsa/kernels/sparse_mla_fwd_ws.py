@@ -76,6 +76,21 @@ def resident_query(qb, s_qh, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, 
 
 
 @gluon.jit
+def token_setup(q_ptr, idx_ptr, nv_ptr, S, s_qb, s_qt, s_qh, s_ib, s_it, H: gl.constexpr, C: gl.constexpr,
+                R: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, num_warps: gl.constexpr):
+    """What a forward program (token t = program 0, batch bid = program 1) sets up before its partitions start: the
+    resident query, the key stages and their mbarriers, the token's valid-slot count and its index row:
+    (t, bid, qlat_s, qrope_s, klat_s, krope_s, ready, empty, nv, idx_row)."""
+    t = gl.program_id(0).to(gl.int64)
+    bid = gl.program_id(1).to(gl.int64)
+    qlat_s, qrope_s = resident_query(q_ptr + bid * s_qb + t * s_qt, s_qh, H, C, R, num_warps)
+    klat_s, krope_s, ready, empty = key_stages(C, R, BN, NBUF)
+    fence_async_shared()  # q was stored through the generic proxy; wgmma reads it through the async one
+    nv = gl.load(nv_ptr + bid * S + t)
+    return t, bid, qlat_s, qrope_s, klat_s, krope_s, ready, empty, nv, idx_ptr + bid * s_ib + t * s_it
+
+
+@gluon.jit
 def block_rows(idx_row, i, nv, s_kt, BN: gl.constexpr, R: gl.constexpr, num_warps: gl.constexpr):
     """The kv row offsets of block i's BN selected keys, in the layouts `gather_block` copies the latent and rope
     parts with (0 past nv). Loaders fetch them a block ahead, so that the index load's latency is not on the
@@ -166,14 +181,9 @@ def _consumer(qlat_s, qrope_s, klat_s, krope_s, p_s, ready, empty, nv, qk_scale,
 def fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it,
                 s_ob, s_ot, s_oh, qk_scale, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr,
                 NBUF: gl.constexpr, num_warps: gl.constexpr):
-    t = gl.program_id(0).to(gl.int64)
-    bid = gl.program_id(1).to(gl.int64)
-    qlat_s, qrope_s = resident_query(q_ptr + bid * s_qb + t * s_qt, s_qh, H, C, R, num_warps)
-    klat_s, krope_s, ready, empty = key_stages(C, R, BN, NBUF)
+    t, bid, qlat_s, qrope_s, klat_s, krope_s, ready, empty, nv, idx_row = token_setup(
+        q_ptr, idx_ptr, nv_ptr, S, s_qb, s_qt, s_qh, s_ib, s_it, H, C, R, BN, NBUF, num_warps)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BN], gl.NVMMASharedLayout.get_default_for([H, BN], gl.bfloat16))
-    fence_async_shared()  # q was stored through the generic proxy; wgmma reads it through the async one
-    nv = gl.load(nv_ptr + bid * S + t)
-    idx_row = idx_ptr + bid * s_ib + t * s_it
     gl.warp_specialize([
         (_consumer, (qlat_s, qrope_s, klat_s, krope_s, p_s, ready, empty, nv, qk_scale, o_ptr + bid * s_ob + t * s_ot,
                      s_oh, lse_ptr + (bid * S + t) * H, H, C, BN, NBUF, num_warps)),
