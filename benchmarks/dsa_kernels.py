@@ -93,13 +93,10 @@ def inputs(s: int, gen: torch.Generator):
 
 def sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse=None):
     """The sparse indexer loss as the DSA layer runs it in backward (`indexer_loss.kl_from_attention_backward`):
-    target = the attention backward's head sums, renormalized; the KL over the selected keys with its gradients
-    into (q_I, k_I, w), given the top-k's log sum exp of the selection (`sel_lse`; None: the kernel forms it).
-    -> (loss, grads)."""
-    from pretrain.model.dsa.indexer_loss import normalize_heads
-
-    p = normalize_heads(head_sums, None)
-    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: p[:, r0:r1], 0, lse=sel_lse)
+    target = the attention backward's head sums, renormalized by the kernel; the KL over the selected keys with its
+    gradients into (q_I, k_I, w), given the top-k's log sum exp of the selection (`sel_lse`; None: the kernel forms
+    it). -> (loss, grads)."""
+    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: head_sums[:, r0:r1], 0, lse=sel_lse, normalize=True)
     loss, grads, _ = plan(qi, ki, w)
     return loss, grads
 

@@ -375,6 +375,26 @@ def test_unpack_kernel_matches_the_naive_rule(kern):
         kern["packed_indices"].unpack(idx)
 
 
+def test_valid_counts_match_a_python_count(kern):
+    """`valid_counts`, the sparse kernels' per-row count of non-negative slots, against a Python count per row:
+    valid slots anywhere in the row, rows with none or all, a width past the kernel's block (2,048), int64 indices,
+    a non-contiguous batch stride."""
+    count = kern["packed_indices"].valid_counts
+    gen = torch.Generator().manual_seed(5)
+    for shape, dtype in (((2, 9, 37), torch.int32), ((1, 4, 2500), torch.int64), ((3, 5, 1), torch.int32)):
+        idx = torch.randint(-3, 50, shape, generator=gen, dtype=dtype)
+        idx[0, 0] = -1
+        if shape[1] > 1:
+            idx[-1, 1] = 7
+        want = torch.tensor([[sum(v >= 0 for v in row) for row in rows] for rows in idx.tolist()], dtype=torch.int32)
+        got = count(idx)
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+    wide = torch.randint(-1, 9, (4, 6, 40), generator=gen, dtype=torch.int32)
+    assert torch.equal(count(wide[::2, :, :33]), (wide[::2, :, :33] >= 0).sum(-1).int())
+    with pytest.raises(ValueError, match="int32 / int64"):
+        count(wide.short())
+
+
 @pytest.mark.parametrize("mode", [0, 1])
 def test_add_rows_matches_naive(kern, mode):
     """The key gradients' row adds (`atomics.add_rows`) against a float64 loop: rows selected twice or more sum
@@ -460,13 +480,15 @@ def test_topk_lse_of_the_selection(kern, mode):
 
 
 @pytest.mark.parametrize("lse", [False, True], ids=["own_lse", "given_lse"])
-@pytest.mark.parametrize("case", ["atomic", "deterministic", "vector", "row_blocks", "cp_keys", "heads_m"])
+@pytest.mark.parametrize("case", ["atomic", "deterministic", "vector", "row_blocks", "cp_keys", "heads_m",
+                                  "normalize"])
 def test_sparse_kl_kernel_matches_float64(kern, monkeypatch, case, lse):
     """The fused sparse indexer loss: loss, target mass and the gradients of q_I, k_I and w against float64
     autograd; empty slots, rows with no key (padding), an unnormalized target row (the P factor), the target asked
     for in row blocks, key rows added four columns at a time, the deterministic reduction, more keys than
     queries (the keys gathered over context parallelism), heads as the products' M; with lse formed by the kernel
-    or given (float64, as the top-k's would be)."""
+    or given (float64, as the top-k's would be). `normalize`: the kernel gets raw head sums (rows of any scale, a
+    row of zeros) and a gradient factor, and matches float64 over the normalized rows with scaled gradients."""
     from pretrain.model.dsa.kernels import atomics as kern_atomics
 
     monkeypatch.setattr(kern_atomics, "VECTOR_ATOMICS", case == "vector")
@@ -486,20 +508,26 @@ def test_sparse_kl_kernel_matches_float64(kern, monkeypatch, case, lse):
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
     p[0, 20] *= 0.7
     calls = []
+    normalize, grad_scale = case == "normalize", 2.5 if case == "normalize" else 1.0
+    given_p = p
+    if normalize:  # raw head sums: each row at its own scale (as sum_h P_h sums to h), one row all zeros
+        given_p = p * (1.0 + 15.0 * torch.rand(b, s, 1, generator=gen))
+        given_p[0, 3] = 0.0
+        p = given_p.double() / given_p.double().sum(-1, keepdim=True).clamp(min=1e-300)
 
     def target(r0, r1, rows_idx):
         calls.append((r0, r1))
         assert torch.equal(rows_idx, idx[:, r0:r1].int())
-        return p[:, r0:r1]
+        return given_p[:, r0:r1]
 
     rows = 8 if case == "row_blocks" else None
     given = selected_lse(q.double(), k.double(), w.double(), idx).float() if lse else None
     loss, (dq, dk, dw), psum = kl.sparse_kl(q, k, w, idx.int(), target, rows, deterministic=case == "deterministic",
-                                            lse=given)
+                                            lse=given, normalize=normalize, grad_scale=grad_scale)
     assert calls == ([(0, 8), (8, 16), (16, 24), (24, 29)] if rows else [(0, s)])
     leaves = [x.double().requires_grad_() for x in (q, k, w)]
     ref = naive_sparse_kl(*leaves, idx, p.double())
-    ref_grads = torch.autograd.grad(ref, leaves)
+    ref_grads = [g * grad_scale for g in torch.autograd.grad(ref, leaves)]
     assert ref.item() > 1e-2 and abs(loss.item() - ref.item()) < 1e-6 * ref.item()
     assert abs(psum.item() - p.double().sum().item() / (b * s)) < 1e-6
     for name, got, want in zip("qkw", (dq, dk, dw), ref_grads):

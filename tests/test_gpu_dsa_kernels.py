@@ -386,13 +386,24 @@ def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
         if det and det in runs:
             assert all(torch.equal(a, b) for a, b in zip(grads, runs[det]))
         runs[det] = grads
+    # raw head sums (each row at its own scale) normalized by the kernel, gradients scaled by it (the DSA layer's call)
+    raw = p * torch.linspace(1.0, 16.0, s, device="cuda")[None, :, None]
+    loss, grads, psum = kk.sparse_kl(qi, ki, w, idx, lambda r0, r1, _i: raw[:, r0:r1], 700, False, sel_lse,
+                                     normalize=True, grad_scale=3.0)
+    assert abs(loss.item() - ref.item()) < 1e-3 * ref.item() and abs(psum.item() - 1.0) < 1e-5
+    for a, e in zip(grads, ref_grads):
+        assert not a.isnan().any() and _relmax(a, 3.0 * e) < 2e-2
 
 
 def test_packed_indices_round_trip_on_gpu():
-    """The int16 packing of kept top-k indices wraps and unwraps on CUDA as on CPU (32768..65534, -1)."""
+    """The int16 packing of kept top-k indices wraps and unwraps on CUDA as on CPU (32768..65534, -1); the valid-slot
+    counts of the same rows against PyTorch's count."""
     from pretrain.model.dsa.indexer import pack_indices, unpack_indices
 
     idx = torch.randint(-1, 65535, (2, 300, 64), device="cuda", dtype=torch.int32)
     idx[0, 0, :3] = torch.tensor([32767, 32768, 65534], device="cuda")
     packed = pack_indices(idx, 65535)
     assert packed.dtype == torch.int16 and torch.equal(unpack_indices(packed), idx)
+    from pretrain.model.dsa.kernels.packed_indices import valid_counts
+
+    assert torch.equal(valid_counts(idx), (idx >= 0).sum(-1, dtype=torch.int32))

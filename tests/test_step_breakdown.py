@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.tools.step_breakdown import breakdown, format_table, main
+from pretrain.tools.step_breakdown import breakdown, format_kernels, format_table, kernel_rows, main
 from pretrain.tools.trace_events import Trace, gemm_flops
 from tests.distributed import run_ranks
 
@@ -115,6 +115,29 @@ def test_synthetic_gpu_trace_is_attributed_by_hand():
     assert s["gemm_flops"] == 2 * (2 * 64 * 32 * 16) + 2 * 40 * 32 * 16
     table = format_table(s)
     assert "**100.0%**" in table and "forward + backward combined" in table and "mystery_kernel" in table
+
+
+def test_kernels_by_launching_operator_by_hand(tmp_path):
+    """`--kernels`: each kernel of the synthetic trace with its part, direction and the host chain that launched it,
+    largest first, as read off the trace by hand."""
+    rows = kernel_rows(Trace(_synthetic_trace()))
+    by_kernel = {r["kernel"]: r for r in rows}
+    us = 1e-3
+    assert [r["kernel"] for r in rows[:3]] == ["sm90_gemm_bwd", "grouped_gemm", "adam_kernel"]
+    bwd = by_kernel["sm90_gemm_bwd"]
+    assert (bwd["part"], bwd["direction"], bwd["ms"], bwd["calls"]) == ("mla_proj", "bwd", pytest.approx(80 * us), 1)
+    assert bwd["launched_by"] == ("aten::mm < MmBackward0 < autograd::engine::evaluate_function: MmBackward0")
+    fwd = by_kernel["sm90_gemm_fwd"]
+    assert fwd["direction"] == "fwd" and fwd["launched_by"] == "aten::mm < aten::linear < part:mla_proj < ProfilerStep#5"
+    assert by_kernel["mystery_kernel"]["part"] == "other" and "before_the_step" not in by_kernel
+    assert sum(r["ms"] for r in rows) == pytest.approx((40 + 60 + 10 + 10 + 80 + 10 + 10 + 50 + 30 + 40) * us)
+    text = format_kernels(rows, 2)
+    assert "`sm90_gemm_bwd`" in text and "`grouped_gemm`" in text and "adam_kernel" not in text
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(_synthetic_trace()))
+    assert main([str(trace), "--kernels", "3", "--json", str(tmp_path / "b.json")]) == 0
+    assert [r["kernel"] for r in json.loads((tmp_path / "b.json").read_text())["kernels"]] == [
+        "sm90_gemm_bwd", "grouped_gemm", "adam_kernel"]
 
 
 def _share_column(table: str):

@@ -1,6 +1,7 @@
 """Where a training step's time goes: a per-part table from a profiler window's Chrome trace.
 
     python -m pretrain.tools.step_breakdown runs/x/profile/trace_rank0_steps5-7.json [--steps 2] [--out table.md]
+        [--kernels 40]
 
 The trace comes from the trainer's profile window (`logging.profile_step_start/end`,
 `pretrain.training.profiler`), which opens `part:<name>` ranges around the model's parts and the
@@ -16,7 +17,8 @@ their sum, the share of the step's wall time, the time of the part's GEMM kernel
 achieved TFLOP/s (FLOPs from the GEMM operators' recorded shapes), and how much of it ran in the
 MTP depths. "host-side gaps" is wall time minus device-busy time (the union of kernel intervals);
 kernels overlapping on several streams are subtracted once as "stream overlap", so the shares sum
-to 100%.
+to 100%. `--kernels N` adds the N largest kernels by part and the operator chain that launched them,
+which names the code behind a part's time (e.g. a copy inside core attention and the function that made it).
 """
 
 from __future__ import annotations
@@ -159,6 +161,41 @@ def breakdown(trace: Trace, steps: Optional[int] = None) -> dict:
     }
 
 
+def kernel_rows(trace: Trace, steps: Optional[int] = None, depth: int = 4) -> List[dict]:
+    """GPU ms per step by (part, direction, kernel name, launching operator chain), largest first: where each
+    kernel of a part comes from. The chain names the operator that launched the kernel and up to depth - 1 of its
+    enclosing host ranges, innermost first."""
+    chosen = trace.steps()[-steps:] if steps else trace.steps()
+    attribution = Attribution(trace)
+    ms: Dict[tuple, float] = defaultdict(float)
+    calls: Dict[tuple, int] = defaultdict(int)
+    for step in chosen:
+        for _, dur, host, name in _items_gpu(trace, step):
+            part, backward, _, _ = attribution.of(host)
+            chain, cur = [], host
+            while cur is not None and len(chain) < depth:
+                chain.append(cur["name"])
+                cur = cur["_parent"]
+            key = (part, "bwd" if backward else "fwd", name, " < ".join(chain))
+            ms[key] += dur
+            calls[key] += 1
+    n = max(len(chosen), 1)
+    rows = [{"part": k[0], "direction": k[1], "kernel": k[2], "launched_by": k[3], "ms": v * 1e-3 / n,
+             "calls": calls[k] / n} for k, v in ms.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def format_kernels(rows: List[dict], top: int) -> str:
+    """The `top` largest `kernel_rows` as a Markdown table."""
+    lines = ["", f"Largest kernels by part and launching operator (ms per step, top {top}):", "",
+             "| ms/step | calls/step | part | fwd/bwd | kernel | launched by (innermost first) |",
+             "|---:|---:|---|---|---|---|"]
+    for r in rows[:top]:
+        lines.append(f"| {r['ms']:.2f} | {r['calls']:g} | {r['part']} | {r['direction']} | `{r['kernel'][:90]}` | "
+                     f"{r['launched_by'][:160]} |")
+    return "\n".join(lines) + "\n"
+
+
 def _tflops(flops: float, ms: float) -> str:
     if not flops or ms <= 0:
         return ""
@@ -222,12 +259,21 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="average over the last N profiled steps (default all)")
     parser.add_argument("--out", help="also write the Markdown table here")
     parser.add_argument("--json", help="also write the numbers as JSON here")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the N largest kernels by part and launching operator (GPU traces)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.kernels < 0:
+        parser.error(f"--kernels must be >= 0, got {args.kernels}")
     with open(args.trace, encoding="utf-8") as f:
-        summary = breakdown(Trace(json.load(f)), args.steps)
+        trace = Trace(json.load(f))
+    summary = breakdown(trace, args.steps)
     table = format_table(summary)
+    if args.kernels:
+        rows = kernel_rows(trace, args.steps)
+        summary["kernels"] = rows[:args.kernels]
+        table += format_kernels(rows, args.kernels)
     print(table, end="")
     if args.out:
         Path(args.out).write_text(table, encoding="utf-8")

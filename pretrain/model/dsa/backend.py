@@ -73,10 +73,12 @@ class ReferenceBackend:
         return sparse_mla_backward(q_abs, kv, indices, lse, delta, grad_out, scale, v_dim, chunk, head_sums)
 
     def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
-                       lse=None) -> Callable:
+                       lse=None, normalize: bool = False, grad_scale: float = 1.0) -> Callable:
         """`indexer_loss.sparse_kl_plan` with `chunk` query rows per block (at most `max_rows`: what the
-        target's own blocks allow); `lse`: what `topk(with_lse=True)` gave (None here)."""
-        return sparse_kl_plan(indices, target, chunk if max_rows is None else min(chunk, max_rows))
+        target's own blocks allow); `lse`: what `topk(with_lse=True)` gave (None here); `normalize`: the target
+        rows are raw head sums, L1-normalized by the plan; `grad_scale`: a factor on the gradients only."""
+        return sparse_kl_plan(indices, target, chunk if max_rows is None else min(chunk, max_rows),
+                              normalize=normalize, grad_scale=grad_scale)
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
                   lse=None):
@@ -139,14 +141,15 @@ class TritonBackend:
                       head_sums, key_partition_bytes=self.key_partition_bytes)
 
     def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
-                       lse=None) -> Callable:
+                       lse=None, normalize: bool = False, grad_scale: float = 1.0) -> Callable:
         """As the reference, in one kernel per block of query rows (`kernels.indexer_kl.sparse_kl`: no [rows, K]
         tensor besides the target, which it asks for `max_rows` rows at a time, all at once if None; `chunk` is
-        unused); `lse` from `topk(with_lse=True)` spares it a walk over the selection."""
+        unused); `lse` from `topk(with_lse=True)` spares it a walk over the selection; the kernel normalizes the
+        target and scales the gradients itself."""
         from pretrain.model.dsa.kernels.indexer_kl import sparse_kl as kernel
 
         deterministic = self.deterministic
-        return lambda q, k, w: kernel(q, k, w, indices, target, max_rows, deterministic, lse)
+        return lambda q, k, w: kernel(q, k, w, indices, target, max_rows, deterministic, lse, normalize, grad_scale)
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
                   lse=None):

@@ -178,21 +178,36 @@ def _scores_at_reference(qc, kc, wc, idx):
     return index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(idx < 0, float("-inf"))
 
 
+def normalized_rows(p: torch.Tensor) -> torch.Tensor:
+    """Target rows L1-normalized along the last dim; a row summing to 0 stays 0 (an empty target)."""
+    total = p.sum(-1, keepdim=True)
+    return torch.where(total > 0, p / torch.where(total > 0, total, 1.0), 0.0)
+
+
 def sparse_kl_plan(indices: torch.Tensor, target: Callable, chunk: int,
-                   scores_at: Callable = _scores_at_reference) -> Callable:
+                   scores_at: Callable = _scores_at_reference, normalize: bool = False,
+                   grad_scale: float = 1.0) -> Callable:
     """The sparse-mode loss over the selected keys `indices` [b, s, K] as a plan for `apply_kl`:
     (q, k, w) -> (mean KL, its gradients, recall = 1). `scores_at(q_rows, k, w_rows, idx_rows)` gives the
     index scores at the selected keys (-inf on empty slots): the reference gathers keys, the Triton
-    backend (`backend.TritonBackend`) does not."""
+    backend (`backend.TritonBackend`) does not. `normalize`: the target rows are raw head sums, normalized
+    here (`normalized_rows`); `grad_scale`: a factor on the gradients only (the loss keeps its value)."""
 
     def rows(r0, r1, qc, kc, wc):
         idx = indices[:, r0:r1]
         valid = idx >= 0
         logits = scores_at(qc, kc, wc, idx)
         p = target(r0, r1, idx)
+        p = normalized_rows(p) if normalize else p
         return kl_sum(p, logits, valid), p.sum()
 
-    return lambda q, k, w: _run_chunks(q, k, w, chunk, rows)
+    def plan(q, k, w):
+        loss, grads, recall = _run_chunks(q, k, w, chunk, rows)
+        if grad_scale != 1.0:
+            grads = tuple(g.mul_(grad_scale) for g in grads)
+        return loss, grads, recall
+
+    return plan
 
 
 def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
@@ -204,7 +219,8 @@ def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: i
 @dataclasses.dataclass
 class DeferredKL:
     """What `kl_from_attention_backward` needs in backward: `project(x, qr)` -> (q_I, k_I, w) attached to
-    the indexer's weights, `plan(indices, target, lse)` -> a plan for `apply_kl` (lse: the selection's, or None),
+    the indexer's weights, `plan(indices, target, lse, normalize=, grad_scale=)` -> a plan for `apply_kl` (lse: the
+    selection's, or None; the other two as `sparse_kl_plan`'s),
     the loss coefficient, the layer's metrics slot and the TP group whose heads the target sums."""
 
     project: Callable
@@ -212,6 +228,11 @@ class DeferredKL:
     coeff: float
     layer: int
     tp_group: object = None
+
+
+def target_rows(p: torch.Tensor) -> Callable:
+    """A target callable over the rows of a whole [b, s, K] target tensor."""
+    return lambda r0, r1, _idx: p[:, r0:r1]
 
 
 class _KLFromAttentionBackward(torch.autograd.Function):
@@ -229,16 +250,19 @@ class _KLFromAttentionBackward(torch.autograd.Function):
         x, qr, indices, lse = ctx.saved_tensors
         indices = unpack_indices(indices)
         spec = ctx.spec
-        p = normalize_heads(head_sums.float().contiguous(), spec.tp_group, in_place=True)  # ours alone
+        p = head_sums.float().contiguous()  # ours alone: summed over the TP ranks' heads in place
+        if spec.tp_group is not None and dist.is_initialized() and dist.get_world_size(spec.tp_group) > 1:
+            dist.all_reduce(p, group=spec.tp_group)
         with torch.enable_grad():
             through = spec.project(x, qr)
-        loss, grads, _ = spec.plan(indices, lambda r0, r1, _idx: p[:, r0:r1], lse)(*(t.detach() for t in through))
         scale = IndexerLossAutoScaler.main_loss_backward_scale
         scale = spec.coeff * (1.0 if scale is None else scale)
+        # the plan normalizes the head sums and scales the gradients as it forms them (no passes of their own)
+        plan = spec.plan(indices, target_rows(p), lse, normalize=True, grad_scale=scale)
+        loss, grads, _ = plan(*(t.detach() for t in through))
         DSAMetrics.record("indexer_loss", spec.layer, loss)
-        del p
-        return (None, None, None, None, None,
-                *grads_through(through, ctx.params, tuple(g.mul_(scale) for g in grads)))
+        del p, plan  # the [b, s, K] target goes before the projection's backward allocates
+        return (None, None, None, None, None, *grads_through(through, ctx.params, grads))
 
 
 def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tensor, indices: torch.Tensor,

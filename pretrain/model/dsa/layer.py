@@ -239,8 +239,8 @@ class DSACoreAttention(SDPACoreAttention):
                 self.last_indices = (indices, kept) if self.shared_by_others else None
                 if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
                     spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope),
-                                      plan=lambda idx, target, lse_: backend.sparse_kl_plan(idx, target, sparse_chunk,
-                                                                                            lse=lse_),
+                                      plan=lambda idx, target, lse_, **kw: backend.sparse_kl_plan(
+                                          idx, target, sparse_chunk, lse=lse_, **kw),
                                       coeff=coeff, layer=self.layer_number, tp_group=self.tp_group)
                     channel = kl_from_attention_backward(spec, x, qr, kept, self._indexer_weights(), lse)
             else:

@@ -1,6 +1,7 @@
 """DSA's sparse indexer loss and its gradient in one Triton kernel (GLM-5 report, DSA training; DeepSeek-V3.2
 section 2.1). For query token t with selected keys S_t (slots j; -1 = empty) and target p_j (the attention's
-head-summed probabilities at the selected keys, normalized: `indexer_loss.normalize_heads`):
+head-summed probabilities at the selected keys, normalized: `indexer_loss.normalize_heads`, or by the kernel itself,
+`sparse_kl(normalize=True)`):
 
     z_hj = q_I[t, h] . k_I[S_t[j]],    I_j = d^-1/2 sum_h w_h ReLU(z_hj),    lse = log sum_j exp(I_j)
     L_t  = sum_j p_j log p_j - p_j (I_j - lse)                       (KL(p || softmax(I)) when sum_j p_j = 1)
@@ -61,7 +62,7 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
                       S, H, D, K, T, r0, p0, s_qb, s_qt, s_qh, s_kb, s_kt, s_wb, s_wt, s_ib, s_it, s_pb, s_pt,
                       s_xb, s_xt, s_xj, scale, grad_scale,
                       BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, KEYS_M: tl.constexpr,
-                      HAS_LSE: tl.constexpr, DETERMINISTIC: tl.constexpr, RED: tl.constexpr):
+                      HAS_LSE: tl.constexpr, DETERMINISTIC: tl.constexpr, RED: tl.constexpr, NORMALIZE: tl.constexpr):
     # program = query token t (launch rows from r0; p holds rows from p0); grid axis 1 = batch row
     t = r0 + tl.program_id(0).to(tl.int64)
     bid = tl.program_id(1).to(tl.int64)
@@ -81,6 +82,7 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
     p_i = tl.zeros([], tl.float32)
     p_logp = tl.zeros([], tl.float32)
     p_sum = tl.zeros([], tl.float32)
+    # the sums over the target row as given (raw head sums under NORMALIZE); `inv` rescales them below
     if HAS_LSE:  # lse from the selection (`indexer_topk`'s `lse`): one pass over p for its sums
         lse = tl.load(lse_ptr + bid * S + t)
         for j0 in range(0, K, 256):
@@ -102,6 +104,12 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
             p_logp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), 0)
             p_sum += tl.sum(p, 0)
         lse = tl.where(lsum > 0, m + tl.log(tl.where(lsum > 0, lsum, 1.0)), 0.0)
+    inv = tl.full([], 1.0, tl.float32)
+    if NORMALIZE:  # p = h / sum(h): sum p log p = inv sum h log h + sum(h) inv log inv, sum p = inv sum(h)
+        inv = tl.where(p_sum > 0, 1.0 / tl.where(p_sum > 0, p_sum, 1.0), 0.0)
+        p_logp = inv * p_logp + tl.where(p_sum > 0, p_sum * inv * tl.log(tl.where(inv > 0, inv, 1.0)), 0.0)
+        p_i = inv * p_i
+        p_sum = inv * p_sum
     # walk 2: g, then dq and dw in registers and the key rows' gradients
     if KEYS_M:
         dq = tl.zeros((BD, BH), tl.float32)
@@ -110,7 +118,7 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
     dw = tl.zeros((BH,), tl.float32)
     for j0 in range(0, K, BN):
         j, idx, ok, kk, z, score = _slot_scores(qo, w, k_base, idx_row, j0, K, d, dm, s_kt, scale, BN, PREC, KEYS_M)
-        p = tl.load(p_row + j, mask=ok, other=0.0)
+        p = tl.load(p_row + j, mask=ok, other=0.0) * inv
         if HAS_LSE:
             p_i += tl.sum(p * score, 0)
         g = tl.where(ok, p_sum * tl.exp(score - lse) - p, 0.0) * grad_scale
@@ -142,14 +150,17 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
 
 
 def sparse_kl(q, k, w, indices, target: Callable, rows: Optional[int] = None, deterministic: bool = False,
-              lse: Optional[torch.Tensor] = None):
+              lse: Optional[torch.Tensor] = None, normalize: bool = False, grad_scale: float = 1.0):
     """The sparse indexer loss over the selected keys and its gradient, no autograd: q_I [b, s, H, d], k_I [b, T, d]
     (d-contiguous; T keys, e.g. gathered over context parallelism), w [b, s, H], indices [b, s, K] (int32, -1 =
     empty), `target(r0, r1, indices[:, r0:r1])` -> p [b, r1 - r0, K] (fp32, 0 on empty slots), asked for `rows`
     query rows at a time (None: all at once).
     `lse` [b, s] fp32: log sum_j exp(I_j) over each row's selection, as the top-k formed it (`indexer_topk`'s
-    `lse`), which spares the kernel its first walk. -> (mean_t L_t, (dq_I, dk_I, dw) of that mean, in the inputs'
-    dtypes, mean_t sum_j p_j)."""
+    `lse`), which spares the kernel its first walk. `normalize`: the target rows are not yet L1-normalized (the
+    attention's head sums as they come): the kernel divides each by its sum (a row summing to 0 counts as an empty
+    target), which spares a division pass and a sum pass over [b, s, K] fp32. `grad_scale`: a factor on the gradients
+    only (the loss's coefficient), applied inside the kernel instead of a pass over each gradient. -> (mean_t L_t,
+    (dq_I, dk_I, dw) of grad_scale times that mean, in the inputs' dtypes, mean_t sum_j p_j)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("the sparse indexer loss kernel needs the head dim contiguous in q_I and k_I")
     b, s, h, d = q.shape
@@ -172,9 +183,9 @@ def sparse_kl(q, k, w, indices, target: Callable, rows: Optional[int] = None, de
             p0,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
             indices.stride(0), indices.stride(1), p.stride(0), p.stride(1),
-            *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)), d**-0.5, 1.0 / n,
+            *(part.stride()[:3] if part.dim() == 4 else (0, 0, 0)), d**-0.5, float(grad_scale) / n,
             BH=pow2(h), BD=pow2(d), BN=bn, PREC=prec, KEYS_M=bool(keys_m), HAS_LSE=lse is not None,
-            DETERMINISTIC=deterministic, RED=red, num_warps=warps, num_stages=stages)
+            DETERMINISTIC=deterministic, RED=red, NORMALIZE=bool(normalize), num_warps=warps, num_stages=stages)
 
     for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)

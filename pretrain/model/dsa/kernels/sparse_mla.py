@@ -36,6 +36,7 @@ from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import (
     LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
 )
+from pretrain.model.dsa.kernels.packed_indices import valid_counts
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
 from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows, separate_pass_pays
 
@@ -187,7 +188,7 @@ def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
     """(out [b, s, h, v_dim] in q's dtype, lse [b, s, h] fp32); indices int32 [b, s, K]."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     indices = indices.to(torch.int32)
-    nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
+    nvalid = valid_counts(indices)
     if fwd_ws.supported(q, kv, h, c, r):  # 64 heads on Hopper: the warp-specialized kernel (1.7x)
         return fwd_ws.forward(q, kv, indices, nvalid, scale * LOG2E, c, r)
     if fwd_km.supported(q, kv, h, c, r):  # 8-32 heads on Hopper: the same with the keys as the MMA's M (1.35-1.6x)
@@ -287,7 +288,7 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     t = kv.shape[1]
     indices = indices.to(torch.int32)
-    nvalid = (indices >= 0).sum(-1, dtype=torch.int32).contiguous()
+    nvalid = valid_counts(indices)
     grad_out, lse, delta = unit_feature_stride(grad_out), lse.contiguous(), delta.contiguous()
     dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
