@@ -66,6 +66,19 @@ def _expanded(o_lat, w_uv):
     return out.transpose(0, 1).reshape(s, b, h * dv)
 
 
+def _query_gradient(dq_lat, w_uk):
+    """dq_lat [b, s, h, c] (a view of the absorbed query's gradient), w_uk [h, dn, c] -> dq_nope [s, b, h, dn]
+    contiguous: one GEMM per head into [s, b, h, dn] rows. As an einsum the result came head-major, and the
+    q projection's split backward then concatenated it with dq_pe from that layout: 0.63 ms per layer at glm5-proxy's
+    32K against 0.16 for two contiguous inputs (benchmarks/results/README.md)."""
+    b, s, h, c = dq_lat.shape
+    dn = w_uk.shape[1]
+    out = dq_lat.new_empty(s, b, h, dn)
+    rows = dq_lat[0] if b == 1 else dq_lat.transpose(0, 1).reshape(s * b, h, c)  # b = 1: a view, no copy
+    torch.bmm(rows.transpose(0, 1), w_uk.transpose(1, 2), out=out.view(s * b, h, dn).transpose(0, 1))
+    return out
+
+
 KL_CHANNEL = 10  # the position of `kl_channel` among SparseMLACore.forward's inputs
 
 
@@ -111,7 +124,7 @@ class SparseMLACore(torch.autograd.Function):
                                                  head_sums=head_sums)
         del q_abs, o_lat, grad_lat
         dq_lat, dq_pe = dq_abs[..., :c], dq_abs[..., c:]
-        dq_nope = torch.einsum("bshc,hdc->sbhd", dq_lat, w_uk)
+        dq_nope = _query_gradient(dq_lat, w_uk)
         d_weight = None
         if ctx.needs_input_grad[4]:
             d_w_uk = torch.einsum("sbhd,bshc->hdc", q_nope, dq_lat)
