@@ -47,13 +47,22 @@ def kl_sum(p: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.
     return torch.where(valid, torch.xlogy(p, p) - p * logq, 0.0).sum()
 
 
-def normalize_heads(probs_sum: torch.Tensor, tp_group, in_place: bool = False) -> torch.Tensor:
-    """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized (`in_place`:
-    into probs_sum itself, which the TP sum overwrites in any case)."""
+def sum_over_tp(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
+    """Head-summed probabilities [b, c, n] of this rank's heads -> summed over every TP rank's heads (in place)."""
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(probs_sum, group=tp_group)
-    total = probs_sum.sum(-1, keepdim=True)
-    return probs_sum.div_(total) if in_place else probs_sum / total
+    return probs_sum
+
+
+def normalized_rows(p: torch.Tensor) -> torch.Tensor:
+    """Target rows L1-normalized along the last dim; a row summing to 0 stays 0 (an empty target)."""
+    total = p.sum(-1, keepdim=True)
+    return torch.where(total > 0, p / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
+    """Head-summed probabilities [b, c, n] -> summed over TP ranks' heads too, L1-normalized."""
+    return normalized_rows(sum_over_tp(probs_sum, tp_group))
 
 
 def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=None) -> Callable:
@@ -178,12 +187,6 @@ def _scores_at_reference(qc, kc, wc, idx):
     return index_scores_at(qc, gather_keys(kc, idx), wc).masked_fill(idx < 0, float("-inf"))
 
 
-def normalized_rows(p: torch.Tensor) -> torch.Tensor:
-    """Target rows L1-normalized along the last dim; a row summing to 0 stays 0 (an empty target)."""
-    total = p.sum(-1, keepdim=True)
-    return torch.where(total > 0, p / torch.where(total > 0, total, 1.0), 0.0)
-
-
 def sparse_kl_plan(indices: torch.Tensor, target: Callable, chunk: int,
                    scores_at: Callable = _scores_at_reference, normalize: bool = False,
                    grad_scale: float = 1.0) -> Callable:
@@ -250,9 +253,7 @@ class _KLFromAttentionBackward(torch.autograd.Function):
         x, qr, indices, lse = ctx.saved_tensors
         indices = unpack_indices(indices)
         spec = ctx.spec
-        p = head_sums.float().contiguous()  # ours alone: summed over the TP ranks' heads in place
-        if spec.tp_group is not None and dist.is_initialized() and dist.get_world_size(spec.tp_group) > 1:
-            dist.all_reduce(p, group=spec.tp_group)
+        p = sum_over_tp(head_sums.float().contiguous(), spec.tp_group)  # ours alone: summed in place
         with torch.enable_grad():
             through = spec.project(x, qr)
         scale = IndexerLossAutoScaler.main_loss_backward_scale
