@@ -118,3 +118,42 @@ def test_liger_fused_linear_cross_entropy_matches_full_logits():
     torch.testing.assert_close(ww.grad.double(), ref_dw, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="0/1 loss mask"):
         liger_linear_cross_entropy(hh, ww, y, m * 0.5)
+
+
+def _no_gradient_work(monkeypatch):
+    """The chunked loss with every gradient-only step made to raise: the softmax gradient kernel, dW's
+    buffer and its accumulation."""
+    from pretrain.model import output_loss, output_loss_kernels
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a gradient was computed where none is needed")
+
+    monkeypatch.setattr(output_loss, "accumulate_grad_weight", refuse)
+    monkeypatch.setattr(output_loss, "grad_weight_buffer", refuse)
+    monkeypatch.setattr(output_loss_kernels, "softmax_grad_", refuse)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_grad_evaluation_computes_no_gradient(monkeypatch, impl):
+    """Under no_grad (evaluation) no dz, dh, dW or fp32 dW buffer; the loss equals float64 cross-entropy."""
+    h, w, y, m = _problem()
+    ref_losses, _, _ = float64_reference(h, w, y, m)
+    _no_gradient_work(monkeypatch)
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()  # parameters, as in eval of a model
+    with torch.no_grad():
+        loss, losses = chunked_linear_cross_entropy(hh, ww, y, m.float(), 8, impl=impl)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.double(), (ref_losses * m).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_gets_no_grad_weight(monkeypatch):
+    """Only dh where the weight is frozen: no dW buffer, no dW GEMM; dh equals the float64 reference."""
+    from pretrain.model import output_loss
+
+    h, w, y, m = _problem()
+    _, ref_dh, _ = float64_reference(h, w, y, m)
+    monkeypatch.setattr(output_loss, "grad_weight_buffer", None)  # calling it raises TypeError
+    monkeypatch.setattr(output_loss, "accumulate_grad_weight", None)
+    hh = h.clone().requires_grad_()
+    chunked_linear_cross_entropy(hh, w, y, m, 7)[0].backward()
+    torch.testing.assert_close(hh.grad, ref_dh, rtol=0, atol=1e-12)

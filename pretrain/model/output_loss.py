@@ -97,10 +97,13 @@ def accumulate_grad_weight(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch
     grad_weight += dz.t() @ h
 
 
-def _chunks_torch(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight):
-    """The reference loop: fp32 (float64 for float64 inputs) elementwise passes over each chunk's logits."""
-    n_tokens, acc = hidden.shape[0], grad_weight.dtype
-    grad_hidden = torch.empty_like(hidden)
+def _chunks_torch(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight,
+                  need_grad_hidden, acc):
+    """The reference loop: elementwise passes in `acc` (dW's summing dtype) over each chunk's logits.
+    Without `grad_weight` and `need_grad_hidden` (evaluation) no softmax gradient or GEMM of the backward runs."""
+    n_tokens = hidden.shape[0]
+    need_dz = grad_weight is not None or need_grad_hidden
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     losses = torch.empty(n_tokens, dtype=acc, device=hidden.device)
     vocab_local = weight.shape[0]
     for start in range(0, n_tokens, chunk_size):
@@ -117,19 +120,25 @@ def _chunks_torch(hidden, weight, labels, loss_weights, chunk_size, vocab_start,
         target = torch.where(own, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(zmax))
         target = _all_reduce(target, dist.ReduceOp.SUM, tp_group)
         losses[start:end] = sumexp.log() - target
+        if not need_dz:
+            continue
         dz = exp.div_(sumexp[:, None])  # softmax, in place of exp
         rows = torch.arange(end - start, device=dz.device)
         dz[rows[own], idx[own]] -= 1.0
         dz.mul_(m[:, None])
         dz = dz.to(weight.dtype)
-        grad_hidden[start:end] = (dz @ weight).to(hidden.dtype)
-        accumulate_grad_weight(grad_weight, dz, h)
+        if need_grad_hidden:
+            grad_hidden[start:end] = (dz @ weight).to(hidden.dtype)
+        if grad_weight is not None:
+            accumulate_grad_weight(grad_weight, dz, h)
     return grad_hidden, losses
 
 
-def _chunks_triton(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight):
+def _chunks_triton(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight,
+                   need_grad_hidden):
     """Each chunk's logits in the weight's dtype: one kernel pass for the statistics, one writing dz over
-    the logits in place, then the two GEMMs (dh straight into its rows of grad_hidden)."""
+    the logits in place, then the two GEMMs (dh straight into its rows of grad_hidden). Without
+    `grad_weight` and `need_grad_hidden` (evaluation) only the statistics pass runs."""
     from pretrain.model import output_loss_kernels as kernels
 
     def all_reduce_max(t):
@@ -139,7 +148,8 @@ def _chunks_triton(hidden, weight, labels, loss_weights, chunk_size, vocab_start
         return _all_reduce(t, dist.ReduceOp.SUM, tp_group)
 
     n_tokens = hidden.shape[0]
-    grad_hidden = torch.empty_like(hidden)
+    need_dz = grad_weight is not None or need_grad_hidden
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     labels = labels.contiguous()
     buffer = torch.empty(min(chunk_size, n_tokens), weight.shape[0], dtype=weight.dtype, device=weight.device)
@@ -150,10 +160,19 @@ def _chunks_triton(hidden, weight, labels, loss_weights, chunk_size, vocab_start
         row_max, row_sum, target = kernels.row_stats(z, y, vocab_start)
         lse, losses[start:end] = kernels.combine_rank_stats(row_max, row_sum, target, all_reduce_max,
                                                             all_reduce_sum)
+        if not need_dz:
+            continue
         dz = kernels.softmax_grad_(z, y, lse, loss_weights[start:end], vocab_start)
-        torch.mm(dz, weight, out=grad_hidden[start:end])
-        accumulate_grad_weight(grad_weight, dz, h)
+        if need_grad_hidden:
+            torch.mm(dz, weight, out=grad_hidden[start:end])
+        if grad_weight is not None:
+            accumulate_grad_weight(grad_weight, dz, h)
     return grad_hidden, losses
+
+
+def grad_weight_buffer(weight: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """dW's running sum over the chunks, zeros in `acc`."""
+    return torch.zeros(weight.shape, dtype=acc, device=weight.device)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -161,15 +180,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_weights, chunk_size: int, vocab_start: int, tp_group,
-                kernels: bool = False, fp32_grad_weight: bool = True):
+                kernels: bool = False, fp32_grad_weight: bool = True, grad_enabled: bool = True):
+        # the gradients are computed here, so only those autograd will ask for: none under no_grad (the
+        # caller's grad mode: inside forward it is always off, and needs_input_grad ignores it) and none for
+        # frozen inputs. Evaluation runs the forward statistics alone, with no dW buffer.
+        need_dh, need_dw = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
         acc = wide if fp32_grad_weight else weight.dtype
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        loop = _chunks_triton if kernels else _chunks_torch
-        grad_hidden, losses = loop(hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group,
-                                   grad_weight)
+        grad_weight = grad_weight_buffer(weight, acc) if need_dw else None
+        args = (hidden, weight, labels, loss_weights, chunk_size, vocab_start, tp_group, grad_weight, need_dh)
+        grad_hidden, losses = _chunks_triton(*args) if kernels else _chunks_torch(*args, acc)
         # held on ctx, not saved: the backward scales them in place (no second copy of dW)
-        ctx.grads = [grad_hidden, grad_weight.to(weight.dtype)]
+        ctx.grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)]
         del grad_weight
         loss = (losses * loss_weights.to(losses.dtype)).sum()
         ctx.mark_non_differentiable(losses)
@@ -181,9 +203,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked output loss: backward ran twice through one forward (retain_graph)")
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None
-        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-        grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -210,7 +234,7 @@ def chunked_linear_cross_entropy(
     shape = labels.shape
     loss, losses = ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_weights.reshape(-1), chunk_size,
-        vocab_start, tp_group, kernels, fp32_grad_weight,
+        vocab_start, tp_group, kernels, fp32_grad_weight, torch.is_grad_enabled(),
     )
     return loss, losses.view(shape)
 
