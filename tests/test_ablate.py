@@ -71,8 +71,8 @@ def test_smoke_sweep_runs_skips_finished_and_resumes_unfinished(tmp_path, capsys
 
     # The evaluations on a finished run's checkpoint, through their command lines, land in the table.
     prefix = str(tmp_path / "heldout")
-    with DatasetWriter(prefix, np.uint16) as writer:
-        for doc in range(3):
+    with DatasetWriter(prefix, np.uint16) as writer:  # 100 documents: the last 3 are outside data.split's train share
+        for doc in range(100):
             writer.add_document(np.random.default_rng(doc).integers(0, 8192, 40).astype(np.uint16))
         writer.close({})
     assert mtp_accept.main(["--checkpoint", str(muon / "checkpoints"), "--data", prefix, "--draft-tokens", "2",
@@ -256,3 +256,25 @@ def test_report_flags_unfinished_runs_and_cuts_every_run_at_a_common_step(tmp_pa
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report", "--at-step", "6"]) == 0
     assert "as of step 6" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/loss_curves.png").stat().st_size > 0
+
+
+def test_report_without_matplotlib_writes_the_table_and_says_how_to_get_the_plot(tmp_path, capsys, monkeypatch):
+    """`pip install -e .` has no matplotlib: the report still writes results.md / results.json, and one printed
+    line names the `plot` extra instead of a ModuleNotFoundError after the whole sweep has trained."""
+    path = write_sweep(tmp_path, "overrides: [optimizer.lr_warmup_iters=0]\nvariants:\n  - {name: a}\n")
+    sweep = load_sweep(path, tmp_path / "out")
+    for run in sweep.runs:
+        run.run_dir.mkdir(parents=True)
+        rows = [{"step": k, "loss": 5.0 - 0.1 * k, "tokens_per_sec": 100.0, "mfu": 0.01, "mem_peak_gb": 1.0}
+                for k in range(1, run.train_iters + 1)]
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--report"]) == 0
+    printed = capsys.readouterr().out
+    assert "| a |" in (tmp_path / "out/results.md").read_text() and "| a |" in printed
+    assert json.loads((tmp_path / "out/results.json").read_text())["variants"][0]["variant"] == "a"
+    assert not (tmp_path / "out/loss_curves.png").exists()
+    hints = [line for line in printed.splitlines() if "matplotlib is" in line]
+    assert hints == ["loss_curves.png not drawn: matplotlib is not installed (pip install -e '.[plot]', then "
+                     "python -m pretrain.ablate SWEEP --report draws it)"]

@@ -13,8 +13,8 @@
 --at-step N    report every run as of step N (a sweep compared before it finished; runs short of N left out)
 --evaluate-at N  run the evaluations of every run's step-N checkpoint (no training), then report as of step N
 
-Results: <output_dir>/results.md, results.json, loss_curves.png. A bad sweep file stops with one
-line before anything runs.
+Results: <output_dir>/results.md, results.json, loss_curves.png (the plot needs matplotlib:
+pip install -e '.[plot]'). A bad sweep file stops with one line before anything runs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A sweep's results: one row per variant (mean and spread over seeds) as Markdown and JSON, and the
-loss curves of every variant overlaid in one PNG.
+loss curves of every variant overlaid in one PNG (with matplotlib, the `plot` extra; without it the table
+is written and one line says how to get the plot).
 
 Per run, from `<run_dir>/metrics.jsonl` (`pretrain.training.metrics`): the final train loss (last
 logged step), the train loss averaged over the last `report.average_last` steps, the last
@@ -212,14 +213,32 @@ def plot_losses(sweep: Sweep, out: Path, smooth_window: int = 1, at_step: Option
     return out
 
 
+PLOT_HINT = ("loss_curves.png not drawn: matplotlib is not installed (pip install -e '.[plot]', then "
+             "python -m pretrain.ablate SWEEP --report draws it)")
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(sweep: Sweep, smooth_window: int = 1, at_step: Optional[int] = None) -> Dict[str, Path]:
-    """results.md, results.json and loss_curves.png in the sweep's output directory (as of `at_step`)."""
+    """results.md, results.json and loss_curves.png in the sweep's output directory (as of `at_step`).
+
+    The table is written first and always; the plot needs matplotlib (the `plot` extra): without it the
+    plot is left out with one line saying how to get it (`PLOT_HINT`), and "png" is not in the result."""
     results = collect(sweep, at_step)
     out = sweep.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "results.md", "json": out / "results.json", "png": out / "loss_curves.png"}
+    paths = {"markdown": out / "results.md", "json": out / "results.json"}
     paths["markdown"].write_text(to_markdown(results), encoding="utf-8")
     paths["json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    plot_losses(sweep, paths["png"], smooth_window, at_step)
+    if matplotlib_available():
+        paths["png"] = plot_losses(sweep, out / "loss_curves.png", smooth_window, at_step)
+    else:
+        print(PLOT_HINT, flush=True)
     return paths
 
