@@ -17,7 +17,7 @@ rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagon
 last key (`torch.nn.attention.bias.causal_lower_right`), which SDPA's flash and memory-efficient
 kernels take without a mask and with their causal block skipping. An explicit [s / cp, s] mask
 (at 128K and CP = 2, 8 GB per layer) leaves SDPA only its kernels that read a mask, which skip no
-block (CP = 2 at 32K trained at 0.31 of one GPU that way: benchmarks/results/README.md).
+block (CP = 2 at 32K trained at 0.31 of one GPU that way: docs/parallelism.md).
 """
 
 from __future__ import annotations

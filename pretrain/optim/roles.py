@@ -21,7 +21,7 @@ Which update each parameter takes:
   `optimizer.muon_split_glu` (off by default) every SwiGLU fc1's gate and up halves apart, the
   matrices a model with separate gate_proj / up_proj has (2.2x fewer Newton-Schulz FLOPs for an
   expert's [2F, H] with 2F <= H; off because it trained worse in the optimizer ablation:
-  benchmarks/results/README.md, ablations/optimizer-short_h200).
+  docs/training.md, section Muon).
 - Muon on the whole matrix: every other 2-D weight.
 
 Tensor parallelism (`tp_shard`) splits attention heads whole, so head blocks need no communication.
