@@ -2,7 +2,7 @@
 
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
-    0  pretrain.atomic_io, pretrain.config, pretrain.compat   (no project imports above them)
+    0  pretrain.atomic_io, pretrain.config, pretrain.compat, pretrain.notices   (no project imports above them)
     1  parallel, data_pipeline
     2  pretrain.model                                          (the GLM-5 model, DSA, MTP, experts)
     3  pretrain.optim                                          (Muon, roles, ZeRO-2, builder)
@@ -23,7 +23,7 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pretrain", "parallel", "data_pipeline", "benchmarks")
 LAYERS: List[Tuple[str, ...]] = [
-    ("pretrain.atomic_io", "pretrain.config", "pretrain.compat"),
+    ("pretrain.atomic_io", "pretrain.config", "pretrain.compat", "pretrain.notices"),
     ("parallel", "data_pipeline"),
     ("pretrain.model",),
     ("pretrain.optim",),
@@ -141,3 +141,19 @@ def test_no_module_imports_another_modules_private_names():
             if private and target != name:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {private} from {target}")
     assert not wrong, "private names imported across modules (make them public in one place):\n" + "\n".join(wrong)
+
+
+def test_library_names_no_benchmark_or_lab_path():
+    """pretrain/, parallel/ and data_pipeline/ neither import nor name `benchmarks/` or `lab/`: a docstring cites
+    `docs/...` or the paper, and no library code reads a file or knob that lives with a benchmark or a probe."""
+    import re
+
+    path_ref = re.compile(r"benchmarks/|(?<![A-Za-z0-9_])lab/")
+    import_ref = re.compile(r"^\s*(from|import)\s+(benchmarks|lab)\b")
+    wrong = []
+    for pkg in ("pretrain", "parallel", "data_pipeline"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if path_ref.search(line) or import_ref.search(line):
+                    wrong.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not wrong, "library code names benchmarks/ or lab/ (cite docs/... instead):\n" + "\n".join(wrong)
