@@ -11,6 +11,10 @@
 #   RDZV_ENDPOINT   host:port of a c10d rendezvous instead (elastic; RDZV_ID names the job)
 #   MAX_RESTARTS    torchrun --max-restarts (default 0); restarted ranks resume from the
 #                   latest checkpoint (checkpoint.save with checkpoint.auto_resume=true)
+#
+# Preemption: SIGTERM or SIGUSR1 sent to this process (torchrun's agent) or to the ranks makes every
+# rank end its step, save a checkpoint and exit; the exit code is then 75 (no restart). Run the same
+# command again to resume at the next step (parallel/torchrun.py, pretrain/training/preemption.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
@@ -27,4 +31,4 @@ else
     args+=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}")
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "${PYTHON:-python3}" -m torch.distributed.run "${args[@]}" -m pretrain.train "$@"
+exec "${PYTHON:-python3}" -m parallel.torchrun "${args[@]}" -m pretrain.train "$@"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -23,8 +24,12 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: Optional[str] = None) -> None:
+def init_distributed(backend: Optional[str] = None, timeout_minutes: Optional[int] = None) -> None:
     """Initialize torch.distributed from the launcher's environment (or as a single rank).
+
+    `timeout_minutes` (`parallel.distributed_timeout_minutes`) bounds every collective of the default
+    group: a rank that waits longer for the others (one of them hung or died) raises instead of
+    hanging. None keeps torch's default (10 minutes for NCCL, 30 for gloo).
 
     On a host without CUDA, `pretrain.compat.install()` must have run (every entry point calls it):
     megatron's RNG tracker and streams need its CPU layer.
@@ -35,6 +40,7 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if dist.is_initialized():
         return
     backend = backend or default_backend()
+    timeout = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -46,13 +52,13 @@ def init_distributed(backend: Optional[str] = None) -> None:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   int(os.environ["WORLD_SIZE"]), is_master=False)
             dist.init_process_group(backend=backend, store=dist.PrefixStore(f"glm5/attempt_{restart}", store),
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **timeout)
         else:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, **timeout)
     else:
         # A lone process: a file store needs no free TCP port and no environment.
         store_file = tempfile.NamedTemporaryFile(prefix="glm5_store_", delete=False).name
-        dist.init_process_group(backend=backend, init_method=f"file://{store_file}", rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=f"file://{store_file}", rank=0, world_size=1, **timeout)
 
 
 def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Optional[str] = None) -> None:
@@ -60,7 +66,7 @@ def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Opt
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    init_distributed(backend)
+    init_distributed(backend, parallel.distributed_timeout_minutes)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -70,6 +76,7 @@ def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Opt
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        distributed_timeout_minutes=parallel.distributed_timeout_minutes,  # megatron's groups: the same bound
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -4,7 +4,9 @@
         train.train_iters=1000 checkpoint.save=ckpt/proxy
 
 One process per GPU (or per CPU rank with gloo). Configuration errors are reported before any
-process group or GPU memory is touched.
+process group or GPU memory is touched. Exit codes: 0 trained, 2 a configuration error (one line),
+75 stopped by a signal of `train.exit_signals` after saving a checkpoint (run the same command again
+to resume; `pretrain.training.preemption`), anything else a failure.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    trainer.train()
     from parallel.initialize import destroy_parallel
+    from pretrain.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
+    try:
+        trainer.train()
+    except Preempted:  # saved and logged by the trainer; the launcher may requeue on this code
+        destroy_parallel()
+        return PREEMPTED_EXIT_CODE
     destroy_parallel()
     return 0
 

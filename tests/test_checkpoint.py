@@ -103,11 +103,13 @@ class Setup:
         return torch.stack([m["lm loss"] for m in losses]) if losses else None  # None: not the last stage
 
     def save(self, extra: Dict = None) -> str:
-        from pretrain.training.checkpoint import save_checkpoint
+        from pretrain.training.checkpoint import save_checkpoint, wait_for_pruning
 
         extra = {"consumed_samples": self.iteration * MBS * MICROBATCHES, **(extra or {})}
-        return save_checkpoint(self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
+        path = save_checkpoint(self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
                                self.scheduler, self.cfg, extra)
+        wait_for_pruning()  # older step dirs are deleted in the background: the listings below see the result
+        return path
 
     def load(self, load_dir=None):
         from pretrain.training.checkpoint import load_checkpoint

@@ -15,11 +15,27 @@ writes every torch_dist checkpoint (a synchronous save runs the same code via `e
   memory and nothing overlaps with training, so the same per-file writer runs in threads of
   this process and results go through a plain `queue.Queue`: same files, same format, no child
   processes. GPU hosts keep megatron's forked writers (writes proceed without the GIL).
+
+Asynchronous saves (`checkpoint.async_save`) go through megatron's `AsyncCallsQueue(persistent=True)`,
+whose `PersistentAsyncCaller` runs each save's writer in one spawned worker process:
+
+* The worker is a fresh interpreter: none of the patches above exist there, so without psutil it
+  hangs as described. `patch_async_worker` wraps each request's writer in `run_in_async_worker`,
+  which applies them in the worker first (pickled by name, so unpickling imports this module).
+* CPU only, the caller cannot work at all: the worker starts with
+  `torch.cuda.set_device(rank % torch.cuda.device_count())` (a division by zero without a GPU), the
+  CPU writer above is a closure and its results queue a `queue.Queue` (neither pickles), and the
+  tensors handed to the writer are the live parameters (`preload_tensors` copies GPU tensors to the
+  host; CPU tensors it passes through, and the optimizer would rewrite them mid-write). On CPU the
+  persistent caller is `ThreadAsyncCaller`: the same contract, one writer thread in the trainer
+  process, and the staged tensors are copies taken before the call returns.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -76,6 +92,106 @@ def _threaded_writer(fsa):
     return write_buckets_in_threads
 
 
+def run_in_async_worker(save_fn, *args, **kwargs):
+    """A save request's writer, run in megatron's spawned checkpoint worker with our patches applied."""
+    patch_dist_checkpoint_writer()
+    return save_fn(*args, **kwargs)
+
+
+def patch_async_worker() -> None:
+    """GPU hosts: each request megatron's persistent caller sends to its worker runs `run_in_async_worker`."""
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    caller = async_utils.PersistentAsyncCaller
+    if getattr(caller.schedule_async_call, "_glm5_patched", False):
+        return
+    original = caller.schedule_async_call
+
+    def schedule_async_call(self, async_req):
+        if async_req.async_fn is not None:
+            async_req = async_req._replace(async_fn=functools.partial(run_in_async_worker, async_req.async_fn))
+        return original(self, async_req)
+
+    schedule_async_call._glm5_patched = True
+    caller.schedule_async_call = schedule_async_call
+
+
+def _snapshot(buckets):
+    # preload_tensors' bucket layout: (file name, storage key, (bytes items, [(item, tensor)])).
+    return [(name, key, (data, [(item, t.detach().clone()) for item, t in tensors]))
+            for name, key, (data, tensors) in buckets]
+
+
+def thread_async_caller_class():
+    """`ThreadAsyncCaller`: megatron's persistent async caller as one writer thread (CPU hosts)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller
+
+    class ThreadAsyncCaller(AsyncCaller):
+        def __init__(self):
+            self.thread = None
+            self.requests: queue.Queue = queue.Queue()
+            self.done: queue.Queue = queue.Queue()
+            self.finished = True  # the current request has been written (or there is none)
+
+        def schedule_async_call(self, async_req) -> None:
+            if async_req.async_fn is None:
+                return
+            args = list(async_req.async_fn_args)
+            if async_req.preload_fn:  # staged now, in the trainer thread: training may change the weights next
+                args[1] = _snapshot(async_req.preload_fn())
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="ckpt-async", daemon=True)
+                self.thread.start()
+            self.finished = False
+            self.requests.put((async_req, args))
+
+        def _loop(self) -> None:
+            while True:
+                item = self.requests.get()
+                if item is None:
+                    return
+                async_req, args = item
+                try:
+                    async_req.async_fn(*args, **async_req.async_fn_kwargs)
+                except BaseException as exc:  # noqa: BLE001 - reported by the finalization (empty results)
+                    self.done.put(exc)
+                    continue
+                self.done.put(None)
+
+        def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+            if not self.finished:
+                try:
+                    self.done.get(block=blocking)
+                    self.finished = True
+                except queue.Empty:
+                    pass
+            is_alive = not self.finished
+            return (not is_alive) if no_dist else bool(self.sync_all_async_calls(int(is_alive)))
+
+        def close(self, abort: bool = False) -> None:
+            if self.thread is not None:
+                self.requests.put(None)
+                if not abort:
+                    self.thread.join()
+                self.thread = None
+
+        def __del__(self):
+            pass
+
+    return ThreadAsyncCaller
+
+
+def use_thread_async_caller() -> None:
+    """CPU hosts: `AsyncCallsQueue(persistent=True)` gets a `ThreadAsyncCaller`."""
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    if getattr(async_utils.PersistentAsyncCaller, "_glm5_thread_caller", False):
+        return
+    caller = thread_async_caller_class()
+    caller._glm5_thread_caller = True
+    async_utils.PersistentAsyncCaller = caller
+
+
 WORKAROUNDS = [
     Workaround(
         name="patch_dist_checkpoint_writer",
@@ -84,5 +200,23 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_dsa_training_hf_start.py::test_hf_to_checkpoint_cli_finishes_without_psutil",
         install=patch_dist_checkpoint_writer,
+    ),
+    Workaround(
+        name="patch_async_worker",
+        target="megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller.schedule_async_call",
+        reason="the spawned checkpoint worker runs megatron's writer without our patches (hangs without psutil)",
+        upstream="open",
+        test="tests/test_checkpoint_async.py::test_async_worker_applies_the_writer_patch",
+        install=patch_async_worker,
+    ),
+    Workaround(
+        name="use_thread_async_caller",
+        target="megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller",
+        reason="on CPU the persistent caller divides by torch.cuda.device_count(), cannot pickle the CPU writer, "
+               "and would write live parameters",
+        upstream="open",
+        test="tests/test_checkpoint_async.py::test_crash_during_async_save_resumes_the_previous_checkpoint",
+        install=use_thread_async_caller,
+        when="cpu",
     ),
 ]

@@ -118,8 +118,11 @@ class ModelConfig:
     """Weight of the auxiliary balancing loss."""
     moe_router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
     """Router computation dtype; null: the model's."""
-    moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall"] = "auto"
-    """"auto": alltoall on GPU, allgather on CPU (the alltoall dispatcher needs CUDA streams)."""
+    moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall", "alltoall_dedup"] = "auto"
+    """"auto": alltoall on GPU, allgather on CPU (the alltoall dispatcher needs CUDA streams); "alltoall_dedup" (ours,
+    EP > 1, expert TP 1): each token sent once per destination rank instead of once per expert (less all-to-all)."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarks only: random router logits (balanced load, untrained routing); never for training runs."""
     moe_grouped_gemm: bool = True
     """torch._grouped_mm experts; false: megatron's SequentialMLP (a loop over experts)."""
     # --- MTP -------------------------------------------------------------------------------
@@ -208,6 +211,8 @@ class ParallelConfig:
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
     grad_reduce_in_fp32: bool = True
     """megatron DDP: reduce gradients in fp32; false: in the weights' dtype (accumulation stays fp32, ZeRO-2 too)."""
+    distributed_timeout_minutes: int = 30
+    """Timeout of every process group's collectives (megatron-core's default); a rank waiting longer raises."""
 
 
 @dataclass
@@ -278,8 +283,8 @@ class DataConfig:
     """Documents do not attend to each other."""
     eod_mask_loss: bool = False
     """No loss on end-of-document tokens."""
-    create_attention_mask: bool = True
-    """With reset_attention_mask: the dense [b, 1, s, s] document mask; false leaves only cu_seqlens."""
+    create_attention_mask: bool = False
+    """megatron's dense [b, 1, s, s] mask: refused (true); documents reach attention as cu_seqlens, O(s)."""
     min_document_length: List[int] = field(default_factory=list)
     """Ours: per blend entry, skip documents shorter than this (0: keep all); []: no filter."""
     data_cache_path: Optional[str] = None
@@ -306,6 +311,8 @@ class TrainConfig:
     """Ours: stop after this many skipped (non-finite) steps in a row."""
     trainable_params: Literal["all", "dsa_indexer"] = "all"
     """Ours: "all", or "dsa_indexer" (DSA warm-up: every other parameter frozen)."""
+    exit_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Ours: on these signals every rank ends its step, saves a checkpoint and exits with code 75; []: off."""
 
 
 @dataclass
@@ -324,6 +331,8 @@ class CheckpointConfig:
     """Ours: weights a fresh run starts from (ours or `glm5-convert hf-to-checkpoint` output)."""
     pretrained_optimizer: bool = False
     """Ours: also take optimizer state (moments, Muon momentum) from checkpoint.pretrained; step count and data restart."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core async save); training blocks only to stage the tensors."""
 
 
 @dataclass

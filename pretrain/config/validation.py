@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 from pretrain.config.cross_checks import (
     check_context_parallel,
+    check_documents,
     check_model_parallel,
     check_schedule,
     check_sequence,
@@ -51,6 +52,7 @@ def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
     check_model_parallel(cfg.model, cfg.parallel)
     check_sequence(cfg.model, cfg.data, cfg.parallel)
     check_context_parallel(cfg.model, cfg.data, cfg.parallel)
+    check_documents(cfg.model, cfg.data, cfg.parallel)
     check_schedule(cfg.optimizer, cfg.train)
     check_trainable(cfg.model, cfg.train)
     if world_size is not None:
@@ -286,7 +288,7 @@ def _check_moe(m: ModelConfig) -> None:
 
 def check_parallel(p: ParallelConfig) -> None:
     _positive(p, "parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "expert_tensor_parallel_size")
+              "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes")
     if p.virtual_pipeline_model_parallel_size is not None:
         _positive(p, "parallel", "virtual_pipeline_model_parallel_size")
         require(
@@ -314,9 +316,9 @@ def check_optimizer(o: OptimizerConfig) -> None:
 def check_data(d: DataConfig) -> None:
     _positive(d, "data", "seq_length")
     require(
-        not d.reset_attention_mask or d.create_attention_mask,
-        "data.reset_attention_mask=true needs data.create_attention_mask=true: the training step hands document "
-        "boundaries to attention through the dense document mask (without it documents would attend to each other)",
+        not d.create_attention_mask,
+        "data.create_attention_mask=true asks for megatron's dense [s, s] mask, which is not built (documents reach "
+        "attention as cu_seqlens, O(s), with data.reset_attention_mask=true); set data.create_attention_mask=false",
     )
     _at_least(d, "data", ["num_workers"], 0)
     try:
@@ -372,6 +374,11 @@ def check_train(t: TrainConfig) -> None:
         f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
         f"({t.micro_batch_size}); set train.global_batch_size to a multiple of {t.micro_batch_size}",
     )
+    from pretrain.training.preemption import EXIT_SIGNAL_CHOICES  # the one list of signals a run can stop on
+
+    unknown = [s for s in t.exit_signals if s not in EXIT_SIGNAL_CHOICES]
+    require(not unknown, f"train.exit_signals has {unknown}; use signal names among {', '.join(EXIT_SIGNAL_CHOICES)}, "
+                         "or [] to let signals end the run without a checkpoint")
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:

@@ -32,8 +32,10 @@ are spread over the data-parallel ranks (megatron's fully parallel save) when DP
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -65,7 +67,8 @@ from pretrain.training.checkpoint_state import (
 )
 
 __all__ = ["CheckpointWarning", "save_checkpoint", "load_checkpoint", "load_weights_and_optimizer",
-           "capture_rng_state", "parallel_layout"]
+           "capture_rng_state", "parallel_layout", "async_save_queue", "finalize_async_saves", "close_async_saves",
+           "wait_for_pruning"]
 _WRITER_THREADS = 2  # files written per rank, in parallel
 _RANK_STATE_DIR = "rank_state"
 
@@ -83,14 +86,23 @@ def save_checkpoint(
     scheduler,
     cfg,
     extra_state: Dict[str, Any],
+    async_queue=None,
 ) -> str:
     """Save a complete checkpoint of `iteration` into `save_dir/iter_{iteration:07d}`; return its path.
 
     Collective: every rank calls it. `extra_state` may differ per rank and must hold plain values
     (dict, list, tuple, str, int, float, bool, None, tensors). `latest` names the new step dir only
     once every rank has written, and `cfg.checkpoint.keep_last` older step dirs are kept.
+
+    With `async_queue` (`async_save_queue()`), the tensors are staged and the call returns while they
+    are written in the background; the step dir is published by `finalize_async_saves` (the trainer
+    calls it every step without waiting, and waits before the next save and at exit). Until then
+    `latest` names the previous checkpoint, which a crash in between therefore leaves as the one resumed.
     """
     check_plain(extra_state, "extra_state")
+    if async_queue is not None:
+        finalize_async_saves(async_queue, blocking=True)  # one save in flight at a time
+    wait_for_pruning()  # pruning removes stale `.partial` dirs: not while this save writes one
     rank = dist.get_rank()
     save_path = Path(save_dir)
     staging = save_path / (files.step_dir_name(iteration) + files.PARTIAL_SUFFIX)
@@ -103,21 +115,74 @@ def save_checkpoint(
     _, state["optimizer"] = optimizer_sharded_state(optimizer, dict(state), is_loading=False)
     state.update(iteration=iteration, optimizer_step=optimizer_step(optimizer), scheduler=scheduler.state_dict(),
                  layout=parallel_layout())
-    dist_checkpointing.save(
-        state, str(staging), sharded_strategy=_save_strategy(), content_metadata=dict(SHARDED_STATE_METADATA)
+    request = dist_checkpointing.save(
+        state, str(staging), sharded_strategy=_save_strategy(), content_metadata=dict(SHARDED_STATE_METADATA),
+        async_sharded_save=async_queue is not None,
     )
     _save_rank_state(staging, rank, {"rng": capture_rng_state(), "extra": extra_state})
     if rank == 0:
         save_config(cfg, staging / "config.yaml")
-    dist.barrier()  # every rank's files are on disk
+    finish = functools.partial(_publish, save_path, staging, iteration, cfg.checkpoint.keep_last)
+    if request is None:
+        finish()
+    else:
+        request.add_finalize_fn(finish)
+        async_queue.schedule_async_request(request)
+    return str(save_path / files.step_dir_name(iteration))
 
-    final = save_path / files.step_dir_name(iteration)
+
+def _publish(save_path: Path, staging: Path, iteration: int, keep_last: int) -> None:
+    """Once every rank's shards are written: each rank makes its own files durable, rank 0 records the
+    step dir's sizes and points `latest` at it; old step dirs are deleted in the background."""
+    rank = dist.get_rank()
+    files.fsync_rank_files(staging, rank)
+    dist.barrier()  # every rank's files are on disk
     if rank == 0:
         files.write_completion_record(staging, iteration, {"layout": parallel_layout()})
         files.publish(save_path, staging, iteration)
-        files.prune(save_path, cfg.checkpoint.keep_last, newest=iteration)
+        _start_pruning(save_path, keep_last, iteration)
     dist.barrier()
-    return str(final)
+
+
+_pruning: Optional[threading.Thread] = None
+
+
+def _start_pruning(save_path: Path, keep_last: int, newest: int) -> None:
+    # Deleting older step dirs (many files on a parallel file system) is nobody's critical path.
+    global _pruning
+    _pruning = threading.Thread(target=files.prune, args=(save_path, keep_last, newest), name="ckpt-prune")
+    _pruning.start()
+
+
+def wait_for_pruning() -> None:
+    """Wait for the previous save's deletion of older checkpoints (before the next save, at exit)."""
+    global _pruning
+    if _pruning is not None:
+        _pruning.join()
+        _pruning = None
+
+
+def async_save_queue():
+    """The persistent queue asynchronous saves run on (`checkpoint.async_save`): one writer process per
+    rank (a thread on CPU hosts, `pretrain.compat`), started at the first save and kept."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=True)
+
+
+def finalize_async_saves(async_queue, blocking: bool = False) -> None:
+    """Publish the saves whose writes have finished on every rank (all of them with `blocking`).
+    Collective: one all-reduce when a save is in flight; nothing otherwise."""
+    if async_queue is not None and async_queue.get_num_unfinalized_calls():
+        async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+
+def close_async_saves(async_queue) -> None:
+    """Finish the save in flight and stop the writer (at the end of training; collective)."""
+    if async_queue is not None:
+        finalize_async_saves(async_queue, blocking=True)
+        async_queue.close()
+    wait_for_pruning()
 
 
 def _save_strategy():
@@ -133,7 +198,7 @@ def _save_rank_state(step_dir: Path, rank: int, state: dict) -> None:
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # made durable with the rank's other files before the step dir is published
 
 
 # ------------------------------------------------------------------------------------- load

@@ -7,7 +7,8 @@
       iter_0000200/
       iter_0000300.partial/   a save in progress (or one that crashed): never loaded
 
-A save writes into `<step>.partial`, adds the completion record once every rank has written, renames
+A save writes into `<step>.partial`; each rank fsyncs the files it wrote (`fsync_rank_files`), then
+rank 0 adds the completion record (file sizes), renames
 the directory to its final name, and only then replaces `latest`. A crash at any point therefore
 leaves `latest` naming the previous complete checkpoint. On load, the step dir `latest` names is
 checked against its completion record (missing or truncated files, unreadable metadata); a step dir
@@ -68,16 +69,37 @@ def _files(step_dir: Path) -> Iterable[Path]:
             yield path
 
 
-def write_completion_record(step_dir: PathLike, iteration: int, info: Optional[dict] = None) -> dict:
-    """fsync every file of `step_dir` and record its size in `complete.json` (written atomically)."""
+_RANK_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch_dist's shard files: __<rank>_<n>.distcp
+_RANK_STATE_RE = re.compile(r"^rank_(\d+)\.pt$")  # rank_state/rank_<rank>.pt
+
+
+def rank_files(step_dir: PathLike, rank: int) -> List[Path]:
+    """The files of `step_dir` that `rank` wrote: its shard files and its rank state; rank 0 also every
+    file no rank's name marks (common state, metadata, config)."""
+    mine = []
+    for path in _files(Path(step_dir)):
+        owner = _RANK_SHARD_RE.match(path.name) or _RANK_STATE_RE.match(path.name)
+        if (int(owner.group(1)) if owner else 0) == rank:
+            mine.append(path)
+    return mine
+
+
+def fsync_rank_files(step_dir: PathLike, rank: int) -> None:
+    """Make the files `rank` wrote durable (each rank its own, in parallel), and on rank 0 the directories."""
     step_dir = Path(step_dir)
-    files = {}
-    for path in _files(step_dir):
+    for path in rank_files(step_dir, rank):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[path.relative_to(step_dir).as_posix()] = path.stat().st_size
-    for sub in {p.parent for p in _files(step_dir)}:
-        fsync_path(sub)
+    if rank == 0:
+        for sub in {p.parent for p in _files(step_dir)} | {step_dir}:
+            fsync_path(sub)
+
+
+def write_completion_record(step_dir: PathLike, iteration: int, info: Optional[dict] = None) -> dict:
+    """Record the size of every file of `step_dir` in `complete.json` (written atomically). The files
+    must be durable already (`fsync_rank_files` on every rank)."""
+    step_dir = Path(step_dir)
+    files = {path.relative_to(step_dir).as_posix(): path.stat().st_size for path in _files(step_dir)}
     record = {"format": RECORD_FORMAT, "iteration": iteration, **(info or {}), "files": files}
     atomic_write_text(step_dir / COMPLETE, json.dumps(record, indent=1) + "\n")
     return record

@@ -79,6 +79,12 @@ class Trainer:
         self.iteration, self.nan_streak, self.skipped_steps = 0, 0, 0
         self._build_data()
         self._resume()
+        self.async_queue = None  # checkpoint.async_save: saves written in the background
+        if cfg.checkpoint.async_save:
+            from pretrain.training.checkpoint import async_save_queue
+
+            self.async_queue = async_save_queue()
+        self.saved_iteration, self.saved_path, self.save_blocked_s = None, None, None
         from pretrain.training.flops import configured_flops_per_step
         from pretrain.training.metrics import MetricsLogger, StepTimer
 
@@ -247,7 +253,26 @@ class Trainer:
         from pretrain.training.checkpoint import save_checkpoint
 
         extra = {"data": self._data_iterators()[0].state_dict(), "skipped_steps": self.skipped_steps}
-        return save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self.scheduler, self.cfg, extra)
+        began = time.perf_counter()
+        self.saved_path = save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self.scheduler, self.cfg,
+                                          extra, async_queue=self.async_queue)
+        self.saved_iteration, self.save_blocked_s = self.iteration, time.perf_counter() - began  # training waited
+        return self.saved_path
+
+    def _stop_on_signal(self, signal_name: str, profiler, exit_signals) -> None:
+        """Every rank agreed on a signal after this step: save it, log one line, raise `Preempted`."""
+        from pretrain.training.checkpoint import close_async_saves
+        from pretrain.training.preemption import Preempted
+
+        if self.cfg.checkpoint.save and self.saved_iteration != self.iteration:
+            self.save()
+        close_async_saves(self.async_queue)  # the checkpoint is complete on disk before the process exits
+        exit_signals.uninstall()  # until here a repeated signal does not cut the save short
+        profiler.close()
+        self.metrics.close()
+        stopped = Preempted(signal_name, self.iteration, self.saved_path if self.cfg.checkpoint.save else None)
+        self._log(f"preempted: {stopped}")
+        raise stopped
 
     # ----------------------------------------------------------------------------- loop
     def train(self) -> Dict[str, float]:
@@ -257,6 +282,10 @@ class Trainer:
         first_iteration = self.iteration
         last: Dict[str, float] = {}
         profiler = ProfilerWindow(self.cfg, model=self.model)
+        from pretrain.training.checkpoint import close_async_saves, finalize_async_saves
+        from pretrain.training.preemption import ExitSignals
+
+        exit_signals = ExitSignals(t.exit_signals).install()  # train.exit_signals: preemption, `preemption.py`
         while self.iteration < t.train_iters:
             self.timer.start()
             with profiler.step(self.iteration + 1):
@@ -273,8 +302,14 @@ class Trainer:
                                       f"(last at iteration {self.iteration}); stopping")
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 self.save()
+            finalize_async_saves(self.async_queue)  # publishes a background save once every rank has written it
+            stopped_by = exit_signals.agreed(_device())  # the ranks agree, so all stop after the same step
+            if stopped_by:
+                self._stop_on_signal(stopped_by, profiler, exit_signals)
         if c.save and self.iteration > first_iteration and (not c.save_interval or self.iteration % c.save_interval):
             self.save()
+        exit_signals.uninstall()
+        close_async_saves(self.async_queue)
         profiler.close()
         self.metrics.close()
         return last
