@@ -288,6 +288,20 @@ def _documents_per_split(prefix: str, min_length: int, split: str) -> List[Tuple
     return per_split
 
 
+def held_out_document_range(prefix: str, split: str) -> Tuple[int, int]:
+    """[begin, end) of the documents of `prefix` that megatron's `split` keeps out of training (its
+    valid and test ranges: the documents after the train range, by megatron's split rule)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    train = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+    count = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+    begin = 0 if train is None else int(round(train[1] * float(count)))
+    return begin, count
+
+
 def _check_splits_have_documents(entry: str, prefix: str, min_length: int, per_split, sizes) -> None:
     # megatron loops forever on a split without documents, so say which one is empty instead
     for split, (documents, _), wanted in zip(Split, per_split, sizes):

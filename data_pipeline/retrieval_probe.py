@@ -39,9 +39,12 @@ import string
 import sys
 from typing import Callable, Dict, List, Sequence
 
+from pretrain.config.schema import DataConfig
+
 Encode = Callable[[str], List[int]]
 KINDS = ("kv", "passkey", "copy")
 COPY_SPAN, COPY_PREFIX = 24, 4  # copy probes: span tokens, of which the query repeats the first COPY_PREFIX
+DEFAULT_SPLIT = DataConfig.split  # data.split's default
 NEUTRAL_FILLER = "# The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 
 
@@ -115,21 +118,25 @@ def make_probe(encode: Encode, filler: Sequence[int], lengths: Sequence[int], sa
     return [make_sample(encode, filler, length, rng, kind, pairs) for length in lengths for _ in range(samples)]
 
 
-def filler_tokens(encode: Encode, data_prefix: str = None, tokens: int = 0) -> List[int]:
-    """At least `tokens` filler tokens: the dataset's last documents (held out by megatron's split)
-    concatenated, or without a dataset the neutral text repeated."""
+def filler_tokens(encode: Encode, data_prefix: str = None, tokens: int = 0, split: str = DEFAULT_SPLIT) -> List[int]:
+    """At least `tokens` filler tokens: the dataset's last documents concatenated, only from those that
+    `split` (the run's `data.split`) keeps out of training, or without a dataset the neutral text repeated.
+    Too few held-out tokens is an error: the filler never reaches into training documents."""
     if data_prefix is None:
         unit = encode(NEUTRAL_FILLER)
         return unit * (tokens // len(unit) + 1)
+    from data_pipeline.datasets import held_out_document_range
     from data_pipeline.indexed import megatron_indexed_dataset
 
+    begin, end = held_out_document_range(data_prefix, split)
     dataset = megatron_indexed_dataset().IndexedDataset(data_prefix)
     out: List[int] = []
-    for i in range(len(dataset) - 1, -1, -1):
+    for i in range(end - 1, begin - 1, -1):
         out += [int(t) for t in dataset.get(i)]
         if len(out) >= tokens:
             return out
-    raise ValueError(f"{data_prefix} has {len(out)} tokens, fewer than the {tokens} filler tokens needed")
+    raise ValueError(f"{data_prefix} has {len(out)} held-out tokens (documents {begin}..{end - 1}, outside the train "
+                     f"share of data.split={split!r}), fewer than the {tokens} filler tokens needed")
 
 
 def main(argv=None) -> int:
@@ -141,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=50, help="probes per length")
     parser.add_argument("--kind", choices=KINDS, default="kv")
     parser.add_argument("--pairs", type=int, default=1, help="key-value needles per probe (kv)")
+    parser.add_argument("--split", default=DEFAULT_SPLIT,
+                        help="the training run's data.split: the filler reads only documents outside its train share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSONL file, one probe per line")
     args = parser.parse_args(argv)
@@ -148,7 +157,7 @@ def main(argv=None) -> int:
 
     try:
         tok = load_tokenizer(args.tokenizer)
-        filler = filler_tokens(tok.tokenize, args.data, 2 * max(args.lengths))
+        filler = filler_tokens(tok.tokenize, args.data, 2 * max(args.lengths), args.split)
         probes = make_probe(tok.tokenize, filler, args.lengths, args.samples, args.seed, args.kind, args.pairs)
     except ValueError as err:
         print(f"retrieval_probe: {err}", file=sys.stderr)

@@ -167,3 +167,33 @@ def test_copy_accuracy_against_an_oracle_with_a_known_window():
 def test_copy_eval_refuses_another_kind(capsys):
     assert retrieval_copy.main(["--checkpoint", "x", "--kind", "kv"]) == 2
     assert "--kind is copy here" in capsys.readouterr().err
+
+
+def _numbered_documents(path, count, length=10):
+    """Document d holds the token d + 1 `length` times, so every token names its document."""
+    import numpy as np
+
+    from data_pipeline.indexed import DatasetWriter
+
+    prefix = str(path / "numbered")
+    with DatasetWriter(prefix, np.uint16) as writer:
+        for d in range(count):
+            writer.add_document(np.full(length, d + 1, dtype=np.uint16))
+        writer.close({})
+    return prefix
+
+
+def test_held_out_text_never_reaches_training_documents(tmp_path):
+    """With split 90,10,0 over 20 documents, 18 and 19 are held out: filler and eval documents come from
+    them only, and asking for more than they hold is a one-line error, not training text."""
+    from pretrain.eval.checkpoint import held_out_documents
+
+    prefix = _numbered_documents(tmp_path, 20)
+    filler = filler_tokens(chars, prefix, 20, split="90,10,0")
+    assert sorted(set(filler)) == [19, 20]
+    with pytest.raises(ValueError, match=r"^\S+ has 20 held-out tokens \(documents 18\.\.19.*'90,10,0'.*25 filler"):
+        filler_tokens(chars, prefix, 25, split="90,10,0")
+    docs = held_out_documents(prefix, 5, 8, split="90,10,0")
+    assert [int(d[0]) for d in docs] == [20, 19]  # two documents, not eight reaching into training's
+    with pytest.raises(ValueError, match="no held-out document of 5 tokens or more"):
+        held_out_documents(prefix, 5, 1, split="100,0,0")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pretrain.config import load_config
-from pretrain.config.schema import GLM5Config, ParallelConfig
+from pretrain.config.schema import DataConfig, GLM5Config, ParallelConfig
 
 
 def checkpoint_config(checkpoint: str, overrides: Sequence[str] = ()) -> Tuple[Path, GLM5Config]:
@@ -54,20 +54,24 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def held_out_documents(prefix: str, min_tokens: int, count: int) -> List[np.ndarray]:
-    """Up to `count` documents of at least `min_tokens` tokens, from the end of the dataset: megatron's
-    `split` gives the last documents to validation and test, so these are not trained on."""
+def held_out_documents(prefix: str, min_tokens: int, count: int, split: str = DataConfig.split) -> List[np.ndarray]:
+    """Up to `count` documents of at least `min_tokens` tokens, from the end of the dataset and only from
+    the documents `split` (the run's `data.split`) keeps out of training: megatron's split gives the last
+    documents to validation and test. Never a training document; none in the held-out range is an error."""
+    from data_pipeline.datasets import held_out_document_range
     from data_pipeline.indexed import megatron_indexed_dataset
 
+    begin, end = held_out_document_range(prefix, split)
     dataset = megatron_indexed_dataset().IndexedDataset(prefix)
     docs = []
-    for i in range(len(dataset) - 1, -1, -1):
+    for i in range(end - 1, begin - 1, -1):
         if len(docs) == count:
             break
         if dataset.sequence_lengths[i] >= min_tokens:
             docs.append(np.asarray(dataset.get(i), dtype=np.int64))
     if not docs:
-        raise ValueError(f"{prefix} has no document of {min_tokens} tokens or more")
+        raise ValueError(f"{prefix} has no held-out document of {min_tokens} tokens or more (documents {begin}.."
+                         f"{end - 1} of {end} are outside the train share of data.split={split!r})")
     return docs
 
 

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         drafts = depths if args.draft_tokens is None else args.draft_tokens
         overrides = draft_overrides(cfg.model, drafts)
         prefix = args.data or default_data_prefix(cfg)
-        docs = held_out_documents(prefix, args.prompt_tokens, args.samples)
+        docs = held_out_documents(prefix, args.prompt_tokens, args.samples, cfg.data.split)
     except (FileNotFoundError, ValueError) as err:
         print(f"mtp_accept: {err}", file=sys.stderr)
         return 2

@@ -91,7 +91,7 @@ def main(argv=None, prog: str = "python -m pretrain.eval.retrieval") -> int:
             if not tokenizer:
                 raise ValueError("the checkpoint's config names no tokenizer: pass --tokenizer")
             encode = load_tokenizer(tokenizer).tokenize
-            filler = filler_tokens(encode, args.data or default_data_prefix(cfg), 2 * max(lengths))
+            filler = filler_tokens(encode, args.data or default_data_prefix(cfg), 2 * max(lengths), cfg.data.split)
             probes = make_probe(encode, filler, lengths, args.samples, args.seed, args.kind, args.pairs)
     except (FileNotFoundError, ValueError) as err:
         print(f"retrieval: {err}", file=sys.stderr)
