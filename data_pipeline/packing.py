@@ -14,10 +14,12 @@ This module turns one window into what the model needs, given the EOD positions 
     pos(i)     = i - cu_seqlens[doc(i)]                     (reset_position_ids)
     masked(i, j) = j > i  or  doc(i) != doc(j)              (reset_attention_mask: block-diagonal causal)
 
-`masked` follows megatron: a bool [1, s, s] tensor, True where attention is forbidden. It is what
-`_get_ltor_masks_and_position_ids` builds, computed without its per-EOD Python loop and float
-[s, s] intermediate. The dense mask costs s^2 bytes per sample (1 GiB at 32K); attention kernels
-that take segment offsets need only `cu_seqlens` (`data.create_attention_mask=false`).
+Attention sees documents through `cu_seqlens` alone: O(s) per sample, at any length. The training step turns a
+batch's offsets and position ids into the model's document layout (`pretrain.model.documents`: each token's
+document start and position origin, O(s)), and every attention path (dense, DSA top-k and sparse attention,
+context parallelism) isolates documents from it without a mask tensor. megatron's dense [1, s, s] bool mask
+(`create_attention_mask`) is not built: it costs s^2 bytes per sample (16 GiB at 128K) and more in temporaries;
+`block_causal_mask` writes it out for tests that compare against megatron's `_get_ltor_masks_and_position_ids`.
 
 Without `reset_attention_mask` a window is one attention segment, so `cu_seqlens` always describes
 what attention may see: per-document segments when documents are isolated, whole windows when not.
@@ -53,7 +55,8 @@ def reset_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 
 
 def block_causal_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """[1, s, s] bool, True = masked: causal within a document, nothing across documents."""
+    """[1, s, s] bool, True = masked: causal within a document, nothing across documents (megatron's dense
+    mask, for tests; the data pipeline never builds it)."""
     doc = segment_ids(tokens, eod)
     s = tokens.numel()
     future = torch.ones(s, s, dtype=torch.bool).triu_(1)
@@ -67,14 +70,17 @@ def pack_sample(
     reset_position_ids: bool,
     reset_attention_mask: bool,
     eod_mask_loss: bool,
-    create_attention_mask: bool = True,
+    create_attention_mask: bool = False,
 ) -> Dict[str, torch.Tensor]:
-    """One window of s + 1 token ids -> tokens, labels, loss_mask, position_ids, cu_seqlens[, attention_mask].
+    """One window of s + 1 token ids -> tokens, labels, loss_mask, position_ids, cu_seqlens (all O(s)).
 
     Same semantics as megatron's `GPTDataset.__getitem__`: `eod_mask_loss` zeroes the loss where the
     *input* is EOD (the prediction that would cross into the next document), padding (`pad`, only
     in a short final window) carries no loss and is mapped to token 0 so the embedding can read it.
     """
+    if create_attention_mask:
+        raise ValueError("data.create_attention_mask=true: the dense [s, s] document mask is not built (documents "
+                         "reach attention as cu_seqlens, O(s)); set data.create_attention_mask=false")
     text = text.long()
     tokens, labels = text[:-1].clone(), text[1:].clone()
     s = tokens.numel()
@@ -91,8 +97,6 @@ def pack_sample(
             segment_offsets(tokens, eod) if reset_attention_mask else torch.tensor([0, s], dtype=torch.int32)
         ),
     }
-    if reset_attention_mask and create_attention_mask:
-        sample["attention_mask"] = block_causal_mask(tokens, eod)
     tokens[tokens == pad] = 0
     labels[labels == pad] = 0
     return sample

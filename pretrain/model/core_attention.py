@@ -9,10 +9,16 @@ DSA layers use `pretrain.model.dsa.DSACoreAttention`, which builds on this class
 their dense attention. `model.window_size` makes it sliding-window attention
 (`pretrain.model.sliding_window`).
 
+Packed documents arrive as a document layout in the `attention_mask` argument (`pretrain.model.documents`:
+O(S) segment starts, never an S x S mask) and are attended by `pretrain.model.document_attention` (one
+FlashAttention varlen call, or one SDPA call per document piece): no query sees another document's keys.
+A megatron bool / float mask [b|1, 1, s, s] is still taken (True = masked) for callers that build one; the
+data pipeline never does.
+
 Context parallelism (`parallel.context_parallel`): the queries are this rank's tokens, K and V are
-all-gathered over the CP group into global order, and the mask is causal in global positions (and,
-with packed documents, the rows of the document mask that belong to this rank's queries). Without a
-document mask no mask tensor is built (`attend_cp_causal`): the rank's two query chunks, at global
+all-gathered over the CP group into global order, and attention is causal in global positions (with
+packed documents: within each query's document, through the same document pieces). Without
+documents no mask tensor is built (`attend_cp_causal`): the rank's two query chunks, at global
 rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagonal aligned to the
 last key (`torch.nn.attention.bias.causal_lower_right`), which SDPA's flash and memory-efficient
 kernels take without a mask and with their causal block skipping. An explicit [s / cp, s] mask
@@ -38,6 +44,8 @@ from parallel.context_parallel import (
     gather_sequence,
     local_positions,
 )
+from pretrain.model.document_attention import document_attention
+from pretrain.model.documents import AttentionPlan, attention_plan, is_document_layout, query_blocks
 from pretrain.model.sliding_window import combine, sliding_window_mask
 
 
@@ -86,13 +94,19 @@ class SDPACoreAttention(MegatronModule):
         # query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv] -> [sq, b, np * hv]
         if packed_seq_params is not None:
             raise NotImplementedError(
-                "packed (thd) sequences are not supported by SDPACoreAttention; pass a "
-                "document attention_mask instead"
+                "packed (thd) sequences are not supported by SDPACoreAttention; documents reach it as the "
+                "batch's document layout in attention_mask (pretrain.model.documents)"
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         cp_size, cp_rank = cp_size_and_rank(self.cp_group)
         if cp_size > 1:
             key, value = gather_sequence(key, 0, self.cp_group), gather_sequence(value, 0, self.cp_group)
+        if is_document_layout(attention_mask):
+            plan = attention_plan(attention_mask, query_blocks(query.shape[0], cp_size, cp_rank, key.shape[0]))
+            if plan.isolated:
+                return self.attend_documents(query, key, value, plan)
+            attention_mask = None  # positions only (applied by the RoPE before this): causal attention
+        if cp_size > 1:
             if attention_mask is None and self.window_size is None:
                 return self.attend_cp_causal(query, key, value, cp_size, cp_rank)
             visible = causal_visibility(local_positions(query.shape[0], cp_size, cp_rank, query.device), key.shape[0])
@@ -108,6 +122,16 @@ class SDPACoreAttention(MegatronModule):
             end = (chunk + 1) * c  # the chunk's last global row sees keys 0 .. end - 1
             outs.append(self.attend(query[i * c:(i + 1) * c], key[:end], value[:end], None, lower_right=True))
         return torch.cat(outs, dim=0)
+
+    def attend_documents(self, query, key, value, plan: AttentionPlan) -> torch.Tensor:
+        """Causal attention within documents (`pretrain.model.document_attention`): query [s, b, np, hk] at the
+        plan's global positions, key / value [t, b, ng, *] in global order -> [s, b, np * hv]; no mask tensor."""
+
+        def piece(q, k, v, lower_right: bool):
+            return self.attend(q, k, v, None, AttnMaskType.causal, lower_right=lower_right)
+
+        return document_attention(query, key, value, plan, self.softmax_scale, piece, window=self.window_size,
+                                  dropout_p=self.dropout_p if self.training else 0.0)
 
     def attend(self, query, key, value, attention_mask, mask_type=None, lower_right: bool = False) -> torch.Tensor:
         """query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv], mask True = masked -> [sq, b, np * hv].

@@ -17,8 +17,13 @@ the key/value up-projection to `DSACoreAttention`, the attention spec's core-att
 
 Tensor parallelism splits the attention heads; the indexer is replicated (every TP rank computes the
 same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
-sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences are
-respected through megatron's dense mask or through `packed_seq_params.cu_seqlens_q` (THD, b = 1).
+sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences come as the
+batch's document layout (`pretrain.model.documents`: O(S) segment starts and position origins, in the
+`attention_mask` argument) or as `packed_seq_params.cu_seqlens_q` (THD, b = 1, turned into a layout): the
+indexer scores and selects only keys of the query's document (rows with fewer visible keys than K pad with -1),
+so the sparse attention and the indexer KL never reach another document; dense attention runs per document
+(`pretrain.model.document_attention`); RoPE (MLA's and the indexer's) rotates by the position within the
+document when positions restart (`data.reset_position_ids`). A megatron bool mask is still taken.
 
 Selective recompute of the core attention (`recompute_modules: [core_attn]`): dense layers
 checkpoint the whole core (megatron's rule); sparse layers keep their top-k and recompute only the
@@ -51,6 +56,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from parallel.context_parallel import cp_size_and_rank, gather_sequence, local_positions
 from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.core_attention import SDPACoreAttention
+from pretrain.model.documents import (
+    AttentionPlan, attention_plan, is_document_layout, query_blocks, rope_positions, segment_starts,
+)
 from pretrain.model.dsa.backend import select_backend
 from pretrain.model.dsa.kernels import triton_available
 from pretrain.model.dsa.indexer import (
@@ -112,7 +120,10 @@ class DSAMLASelfAttention(MLASelfAttention):
         q = q.view(s, b, self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
 
-        rope, segment_ids = self._rope(s, packed_seq_params, q.device)
+        layout = attention_mask if is_document_layout(attention_mask) else None
+        if layout is not None:
+            attention_mask = None
+        rope, layout = self._rope(s, packed_seq_params, q.device, layout)
         q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
         positions = None
         cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
@@ -120,6 +131,10 @@ class DSAMLASelfAttention(MLASelfAttention):
             keys = gather_sequence(torch.cat([latent, k_pe[:, :, 0]], dim=-1), 0, self.pg_collection.cp)
             latent, k_pe = keys[..., :cfg.kv_lora_rank], keys[..., cfg.kv_lora_rank:].unsqueeze(2)
             positions = local_positions(s, cp_size, cp_rank, q.device)
+        documents = None  # the plan of isolated documents (None: causal over the whole window)
+        if layout is not None:
+            plan = attention_plan(layout, query_blocks(s, cp_size, cp_rank))
+            documents = plan if plan.isolated else None
 
         recompute = self.checkpoint_core_attention and self.training  # recompute_modules: core_attn
         # Sparse layers recompute only the attention, inside their core (`sparse_core`): a checkpoint of
@@ -128,7 +143,7 @@ class DSAMLASelfAttention(MLASelfAttention):
 
         def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
             return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
-                                       segment_ids=segment_ids, rope=rope, query_positions=positions,
+                                       documents=documents, layout=layout, rope=rope, query_positions=positions,
                                        recompute_attention=sparse and (recompute or cfg.dsa_sparse_recompute_attention))
 
         inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
@@ -139,28 +154,35 @@ class DSAMLASelfAttention(MLASelfAttention):
         output, bias = self.linear_proj(out)
         return output, bias
 
-    def _rope(self, s: int, packed_seq_params, device):
-        """RoPE over the (full) sequence, positions restarting per document for THD packing."""
+    def _rope(self, s: int, packed_seq_params, device, layout):
+        """(rope(t), layout): RoPE over this rank's tokens, by their position within their document where positions
+        restart (a document layout's origins; THD packing, whose sequences become the layout)."""
         cfg = self.config
         thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd"
-        segment_ids = None
-        cp_size = cp_size_and_rank(self.pg_collection.cp)[0]
+        cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
         if thd and cp_size > 1:
-            raise NotImplementedError("context parallelism takes packed documents as the dense document mask "
-                                      "(data.create_attention_mask=true), not as THD cu_seqlens")
+            raise NotImplementedError("context parallelism takes packed documents as the batch's document layout "
+                                      "(pretrain.model.documents), not as THD cu_seqlens")
         if thd:
-            cu = packed_seq_params.cu_seqlens_q
-            segment_ids = segment_ids_from_cu_seqlens(cu, s)
-            positions = torch.arange(s, device=device) - cu.long().to(device)[segment_ids[0]]
-            length = s  # positions < s; their max would cost a host sync per layer
-        else:
-            # megatron's rotary modules take the global length and return this CP rank's positions
-            positions, length = None, s * cp_size
+            cu = packed_seq_params.cu_seqlens_q.to(device)
+            starts = cu.long()[segment_ids_from_cu_seqlens(cu, s)].to(torch.int32)  # [1, s]
+            layout = torch.stack([starts, starts], dim=1)
+        positions = None
+        if layout is not None and attention_plan(layout, query_blocks(s, cp_size, cp_rank)).positions_reset:
+            query_positions = local_positions(s, cp_size, cp_rank, device)
+            positions = rope_positions(layout, query_positions)  # [b, s], each < the global length
+        # megatron's rotary modules return this CP rank's positions unless asked for the whole table (packed_seq)
+        length = s * cp_size
         if cfg.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(length), 1.0
+            freqs, mscale = self.rotary_pos_emb(length, packed_seq=positions is not None), 1.0
         else:
-            freqs, mscale = self.rotary_pos_emb(length)
-        freqs = freqs[positions] if positions is not None else freqs[:s]
+            freqs, mscale = self.rotary_pos_emb(length, packed_seq=positions is not None)
+        if positions is None:
+            freqs = freqs[:s]
+        elif positions.shape[0] == 1:
+            freqs = freqs[positions[0]]
+        else:  # per-sample positions: [s, b, 1, r], which megatron's formula broadcasts (the fused kernel does not)
+            freqs = freqs[positions.t()].view(s, positions.shape[0], 1, freqs.shape[-1])
         cp = self.pg_collection.cp
         # On CUDA one Triton kernel per direction (`pretrain.model.rope`), bitwise megatron's unfused formula,
         # which takes seven passes and recomputes its cos / sin on every call; megatron's own on CPU.
@@ -169,6 +191,9 @@ class DSAMLASelfAttention(MLASelfAttention):
             if cfg.rotary_interleaved:
                 warn_once("model.rotary_interleaved=true: MLA's RoPE runs megatron-core's unfused formula (the "
                           "fused kernel takes the non-interleaved rotation GLM-5 uses)", stacklevel=2)
+            elif freqs.shape[1] != 1:
+                warn_once("documents with per-sample RoPE positions (micro-batch > 1): MLA's RoPE runs megatron-core's "
+                          "unfused formula (the fused kernel takes one position per token row)", stacklevel=2)
             else:
                 from pretrain.model.rope import mla_rope
 
@@ -179,7 +204,7 @@ class DSAMLASelfAttention(MLASelfAttention):
                 return fused(t)
             return apply_rotary_pos_emb(t, freqs, config=cfg, mscale=mscale, cp_group=cp)
 
-        return rope, segment_ids
+        return rope, layout
 
 
 class DSACoreAttention(SDPACoreAttention):
@@ -200,11 +225,14 @@ class DSACoreAttention(SDPACoreAttention):
         pg_collection = kwargs.get("pg_collection")
         self.tp_group = pg_collection.tp if pg_collection is not None else None
 
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None, segment_ids=None,
-                rope=None, query_positions=None, recompute_attention: bool = False):
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_up_weight, *, x, qr, attention_mask=None,
+                documents: Optional[AttentionPlan] = None, layout=None, rope=None, query_positions=None,
+                recompute_attention: bool = False):
         """q_nope [s, b, h, dn], q_pe [s, b, h, dr] (roped), latent [t, b, c], k_pe [t, b, 1, dr] (roped),
         kv_up_weight [h * (dn + dv), c] -> [s, b, h * dv]. Without context parallelism t = s; with it the
         keys are the whole sequence and `query_positions` [s] the global positions of the queries.
+        `documents`: the plan of isolated documents of the document layout `layout` (`pretrain.model.documents`),
+        None when documents may attend to each other.
         `recompute_attention`: sparse attention keeps neither its latent output nor its log-sum-exp and
         runs its forward again in backward (`sparse_core`); the top-k selection is kept."""
         cfg = self.config
@@ -214,6 +242,7 @@ class DSACoreAttention(SDPACoreAttention):
         w = kv_up_weight.view(h, dn + dv, c)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask < 0
+        segment_ids = segment_starts(layout) if documents is not None else None  # equal within a document
         keys = VisibleKeys(s, t, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids,
                            query_positions=query_positions)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -256,11 +285,13 @@ class DSACoreAttention(SDPACoreAttention):
         key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)
         mask = attention_mask
         cp_size, cp_rank = cp_size_and_rank(self.cp_group)
-        if mask is None and segment_ids is None and cp_size > 1:  # causal in global positions, no mask tensor
+        if documents is not None:  # within each query's document, no mask tensor
+            out = self.attend_documents(query, key, value, documents)
+        elif mask is None and cp_size > 1:  # causal in global positions, no mask tensor
             out = self.attend_cp_causal(query, key, value, cp_size, cp_rank)
         else:
-            if (mask is None and segment_ids is not None) or query_positions is not None:
-                mask = ~keys.rows(0, s).unsqueeze(1)  # THD documents, or a document mask under CP
+            if query_positions is not None:
+                mask = ~keys.rows(0, s).unsqueeze(1)  # a caller's dense mask under CP: its rows AND global causal
             out = self.attend(query, key, value, mask, self.attn_mask_type)
         if train_indexer:
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)

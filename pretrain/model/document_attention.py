@@ -1,0 +1,154 @@
+"""Dense causal attention isolated per document, without a mask tensor (`pretrain.model.documents`).
+
+For each piece of a plan (`documents.AttentionPlan`: query rows [q0, q1) of one document at global positions
+[k1 - (q1 - q0), k1), its keys [k0, k1)),
+
+    out[i] = softmax_j( q_i . k_j * scale ) v_j   over  k0 <= j <= k1 - (q1 - q0) + (i - q0)
+
+that is causal attention aligned to the last key (bottom-right). No query sees a key of another document, and
+nothing of size S x S (or [s / cp, S] under context parallelism) is ever formed. Two exact implementations:
+
+- "varlen": one call of `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2 varlen, CUDA, bf16 / fp16)
+  over all pieces: queries packed as they lie (a view at micro-batch 1), keys as they lie when the pieces tile
+  them (no context parallelism), else gathered per piece (O(S d) copy). FlashAttention's causal mask with
+  fewer queries than keys is bottom-right aligned, which is what a piece needs; its causal block skipping and
+  the absence of a mask keep the cost at the pieces' FLOPs, sum over pieces of (q1 - q0)(k1 - k0) - (q1 - q0)^2 / 2,
+  below a whole-window causal call's. Taken on CUDA for bf16 / fp16 with equal query/key and value head dims
+  <= 256, no dropout, no sliding window and no deterministic mode.
+- "split": one `scaled_dot_product_attention` call per piece: plain causal (cuDNN on Hopper) when the piece
+  starts at its document's start, bottom-right causal (`causal_lower_right`: flash or memory-efficient) when it
+  continues one from an earlier context-parallel chunk. Exact on every device and dtype; the CPU tests run it.
+  Its cost is one launch per piece (per document and query chunk).
+
+The choice ("varlen" where it applies, else "split") is logged once per process. Candidates not taken: SDPA on
+nested jagged tensors reaches the same flash varlen kernel but only for square (top-left) causal segments, so
+context-parallel pieces would need a mask; FlexAttention's document block mask needs torch.compile per shape;
+cuDNN's THD path needs `nvidia-cudnn-frontend` and its 92 MB dependency.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from pretrain.model.documents import AttentionPlan
+
+_log = logging.getLogger(__name__)
+_LOGGED = set()
+
+
+def _say_once(method: str, why: str) -> None:
+    if method not in _LOGGED:
+        _LOGGED.add(method)
+        _log.info("document attention: %s (%s)", method, why)
+
+
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def choose_method(query: torch.Tensor, value: torch.Tensor, window, dropout_p: float) -> str:
+    """"varlen" where `varlen_attn` can run these tensors (see the module docstring), else "split"."""
+    d, dv = query.shape[-1], value.shape[-1]
+    if not query.is_cuda:
+        return "split"
+    reason = None
+    if _varlen() is None:
+        reason = "torch.nn.attention.varlen is missing in this torch"
+    elif query.dtype not in (torch.bfloat16, torch.float16):
+        reason = f"varlen needs bf16 / fp16, got {query.dtype}"
+    elif d != dv or d > 256 or d % 8:
+        reason = f"varlen needs equal query/value head dims <= 256, got {d} and {dv}"
+    elif window is not None or dropout_p > 0:
+        reason = "varlen is not used with a sliding window or attention dropout"
+    elif torch.are_deterministic_algorithms_enabled():
+        reason = "deterministic mode: FlashAttention's backward is not"
+    if reason is None:
+        _say_once("varlen", "one FlashAttention-2 varlen call per layer")
+        return "varlen"
+    _say_once("split", f"one SDPA call per document piece; {reason}")
+    return "split"
+
+
+def split_attention(query, key, value, plan: AttentionPlan, attend: Callable) -> torch.Tensor:
+    """query [s, b, hq, d], key [t, b, hk, d], value [t, b, hk, dv] -> [s, b, hq * dv], one `attend(q, k, v,
+    lower_right)` call per piece (`SDPACoreAttention.attend` semantics)."""
+    rows = []
+    for r, pieces in enumerate(plan.pieces):
+        parts = [attend(query[q0:q1, r:r + 1], key[k0:k1, r:r + 1], value[k0:k1, r:r + 1], k1 - k0 != q1 - q0)
+                 for q0, q1, k0, k1 in pieces]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+
+
+def _device_offsets(plan: AttentionPlan, t: int, device):
+    """(cu_q, cu_k, key rows or None when the pieces tile the keys), cached on the plan per device."""
+    cache = plan.__dict__.setdefault("_varlen", {})
+    if device in cache:
+        return cache[device]
+    cu_q, cu_k, starts, tiles = [0], [0], [], True
+    for r, pieces in enumerate(plan.pieces):
+        end = 0
+        for q0, q1, k0, k1 in pieces:
+            cu_q.append(cu_q[-1] + q1 - q0)
+            cu_k.append(cu_k[-1] + k1 - k0)
+            starts.append(r * t + k0)
+            tiles = tiles and k0 == end
+            end = k1
+        tiles = tiles and end == t
+    lengths = torch.tensor(cu_k).diff()
+    rows = None
+    if not tiles:  # row index of every packed key: the piece's first key row + its offset within the piece
+        first = torch.tensor(starts, dtype=torch.int64) - torch.tensor(cu_k[:-1], dtype=torch.int64)
+        rows = (torch.repeat_interleave(first, lengths) + torch.arange(cu_k[-1])).to(device)
+    out = (torch.tensor(cu_q, dtype=torch.int32, device=device), torch.tensor(cu_k, dtype=torch.int32, device=device),
+           rows)
+    cache[device] = out
+    return out
+
+
+def varlen_attention(query, key, value, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """As `split_attention`, in one `varlen_attn` call (CUDA; `choose_method` says when)."""
+    varlen_attn = _varlen()
+    s, b, hq, d = query.shape
+    t, _, hk, dv = value.shape
+    cu_q, cu_k, rows = _device_offsets(plan, t, query.device)
+    q = query.transpose(0, 1).reshape(b * s, hq, d)
+    k = key.transpose(0, 1).reshape(b * t, hk, d)
+    v = value.transpose(0, 1).reshape(b * t, hk, dv)
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - d ** -0.5) > 1e-12 * scale:
+        q = q * (scale * d ** 0.5)
+    if hk != hq:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, plan.max_q, plan.max_k, **kwargs)
+    return out.view(b, s, hq * dv).transpose(0, 1).contiguous()
+
+
+def document_attention(query, key, value, plan: AttentionPlan, scale: float, attend: Callable,
+                       window=None, dropout_p: float = 0.0, method: Optional[str] = None) -> torch.Tensor:
+    """Document-isolated causal attention of `plan`'s pieces; `method` None: `choose_method`."""
+    method = method or choose_method(query, value, window, dropout_p)
+    if method == "varlen":
+        return varlen_attention(query, key, value, plan, scale)
+    if method != "split":
+        raise ValueError(f"document attention method must be 'varlen' or 'split', got {method!r}")
+    return split_attention(query, key, value, plan, attend)
+
+
+__all__ = ["choose_method", "document_attention", "split_attention", "varlen_attention"]

@@ -1,0 +1,144 @@
+"""Packed documents in O(S) memory: which keys a query may see, and where RoPE counts its position from.
+
+A packed window of S tokens holds several documents (`data_pipeline.packing`). With `reset_attention_mask` a
+query at global position g sees the keys
+
+    visible(g, j) = start(g) <= j <= g,       start(g) = the first position of g's document,
+
+(documents are contiguous, so "same document and causal" is one key range); with `reset_position_ids` RoPE
+rotates it by pos(g) = g - origin(g), origin(g) its document's first position. Both are O(S) per sequence.
+The model receives them as one int32 tensor, the *document layout*, over the whole (global) sequence:
+
+    layout[b, 0, g] = start(g)      (0 everywhere when documents may attend to each other)
+    layout[b, 1, g] = g - position_ids[b, g]     (0 everywhere when positions run 0 .. S-1)
+
+It travels in megatron's `attention_mask` argument (a tensor there, so megatron's activation checkpointing
+keeps it), from `pretrain.training.step` to every attention layer; a [b, 2, S] int32 tensor is never one of
+megatron's masks (those are bool or float [b|1, 1, s, s]). Under context parallelism it is not split: each rank
+keeps all S entries (the keys are global), and its queries' global positions come from
+`parallel.context_parallel.local_positions`.
+
+`AttentionPlan` turns a layout and the queries' global positions into *pieces*: a run of consecutive query rows
+of one document and the key range they attend to, [start(document), last query + 1). Every piece is causal
+attention aligned to its last key (bottom-right); when it starts at its document's first position it is plain
+causal (square). The plan is computed on the host once per layout (one device-to-host copy of the segment
+starts, cached on the tensor for the other layers and for recompute), so its cost is O(S) per micro-batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+Piece = Tuple[int, int, int, int]  # local query rows [q0, q1), global keys [k0, k1); k1 - k0 >= q1 - q0
+
+
+def document_layout(cu_seqlens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int,
+                    seq: int) -> Optional[torch.Tensor]:
+    """The layout [b, 2, S] of a collated batch, or None when it holds nothing a causal model would not assume.
+
+    `cu_seqlens`: `packing.collate_batch`'s offsets into the flattened [b * S] stream (attention segments);
+    `position_ids` [b, S]. Host tensors: O(b S) work, no S x S intermediate."""
+    starts = torch.zeros(batch, seq, dtype=torch.int32)
+    if cu_seqlens is not None and cu_seqlens.numel() > batch + 1:
+        cu = cu_seqlens.to(torch.int64).cpu()
+        flat = torch.arange(batch * seq)
+        seg = torch.bucketize(flat, cu[1:-1], right=True)  # segment of every token of the stream
+        starts = (cu[seg] - (flat // seq) * seq).view(batch, seq).to(torch.int32)
+    origins = torch.zeros(batch, seq, dtype=torch.int32)
+    if position_ids is not None:
+        origins = (torch.arange(seq) - position_ids.to(torch.int64).cpu()).to(torch.int32).view(batch, seq)
+    if not bool(starts.any()) and not bool(origins.any()):
+        return None
+    return torch.stack([starts, origins], dim=1)
+
+
+def is_document_layout(mask) -> bool:
+    """Whether an `attention_mask` argument is a document layout (else: None or one of megatron's masks)."""
+    return torch.is_tensor(mask) and mask.dtype == torch.int32 and mask.dim() == 3 and mask.shape[1] == 2
+
+
+def query_blocks(s: int, cp_size: int = 1, cp_rank: int = 0, t: Optional[int] = None) -> Tuple[Tuple[int, int, int]]:
+    """(first local row, first global position, rows) of each contiguous run of a rank's `s` queries: the last s
+    of t keys without context parallelism, the rank's two chunks with it (`parallel.context_parallel`)."""
+    if cp_size == 1:
+        return ((0, (t if t is not None else s) - s, s),)
+    from parallel.context_parallel import chunk_ids
+
+    c = s // 2
+    first, second = chunk_ids(cp_size, cp_rank)
+    return ((0, first * c, c), (c, second * c, c))
+
+
+@dataclass
+class AttentionPlan:
+    """Host-side description of one layout for one set of query blocks (see the module docstring)."""
+
+    pieces: List[List[Piece]]  # per batch row
+    isolated: bool  # documents do not attend to each other
+    positions_reset: bool  # some position differs from its global index
+    max_q: int
+    max_k: int
+
+
+def _document_bounds(starts: torch.Tensor) -> torch.Tensor:
+    """starts [S] (non-decreasing) -> the documents' boundaries [0, ..., S]."""
+    s = starts.numel()
+    cut = (starts[1:] != starts[:-1]).nonzero().flatten() + 1
+    return torch.cat([torch.zeros(1, dtype=torch.int64), cut, torch.full((1,), s, dtype=torch.int64)])
+
+
+def attention_plan(layout: torch.Tensor, blocks: Sequence[Tuple[int, int, int]]) -> AttentionPlan:
+    """The pieces of `layout` [b, 2, S] for query `blocks` (`query_blocks`), cached on the layout tensor."""
+    key = tuple(blocks)
+    cache = getattr(layout, "_document_plans", None)
+    if cache is None:
+        cache = {}
+        layout._document_plans = cache
+    if key in cache:
+        return cache[key]
+    host = layout.detach().to("cpu", torch.int64)
+    pieces, max_q, max_k = [], 1, 1
+    for row in host:
+        bounds = _document_bounds(row[0]).tolist()
+        row_pieces: List[Piece] = []
+        for l0, g0, n in blocks:
+            g1 = g0 + n
+            # documents [d0, d1) meeting [g0, g1): from the one holding g0 to the one holding g1 - 1
+            i = bisect.bisect_right(bounds, g0) - 1
+            while i < len(bounds) - 1 and bounds[i] < g1:
+                d0, d1 = bounds[i], bounds[i + 1]
+                q0, q1 = max(g0, d0), min(g1, d1)
+                row_pieces.append((l0 + q0 - g0, l0 + q1 - g0, d0, q1))
+                max_q, max_k = max(max_q, q1 - q0), max(max_k, q1 - d0)
+                i += 1
+        pieces.append(row_pieces)
+    plan = AttentionPlan(pieces=pieces, isolated=bool(host[:, 0].any()), positions_reset=bool(host[:, 1].any()),
+                         max_q=max_q, max_k=max_k)
+    cache[key] = plan
+    return plan
+
+
+def rope_positions(layout: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """pos(g) = g - origin(g) of the queries at global positions `query_positions` [s] -> int64 [b, s]."""
+    g = query_positions.to(layout.device, torch.int64)
+    return g[None, :] - layout[:, 1, g].to(torch.int64)
+
+
+def segment_starts(layout: torch.Tensor) -> torch.Tensor:
+    """start(j) of every key [b, S] (int64): equal for keys of one document (`dsa.indexer.VisibleKeys`)."""
+    return layout[:, 0].to(torch.int64)
+
+
+__all__ = [
+    "AttentionPlan",
+    "attention_plan",
+    "document_layout",
+    "is_document_layout",
+    "query_blocks",
+    "rope_positions",
+    "segment_starts",
+]
