@@ -7,7 +7,7 @@ is torch-native:
 
 * Each layer's forward runs inside `ActivationOffloader.layer()`, which installs torch's saved-tensor
   hooks (`torch.autograd.graph.saved_tensors_hooks`). Every tensor autograd saves in that forward
-  (of at least `min_bytes`, not a parameter) is copied into a pinned host buffer on a side stream
+  (of at least `min_bytes`, not a weight: see below) is copied into a pinned host buffer on a side stream
   (`d2h`) as soon as it is saved; the device memory returns to the caching allocator once the copy is
   done (`record_stream`), without the default stream ever waiting.
 * In backward, the first use of a layer's tensors brings them back (on a second side stream, `h2d`)
@@ -15,6 +15,13 @@ is torch-native:
   layer l-1 overlaps the backward of layer l. The default stream waits on an event, never on the host.
 * Groups are linked per forward pass, so micro-batches interleaved by a 1F1B pipeline schedule keep
   their own chains; a layer re-run in backward (recompute) is not offloaded again.
+
+Weights saved for backward stay on the device (they live there anyway; a copy would only add traffic).
+A saved tensor is a weight when it is a parameter, a view of one (`weight.t()` in a linear), or shares
+storage with a parameter of the excluded modules as they are *now*: the wrappers applied after the model
+is built (bf16 casting under Float16Module, ZeRO-2 / DDP moving parameters into flat buffers) give the
+parameters new storage, so the storages are looked up from the live modules at the start of each forward
+pass, never remembered from build time.
 
 On a machine without CUDA the round trip goes through a separate plain host buffer (a copy), so the
 hook logic runs and is tested on CPU; it saves no memory there.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Iterator, List, Optional, Set
 
 import torch
@@ -61,15 +69,22 @@ class ActivationOffloader:
         self.d2h = torch.cuda.Stream() if self.cuda else None
         self.h2d = torch.cuda.Stream() if self.cuda else None
         self._last: Optional[_Group] = None
-        self._param_storages: Set[int] = set()
+        self._excluded: List[weakref.ref] = []  # the modules whose parameters stay (not kept alive by this)
+        self._param_storages: Optional[Set[int]] = None  # their storages, looked up again each forward pass
         self.offloaded_bytes = 0  # since construction, for tests and logs
         self.prefetched_groups = 0
 
     def exclude_parameters(self, modules) -> None:
-        """Never offload tensors sharing storage with these modules' parameters (saved weights)."""
-        for module in modules:
-            for p in module.parameters():
-                self._param_storages.add(p.untyped_storage().data_ptr())
+        """Never offload these modules' parameters, their views, or tensors sharing their storage (saved
+        weights), wherever the parameters' storage is when the forward runs."""
+        self._excluded += [weakref.ref(m) for m in modules]
+        self._param_storages = None
+
+    def _parameter_storages(self) -> Set[int]:
+        if self._param_storages is None:
+            modules = [m for m in (ref() for ref in self._excluded) if m is not None]
+            self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        return self._param_storages
 
     @contextlib.contextmanager
     def layer(self, index: Optional[int] = None) -> Iterator[None]:
@@ -83,6 +98,8 @@ class ActivationOffloader:
         last = self._last
         linked = last is not None and not last.fetched and (index is None or last.index == index - 1)
         group = _Group(index, prev=last if linked else None)
+        if not linked:  # a new forward pass: parameters may have been re-pointed since the last one
+            self._param_storages = None
         self._last = group
         group.open = True
         try:
@@ -104,8 +121,11 @@ class ActivationOffloader:
 
     # ------------------------------------------------------------------ hooks
     def _keep(self, t: torch.Tensor) -> bool:
-        return (t.numel() * t.element_size() < self.min_bytes or t.untyped_storage().data_ptr() in self._param_storages
-                or (self.cuda and not t.is_cuda))
+        if t.numel() * t.element_size() < self.min_bytes or (self.cuda and not t.is_cuda):
+            return True
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return True  # a weight or a view of one (autograd saves `weight.t()` for a linear)
+        return t.untyped_storage().data_ptr() in self._parameter_storages()
 
     def _pack(self, group: _Group, t: torch.Tensor):
         if self._keep(t):

@@ -74,7 +74,65 @@ def test_interleaved_microbatches_keep_their_own_chains():
     assert off.prefetched_groups == 6
 
 
-def test_parameters_and_small_tensors_stay():
+def _saved_tensors(model, x):
+    """(every saved (address, bytes), bytes of those that are weights) of the layers' plain forward: a weight is a saved
+    tensor whose memory lies inside a parameter's, by address, found independently of the offloader."""
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters()]
+    saved = []
+
+    def pack(t):
+        saved.append((t.data_ptr(), t.numel() * t.element_size()))
+        return t
+
+    for block in model:  # what the layers save (the loss after them is not offloaded)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = block(x)
+    weights = [n for ptr, n in saved if any(a <= ptr < b for a, b in spans)]
+    return saved, weights
+
+
+def _flat_buffer(model):
+    """What ZeRO-2 / DDP do: every parameter becomes a view of one contiguous buffer (new storage)."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return model
+
+
+@pytest.mark.parametrize("repoint", ["bfloat16", "flat_buffer", "wrapped_detached"])
+def test_weights_stay_when_parameters_are_repointed_after_exclusion(repoint):
+    """Excluded at build time, then given new storage (Float16Module's bf16 cast, ZeRO-2's flat buffer) or used
+    through detached aliases: the saved weights (64 KiB and more) stay, every activation above min_bytes goes."""
+    model = _model(layers=2, width=64)
+    off = ActivationOffloader(min_bytes=4096)
+    off.exclude_parameters(model)
+    x = torch.randn(2, 64, 64)
+    if repoint == "bfloat16":
+        model, x = model.bfloat16(), x.bfloat16()
+    elif repoint == "flat_buffer":
+        _flat_buffer(model)
+    else:  # a saved alias that is neither a parameter nor a view of one: caught by the live storage lookup
+        _flat_buffer(model)
+
+        def linear(self, h):
+            return torch.nn.functional.linear(h, self.weight.detach().requires_grad_(), self.bias)
+
+        for block in model:
+            for lin in (block.up, block.down):
+                lin.forward = linear.__get__(lin)
+    saved, weights = _saved_tensors(model, x)
+    # 3 saved weights of 4 linears (layer 0's first one has an input without gradient, so saves no weight)
+    assert weights == [64 * 256 * x.element_size()] * 3
+    big = sum(n for _, n in saved if n >= 4096)
+    weight_bytes = sum(weights)
+    _forward(model, x, off).backward()
+    assert off.offloaded_bytes == big - weight_bytes and off.offloaded_bytes > 0
+
+
+def test_small_tensors_stay():
     model = _model(layers=1)
     off = ActivationOffloader(min_bytes=1 << 30)
     off.exclude_parameters(model)
