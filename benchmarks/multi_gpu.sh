@@ -6,6 +6,8 @@
 #                                                      # resume from its own checkpoint at DP=4 and at DP=2
 #   bash benchmarks/multi_gpu.sh scaling OUT_DIR       # 1 GPU, DP=4 (DDP, ZeRO-2), EP=4 x DP=4, TP=2 x DP=2,
 #                                                      # CP=2 x DP=2 (32K)
+#   bash benchmarks/multi_gpu.sh ep_dispatch OUT_DIR   # 2 GPUs: 1 GPU vs EP=2 with megatron's alltoall dispatcher
+#                                                      # and with alltoall_dedup, trained router and forced balance
 #
 # equivalence / zero2: a 4-layer cut of glm5-proxy (dense layer 0, 3 MoE layers, 3 MTP depths), Muon, 10 steps of
 # 8 x 4,096 tokens, every run started from one checkpoint (`init`, one step on one GPU; `checkpoint.pretrained`
@@ -18,8 +20,8 @@
 #   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" \
 #   bash benchmarks/multi_gpu.sh equivalence /tmp/mg
 set -euo pipefail
-mode=${1:?usage: multi_gpu.sh equivalence|zero2|scaling OUT_DIR}
-out=${2:?usage: multi_gpu.sh equivalence|zero2|scaling OUT_DIR}
+mode=${1:?usage: multi_gpu.sh equivalence|zero2|scaling|ep_dispatch OUT_DIR}
+out=${2:?usage: multi_gpu.sh equivalence|zero2|scaling|ep_dispatch OUT_DIR}
 mkdir -p "$out"
 MODEL=${MODEL:-configs/models/glm5-proxy.yaml}
 CUT=${CUT-model.num_layers=4 model.moe_layer_freq=[0,1,1,1]}
@@ -114,8 +116,25 @@ scaling)
     python benchmarks/summarize_scaling.py "$out" gpu1 dp4:4 dp4_zero2:4 ep4:4 tp2dp2:4 gpu1_32k:1:gpu1_32k \
         cp2dp2_32k:4:gpu1_32k
     ;;
+ep_dispatch)
+    save=
+    # glm5-proxy's own settings (Muon, micro-batch 4 at 4K), 8 micro-batches per data-parallel rank; each EP=2 run
+    # against the 1-GPU run with the same routing: the trained router, and forced balance (random router logits,
+    # benchmarks only) that separates routing imbalance from communication.
+    common=("${extra[@]}" train.train_iters=8 train.eval_interval=null optimizer.lr_warmup_iters=2 logging.log_interval=1)
+    balanced=(model.moe_router_force_load_balancing=true)
+    ep2=(train.global_batch_size=64 parallel.expert_model_parallel_size=2)
+    launch gpu1 0 train.global_batch_size=32
+    launch gpu1_bal 0 train.global_batch_size=32 "${balanced[@]}"
+    launch ep2_a2a 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall
+    launch ep2_dedup 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall_dedup
+    launch ep2_a2a_bal 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall "${balanced[@]}"
+    launch ep2_dedup_bal 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall_dedup "${balanced[@]}"
+    python benchmarks/summarize_scaling.py "$out" gpu1 gpu1_bal:1:gpu1_bal ep2_a2a:2:gpu1 ep2_dedup:2:gpu1 \
+        ep2_a2a_bal:2:gpu1_bal ep2_dedup_bal:2:gpu1_bal
+    ;;
 *)
-    echo "unknown mode $mode (equivalence | zero2 | scaling)" >&2
+    echo "unknown mode $mode (equivalence | zero2 | scaling | ep_dispatch)" >&2
     exit 2
     ;;
 esac

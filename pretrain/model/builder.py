@@ -19,6 +19,7 @@ from pretrain import compat
 from pretrain.config import moe_layer_pattern
 from pretrain.config.schema import GLM5Config, ModelConfig, ParallelConfig
 from pretrain.model import specs
+from pretrain.model.ep_dispatch import megatron_dispatcher_fields
 from pretrain.model.glm5_model import GLM5Model
 
 
@@ -40,6 +41,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     output_loss_backend: str = "unfused"
     output_chunk_size: Optional[int] = None
     output_grad_weight_fp32: bool = True
+    moe_alltoall_dedup: bool = False
 
     def __post_init__(self):
         with compat.dsa_config_check_without_cp(self):  # our DSA layer supports CP; megatron's asserts
@@ -75,7 +77,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5Tran
             kwargs.pop(key)
     else:
         kwargs["moe_layer_freq"] = pattern
-        kwargs["moe_token_dispatcher_type"] = compat.token_dispatcher_for_device(model.moe_token_dispatcher_type)
+        kwargs.update(megatron_dispatcher_fields(compat.token_dispatcher_for_device(model.moe_token_dispatcher_type)))
     if not model.mtp_num_layers:
         kwargs["mtp_num_layers"] = None
     if model.window_size is not None:

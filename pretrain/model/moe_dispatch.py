@@ -72,20 +72,27 @@ class UnpermuteTokens(torch.autograd.Function):
 def sum_rows(rows: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j rows[token_rows[t, j]] accumulated in fp32 (at least), in `rows`' dtype.
 
-    On the GPU one Triton kernel reads each selected row once and writes the sum (no [T, k, H]
-    intermediate); elsewhere gather, then sum."""
+    An index of -1 is a padding slot that adds nothing (the expert-parallel dispatch,
+    `pretrain.model.ep_dispatch`, sums a variable number of rows per token: at most one per rank or
+    per local expert). On the GPU one Triton kernel reads each selected row once and writes the sum
+    (no [T, k, H] intermediate); elsewhere gather, then sum."""
     if rows.is_cuda and rows.dtype != torch.float64:
         if triton is not None:
             return gather_sum_triton(rows, token_rows)
         warn_once("triton is not importable: MoE combine runs as gather + sum ([T, k, H] intermediate)", stacklevel=2)
     t, k = token_rows.shape
-    picked = rows.index_select(0, token_rows.reshape(-1)).view(t, k, rows.shape[-1])
     acc = torch.promote_types(rows.dtype, torch.float32)
+    if rows.shape[0] == 0:  # nothing to gather: every slot is padding
+        return rows.new_zeros(t, rows.shape[-1])
+    flat = token_rows.reshape(-1)
+    picked = rows.index_select(0, flat.clamp(min=0)).view(t, k, rows.shape[-1])
+    picked = picked.masked_fill((token_rows < 0).unsqueeze(-1), 0)
     return picked.sum(dim=1, dtype=acc).to(rows.dtype)
 
 
 def gather_sum_triton(rows: torch.Tensor, token_rows: torch.Tensor, block_h: int = 1024) -> torch.Tensor:
-    """`sum_rows` as one Triton kernel: program (t, block of H) adds its k rows in fp32 registers."""
+    """`sum_rows` as one Triton kernel: program (t, block of H) adds its k rows in fp32 registers
+    (slots of -1 skipped)."""
     rows = rows.contiguous()
     token_rows = token_rows.contiguous()
     t, k = token_rows.shape
@@ -109,7 +116,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
             row = tl.load(idx + t * K + j).to(tl.int64)
-            acc += tl.load(src + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(src + row * hidden + cols, mask=mask & (row >= 0), other=0.0).to(tl.float32)
         tl.store(out + t * hidden + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -181,7 +188,8 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
 class GLM5MoELayer(MoELayer):
     """megatron's MoELayer whose all-to-all dispatcher is `LocalTokenDispatcher` (same behaviour with
-    EP or TP > 1, the sync-free gather path when every expert is local)."""
+    EP or TP > 1, the sync-free gather path when every expert is local), or with
+    `moe_token_dispatcher_type: alltoall_dedup` the per-rank dispatch of `pretrain.model.ep_dispatch`."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         if pg_collection is None:
@@ -189,7 +197,13 @@ class GLM5MoELayer(MoELayer):
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         old = self.token_dispatcher
         if type(old) is MoEAlltoAllTokenDispatcher:
-            self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, self.local_expert_indices,
-                                                         config=self.config, pg_collection=pg_collection)
+            from pretrain.model import ep_dispatch  # it builds on this module's classes
+
+            dedup = getattr(config, "moe_alltoall_dedup", False)
+            cls = ep_dispatch.DedupTokenDispatcher if dedup else LocalTokenDispatcher
+            self.token_dispatcher = cls(self.num_local_experts, self.local_expert_indices,
+                                        config=self.config, pg_collection=pg_collection)
             if old.shared_experts is not None:
                 self.token_dispatcher.set_shared_experts(old.shared_experts)
+            if old.ep_size > 1 and not dedup:
+                ep_dispatch.say_dispatcher(f"megatron's alltoall, one row per (token, expert) pair over EP={old.ep_size}")
