@@ -204,14 +204,7 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
             )
         blend, cls = None, MockDocumentGPTDataset
     else:
-        prefixes, weights = parse_blend(d.data_path)
-        try:
-            min_lengths = min_lengths_for(prefixes, d.min_document_length)
-        except ValueError as exc:
-            raise DataError(str(exc)) from None
-        shards = resolve_sources(prefixes, cfg.model.vocab_size, tokenizer)
-        paths, weights = _expand_entries(prefixes, weights, min_lengths, shards, d.split, sizes)
-        blend, cls = (paths, weights), DocumentGPTDataset
+        blend, cls = blend_paths(d, cfg.model.vocab_size, tokenizer, sizes), DocumentGPTDataset
 
     config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
@@ -232,6 +225,20 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
     with rank_zero_without_process_group():
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def blend_paths(data, vocab_size: int, tokenizer, sizes: Sequence[int]):
+    """megatron's (dataset paths, weights) for `data.data_path`, after every check of the files: each
+    blend entry exists, fits the vocabulary and `tokenizer`, and has documents (of at least its
+    `data.min_document_length`) in every split `sizes` asks samples of. Raises DataError naming the
+    key and the file. Reads only the index files: the run's preflight calls it before any process group."""
+    prefixes, weights = parse_blend(data.data_path)
+    try:
+        min_lengths = min_lengths_for(prefixes, data.min_document_length)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    shards = resolve_sources(prefixes, vocab_size, tokenizer)
+    return _expand_entries(prefixes, weights, min_lengths, shards, data.split, sizes)
 
 
 def _resolve_tokenizer(data, vocab_size: int, tokenizer):

@@ -1,7 +1,7 @@
 """Run or check a curriculum plan.
 
     python -m pretrain.curriculum --plan configs/curriculum/tiny.yaml [--launcher torchrun|srun|inline]
-        [--validate-only] [run_dir=DIR] [optimizer_state=carry] [section.key=value ...]
+        [--validate-only] [--skip-data-check] [run_dir=DIR] [optimizer_state=carry] [section.key=value ...]
 
 `KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pretrain.curriculum.plan import PlanError, load_plan
+from pretrain.curriculum.plan import PlanError, check_plan_data, load_plan
 from pretrain.curriculum.runner import LAUNCHERS, StageFailed, run_plan
+from pretrain.notices import configure_logging
 
 
 def main(argv=None) -> int:
@@ -24,11 +25,20 @@ def main(argv=None) -> int:
                         help="torchrun: launch/train.sh per stage (default); srun: the same under srun "
                              "(inside a Slurm job); inline: in this process, one rank")
     parser.add_argument("--validate-only", action="store_true", help="build every stage's config, print the plan")
+    parser.add_argument("--skip-data-check", action="store_true",
+                        help="do not read the stages' data files and tokenizers (a plan whose data lives on the "
+                             "cluster, validated elsewhere); each stage's run still checks them before it starts")
     parser.add_argument("overrides", nargs="*", help="plan keys KEY=VALUE or section.key=value for every stage")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         plan = load_plan(args.plan, args.overrides)
         print(plan.summary(), flush=True)
+        if args.skip_data_check:
+            print("data not checked (--skip-data-check): every stage's data.data_path and data.tokenizer are "
+                  "assumed to exist where the plan runs", flush=True)
+        else:
+            check_plan_data(plan)
         if args.validate_only:
             return 0
         run_plan(plan, args.launcher, log=lambda line: print(line, flush=True))

@@ -30,6 +30,8 @@ fresh, and say so (`optimizer_state: fresh`). The architecture must stay the sam
 
 Every stage's config is built with `pretrain.config.load_config` (so every config rule applies)
 before any stage runs; a bad plan is one line of `PlanError` naming the plan, the stage and the key.
+`check_plan_data` then checks every stage's data files (the command line does, before it validates or
+runs a plan, unless `--skip-data-check` is given for a plan whose data lives where it will run).
 """
 
 from __future__ import annotations
@@ -164,6 +166,24 @@ def load_plan(path: str, overrides: Sequence[str] = ()) -> Plan:
         plan.stages.append(stage)
     _check_transitions(plan)
     return plan
+
+
+def check_plan_data(plan: Plan) -> int:
+    """The data files of every stage, as each stage's run checks them before it starts
+    (`pretrain.training.preflight.check_data`: prefixes, tokenizer, documents per split after
+    `data.min_document_length`, for the stage's own step count): a bad path in the last stage fails
+    now, not after the stages before it have trained. Returns how many stages read files (mock: none).
+    Raises PlanError (one line: plan, stage, key, file)."""
+    from pretrain.training.preflight import check_data
+
+    checked = 0
+    for stage in plan.stages:
+        try:
+            check_data(stage.cfg)
+        except ConfigError as err:
+            raise PlanError(f"plan {plan.path}, stage {stage.name}: {err}") from None
+        checked += not stage.cfg.data.mock
+    return checked
 
 
 def _read(path: str) -> Dict[str, Any]:

@@ -10,7 +10,10 @@ and trains it with one launch:
 * `inline`: in this process, one rank (CPU tests, debugging).
 
 A stage that exits successfully with its last checkpoint at its last step gets
-`<run_dir>/<stage>/stage_complete.json`; a restarted plan skips those stages. The first unfinished
+`<run_dir>/<stage>/stage_complete.json`; a restarted plan skips those stages. On several nodes (every
+node runs the plan), node 0 alone decides: it checks the stage's final checkpoint and writes either
+`stage_complete.json` or `stage_failed.json` (why); the other nodes wait for that verdict
+(`VERDICT_TIMEOUT_S`) and go on or stop with it, so no node marks a stage done on its own. The first unfinished
 stage then resumes from its own checkpoints (the loop prefers `checkpoint.save` over
 `checkpoint.pretrained`), continuing the same losses as an uninterrupted run, and later stages
 start from its final weights. With `prune_checkpoints: true` a stage's checkpoints are deleted once
@@ -37,6 +40,8 @@ from pretrain.training import checkpoint_files
 Launcher = Literal["torchrun", "srun", "inline"]
 LAUNCHERS = ("torchrun", "srun", "inline")
 DONE_FILE = "stage_complete.json"
+FAILED_FILE = "stage_failed.json"  # node 0's verdict that a stage's run did not finish it
+VERDICT_TIMEOUT_S = 600.0  # how long other nodes wait for node 0's verdict after their run ended
 PLAN_FILE = "plan.json"
 STAGE_CONFIG = "config.yaml"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -114,8 +119,45 @@ def prune_finished_checkpoints(plan: Plan, log: Callable[[str], None] = print) -
     return deleted
 
 
-def run_plan(plan: Plan, launcher: Launcher = "torchrun", log: Callable[[str], None] = print) -> None:
-    """Train the plan's unfinished stages in order. Raises StageFailed when a stage's run fails."""
+def _verdict(stage: Stage, node_rank: int, code: int) -> None:
+    """Node 0 checks the stage's final checkpoint and records the outcome; other nodes wait for it.
+    Raises StageFailed on every node when the stage did not finish."""
+    done, failed = stage.directory / DONE_FILE, stage.directory / FAILED_FILE
+    if node_rank != 0:
+        deadline = time.monotonic() + VERDICT_TIMEOUT_S
+        while not done.is_file() and not failed.is_file():
+            if code != 0:
+                break  # this node's run failed: nothing to wait for
+            if time.monotonic() > deadline:
+                raise StageFailed(f"stage {stage.name}: node 0 wrote no verdict ({DONE_FILE} or {FAILED_FILE} in "
+                                  f"{stage.directory}) within {VERDICT_TIMEOUT_S:.0f} s after the run ended")
+            time.sleep(0.2)
+        if failed.is_file():
+            raise StageFailed(json.loads(failed.read_text())["reason"])
+        if code != 0:
+            raise StageFailed(f"stage {stage.name} failed on node {node_rank} (exit code {code}); run the plan again "
+                              f"to resume it from {stage.checkpoints}")
+        return
+    reason = None
+    if code != 0:
+        reason = (f"stage {stage.name} failed (exit code {code}); run the plan again to resume it from "
+                  f"{stage.checkpoints}")
+    else:
+        last = _last_checkpoint(stage)
+        if last != stage.train_iters:
+            reason = (f"stage {stage.name} exited without a checkpoint of its last step {stage.train_iters} in "
+                      f"{stage.checkpoints} (newest: {last})")
+    if reason is not None:
+        atomic_write_text(failed, json.dumps({"reason": reason}) + "\n")
+        raise StageFailed(reason)
+
+
+def run_plan(plan: Plan, launcher: Launcher = "torchrun", log: Callable[[str], None] = print,
+             node_rank: Optional[int] = None) -> None:
+    """Train the plan's unfinished stages in order. Raises StageFailed when a stage's run fails.
+    `node_rank`: this node's rank (default: $NODE_RANK, else 0); node 0 decides each stage's completion."""
+    if node_rank is None:
+        node_rank = int(os.environ.get("NODE_RANK", "0"))
     if launcher not in LAUNCHERS:
         raise PlanError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
     plan.run_dir.mkdir(parents=True, exist_ok=True)
@@ -136,18 +178,15 @@ def run_plan(plan: Plan, launcher: Launcher = "torchrun", log: Callable[[str], N
         start = f"resuming its checkpoint at step {resume}" if resume else (
             f"from {stage.cfg.checkpoint.pretrained}" if stage.cfg.checkpoint.pretrained else "from fresh weights")
         log(f"=== {title}: {start}, optimizer state {stage.optimizer_state}")
+        if node_rank == 0:  # a verdict of an earlier attempt; the other nodes read one only after this run
+            (stage.directory / FAILED_FILE).unlink(missing_ok=True)
         began = time.time()
         code = _launch(stage, launcher, config_path)
-        if code != 0:
-            raise StageFailed(f"stage {stage.name} failed (exit code {code}); run the plan again to resume it from "
-                              f"{stage.checkpoints}")
-        last = _last_checkpoint(stage) if int(os.environ.get("NODE_RANK", "0")) == 0 else stage.train_iters
-        if last != stage.train_iters:
-            raise StageFailed(f"stage {stage.name} exited without a checkpoint of its last step {stage.train_iters} "
-                              f"in {stage.checkpoints} (newest: {last})")
-        record = {"train_iters": stage.train_iters, "tokens": stage.trained_tokens, "seconds": time.time() - began,
-                  "launcher": launcher}
-        atomic_write_text(stage.directory / DONE_FILE, json.dumps(record) + "\n")
-        if plan.prune_checkpoints and int(os.environ.get("NODE_RANK", "0")) == 0:
+        _verdict(stage, node_rank, code)
+        if node_rank == 0:
+            record = {"train_iters": stage.train_iters, "tokens": stage.trained_tokens,
+                      "seconds": time.time() - began, "launcher": launcher}
+            atomic_write_text(stage.directory / DONE_FILE, json.dumps(record) + "\n")
+        if plan.prune_checkpoints and node_rank == 0:
             prune_finished_checkpoints(plan, log)
     log(f"plan {plan.name} finished: {len(plan.stages)} stages in {plan.run_dir}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from parallel.initialize import initialize_parallel
 from pretrain.config.schema import GLM5Config, TrainConfig
@@ -55,12 +57,6 @@ def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
     if cfg.model.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     return wrap_model_chunks(chunks, cfg.parallel, cfg.optimizer, cfg.model)
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 class Trainer:
@@ -95,7 +91,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- setup
     def _configure_schedule(self) -> None:
-        config = _unwrap(self.model[0]).config
+        config = unwrap_model(self.model[0]).config
         config.finalize_model_grads_func = _finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
@@ -106,9 +102,11 @@ class Trainer:
         from data_pipeline.datasets import build_datasets
         from data_pipeline.sampler import DataIterator
 
-        t, gbs = self.cfg.train, self.cfg.train.global_batch_size
-        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else 0
-        self.train_ds, self.valid_ds, _ = build_datasets(self.cfg, None, t.train_iters * gbs, evals, 0)
+        from pretrain.training.preflight import sample_counts  # the counts preflight checked the files for
+
+        t = self.cfg.train
+
+        self.train_ds, self.valid_ds, _ = build_datasets(self.cfg, None, *sample_counts(self.cfg))
 
         def iterators(dataset, consumed=0):
             if dataset is None:
@@ -169,7 +167,7 @@ class Trainer:
         for aux in self.aux_losses:
             aux.prepare(loss_scale, self.num_microbatches)
         return self.schedule(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group()),
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_microbatches,

@@ -7,6 +7,7 @@ Each failure names what to change. The world size comes from the launcher's envi
 from __future__ import annotations
 
 import os
+from typing import Tuple
 
 import torch
 
@@ -39,11 +40,22 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
         if local > torch.cuda.device_count():
             raise ConfigError(f"{local} processes per node but only {torch.cuda.device_count()} GPUs are visible; "
                               "start one process per GPU (torchrun --nproc-per-node)")
-    _check_data(cfg)
+    check_data(cfg)
     _check_checkpoint(cfg)
 
 
-def _check_data(cfg: GLM5Config) -> None:
+def sample_counts(cfg: GLM5Config) -> Tuple[int, int, int]:
+    """(train, valid, test) samples a run draws: `train_iters` global batches, and `eval_iters` global
+    batches per evaluation (every `eval_interval` steps and once more)."""
+    t, gbs = cfg.train, cfg.train.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs if t.eval_interval else 0
+    return t.train_iters * gbs, evals, 0
+
+
+def check_data(cfg: GLM5Config) -> None:
+    """Every check the dataset build makes on the data files (`data_pipeline.datasets.blend_paths`:
+    prefixes, vocabulary, tokenizer, documents per split after `data.min_document_length`), made from
+    the index files alone, so a bad path or filter is one line before any process group or model."""
     d = cfg.data
     if d.mock:
         return
@@ -53,12 +65,11 @@ def _check_data(cfg: GLM5Config) -> None:
     if not d.tokenizer or not os.path.exists(d.tokenizer):
         raise ConfigError(f"data.tokenizer ({d.tokenizer!r}) does not exist; give the tokenizer.json the data "
                           "was preprocessed with")
-    from data_pipeline.datasets import DataError, parse_blend, resolve_sources
+    from data_pipeline.datasets import DataError, blend_paths
     from data_pipeline.tokenizer import load_tokenizer
 
     try:
-        prefixes, _ = parse_blend(d.data_path)
-        resolve_sources(prefixes, cfg.model.vocab_size, load_tokenizer(d.tokenizer))
+        blend_paths(d, cfg.model.vocab_size, load_tokenizer(d.tokenizer), sample_counts(cfg))
     except (DataError, ValueError, FileNotFoundError) as err:
         raise ConfigError(f"data: {err}") from None
 
