@@ -59,7 +59,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "model.normalization": {"RMSNorm", "LayerNorm"},
         "model.rope_type": {"rope", "yarn"},
         "model.transformer_impl": {"local", "transformer_engine"},
-        "model.moe_token_dispatcher_type": {"auto", "allgather", "alltoall"},
+        "model.moe_token_dispatcher_type": {"auto", "allgather", "alltoall", "alltoall_dedup"},
         "model.moe_router_score_function": {"sigmoid", "softmax"},
         "model.moe_router_load_balancing_type": {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"},
         "model.moe_router_dtype": {"fp32", "fp64", None},

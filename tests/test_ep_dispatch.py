@@ -13,7 +13,7 @@
   made here by looping over tokens (distinct destination ranks per token), and megatron's per-pair
   count is the number of (token, off-rank expert) pairs; on a uniform random map the measured ratio
   matches `dedup_volume_ratio`'s closed form (and 2.17x at glm5-proxy's 48 experts, top-8, EP = 4).
-* Config: the layouts the dispatcher cannot run are refused with one line.
+* The layouts it cannot run are refused at config time: tests/test_layout_refusals.py.
 """
 
 from __future__ import annotations
@@ -288,15 +288,3 @@ def test_gather_sum_kernel_skips_padding_in_the_interpreter():
     ref = torch.stack([sum((rows.double()[j] for j in s if j >= 0), torch.zeros(70, dtype=torch.float64))
                        for s in slots.tolist()])
     torch.testing.assert_close(gather_sum_triton(rows, slots, block_h=32).double(), ref, rtol=1e-6, atol=1e-6)
-
-
-def test_dedup_refuses_expert_tensor_parallelism():
-    from pretrain.config import ConfigError
-    from tests.config_helpers import tiny
-
-    with pytest.raises(ConfigError) as e:
-        tiny("model.moe_token_dispatcher_type=alltoall_dedup", "parallel.expert_tensor_parallel_size=2",
-             "model.moe_ffn_hidden_size=32")
-    message = str(e.value)
-    assert "model.moe_token_dispatcher_type" in message and "parallel.expert_tensor_parallel_size" in message
-    assert "\n" not in message

@@ -33,6 +33,11 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
             divisible("model.moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size, tp,
                       "parallel.tensor_model_parallel_size")
         divisible("model.num_moe_experts", m.num_moe_experts, ep, "parallel.expert_model_parallel_size")
+        require(  # pretrain/model/ep_dispatch.py: the per-rank dispatch runs over the EP group alone
+            m.moe_token_dispatcher_type != "alltoall_dedup" or etp == 1,
+            f"model.moe_token_dispatcher_type=alltoall_dedup needs parallel.expert_tensor_parallel_size=1 (got {etp}); "
+            "use moe_token_dispatcher_type=alltoall with expert tensor parallelism",
+        )
         # megatron's MoELayer refuses to train with TP > 1 unless the sequence is split across TP
         require(
             tp == 1 or p.sequence_parallel,
@@ -149,4 +154,12 @@ def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None
         f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x data-parallel "
         f"size ({t.micro_batch_size} x {dp} = {step}; data-parallel size = world size {world_size} / "
         f"{model_parallel}); set train.global_batch_size to a multiple of {step}",
+    )
+    # megatron's interleaved schedule runs micro-batches in groups of PP per virtual stage
+    vpp = p.virtual_pipeline_model_parallel_size
+    require(
+        vpp is None or t.global_batch_size % (step * pp) == 0,
+        f"parallel.virtual_pipeline_model_parallel_size needs micro-batches per step (train.global_batch_size / "
+        f"(train.micro_batch_size x data-parallel size) = {t.global_batch_size} / {step}) divisible by "
+        f"parallel.pipeline_model_parallel_size ({pp}); set train.global_batch_size to a multiple of {step * pp}",
     )

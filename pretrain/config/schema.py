@@ -119,8 +119,7 @@ class ModelConfig:
     moe_router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
     """Router computation dtype; null: the model's."""
     moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall", "alltoall_dedup"] = "auto"
-    """"auto": alltoall on GPU, allgather on CPU (the alltoall dispatcher needs CUDA streams); "alltoall_dedup" (ours,
-    EP > 1, expert TP 1): each token sent once per destination rank instead of once per expert (less all-to-all)."""
+    """"auto": alltoall on GPU, allgather on CPU; "alltoall_dedup" (ours, EP > 1): a token sent once per expert rank."""
     moe_router_force_load_balancing: bool = False
     """Benchmarks only: random router logits (balanced load, untrained routing); never for training runs."""
     moe_grouped_gemm: bool = True
