@@ -58,3 +58,39 @@ def test_parity_detects_a_wrong_weight(tmp_path):
         model.decoder.layers[1].self_attention.linear_kv_up_proj.weight.mul_(1.01)
         out = model(ids, torch.arange(10).unsqueeze(0), None)
     assert relative_error(out, ref) > 1e-4
+
+
+@pytest.mark.parametrize("topk", [64, 5])
+def test_packed_documents_match_each_document_alone(tmp_path, topk):
+    """Documents packed into one window (micro-batch 2, different documents per row, positions restarting per
+    document): each document's logits equal transformers' on that document alone. With index_topk 5 the
+    reference selects 5 keys per query within the document alone, so our top-k must never pick another
+    document's keys (and pads rows with fewer than 5 keys); with 64 attention is dense within documents."""
+    from data_pipeline.packing import collate_batch, pack_sample
+    from pretrain.training.step import with_documents
+
+    eod, seq = 1, 30
+    # 16 index heads: a key whose ReLU'd index score is 0 in every head (a tie, which the reference's torch.topk
+    # and our top-k may break differently) is rare
+    hf = write_hf_checkpoint(str(tmp_path), 5, layers=2, dense=1, mtp=False, index_topk=topk, index_n_heads=16)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [[7, 12, 11], [1, 16, 13]]  # documents end with EOD (a 1-token document is EOD alone)
+    texts = []
+    for row in lengths:
+        docs = [torch.cat([torch.randint(2, hf.config.vocab_size, (n - 1,), generator=gen), torch.tensor([eod])])
+                for n in row]
+        texts.append(torch.cat(docs + [torch.tensor([eod])]))  # the window's extra label token
+    batch = with_documents(collate_batch([pack_sample(t, eod, -1, True, True, False) for t in texts]))
+    assert batch["document_layout"].shape == (2, 2, seq)  # the O(S) document layout
+    _, model = load_hf_model(str(tmp_path))
+    with torch.no_grad():
+        out = model(batch["tokens"], batch["position_ids"], batch["document_layout"])
+        for row, row_lengths in enumerate(lengths):
+            start = 0
+            for n in row_lengths:
+                ref = hf(batch["tokens"][row:row + 1, start:start + n]).logits[0]
+                assert relative_error(out[row, start:start + n], ref) <= 1e-5, (row, start, n)
+                start += n
+        # the documents matter: the same window without them differs
+        plain = model(batch["tokens"], torch.arange(seq).expand(2, -1), None)
+    assert relative_error(plain, out) > 1e-3

@@ -92,10 +92,13 @@ def test_boundaries_positions_and_mask_against_naive(text):
     # cu_seqlens: the first position of every document, then s
     starts = [doc.index(k) for k in sorted(set(doc))]
     assert sample["cu_seqlens"].tolist() == starts + [s]
-    # attention: i may see j iff j <= i and both are in the same document (True = masked)
+    # attention: i may see j iff j <= i and both are in the same document (True = masked); the sample carries
+    # no mask (cu_seqlens say it), the tests' dense writing of it is checked here
+    assert "attention_mask" not in sample
     naive = torch.tensor([[not (j <= i and doc[i] == doc[j]) for j in range(s)] for i in range(s)])
-    assert sample["attention_mask"].shape == (1, s, s) and sample["attention_mask"].dtype == torch.bool
-    assert torch.equal(sample["attention_mask"][0], naive)
+    mask = block_causal_mask(sample["tokens"], EOD)
+    assert mask.shape == (1, s, s) and mask.dtype == torch.bool
+    assert torch.equal(mask[0], naive)
 
 
 def test_matches_megatron_masks_and_positions():
@@ -104,7 +107,7 @@ def test_matches_megatron_masks_and_positions():
         tokens = torch.from_numpy(rng.choice([EOD, 5, 6, 7, 8, 9], size=33, p=[0.15] + [0.17] * 5))
         ours = pack_sample(tokens, EOD, PAD, True, True, True)
         mask, loss_mask, pos = _get_ltor_masks_and_position_ids(tokens[:-1], EOD, True, True, True, True)
-        assert torch.equal(ours["attention_mask"], mask)
+        assert torch.equal(block_causal_mask(tokens[:-1], EOD), mask)
         assert torch.equal(ours["position_ids"], pos)
         assert torch.equal(ours["loss_mask"], loss_mask)
 
@@ -121,6 +124,35 @@ def test_without_reset_one_window_is_one_segment():
     assert "attention_mask" not in sample and sample["cu_seqlens"].tolist() == [0, 3, 7, 8]
 
 
+def test_the_dense_mask_is_refused():
+    with pytest.raises(ValueError, match="data.create_attention_mask"):
+        pack_sample(torch.tensor(WINDOWS[0]), EOD, PAD, True, True, False, create_attention_mask=True)
+
+
+def test_documents_cost_linear_host_memory_at_long_lengths():
+    """A 128K window with documents: the sample (and the model's document layout built from its batch) hold O(S)
+    bytes: under 8 MiB, where megatron's dense mask alone is 16 GiB; the same per token as at 16K."""
+    import time
+
+    from pretrain.training.step import with_documents
+
+    per_token = {}
+    for s in (16384, 131072):
+        gen = torch.Generator().manual_seed(s)
+        text = torch.randint(1, 1000, (s + 1,), generator=gen)
+        text[torch.randint(0, s, (s // 2000,), generator=gen)] = EOD
+        start = time.perf_counter()
+        sample = pack_sample(text, EOD, PAD, True, True, False)
+        batch = with_documents(collate_batch([sample]))
+        seconds = time.perf_counter() - start
+        nbytes = sum(v.numel() * v.element_size() for v in batch.values() if torch.is_tensor(v))
+        assert batch["document_layout"].shape == (1, 2, s)
+        print(f"\npack_sample + document layout at {s}: {seconds * 1e3:.1f} ms, {nbytes / 2**20:.2f} MiB")
+        assert nbytes < 8 * 2**20 and seconds < 5.0
+        per_token[s] = nbytes / s
+    assert per_token[131072] <= 1.01 * per_token[16384]
+
+
 def test_loss_mask():
     text = torch.tensor([5, EOD, 6, 7, EOD, PAD, PAD])  # a short final window, padded
     sample = pack_sample(text, EOD, PAD, False, False, eod_mask_loss=True)
@@ -135,7 +167,7 @@ def test_collate_flattens_segments_thd():
     a = pack_sample(torch.tensor(WINDOWS[0]), EOD, PAD, True, True, False)
     b = pack_sample(torch.tensor(WINDOWS[2]), EOD, PAD, True, True, False)
     batch = collate_batch([a, b])
-    assert batch["tokens"].shape == (2, 8) and batch["attention_mask"].shape == (2, 1, 8, 8)
+    assert batch["tokens"].shape == (2, 8) and "attention_mask" not in batch
     assert batch["cu_seqlens"].tolist() == [0, 3, 7, 8, 16]
     assert int(batch["max_seqlen"]) == 8
     params = packed_seq_params(batch)
@@ -154,7 +186,7 @@ def test_helpers_agree():
             assert (~mask[i]).nonzero().flatten().tolist() == list(range(beg, i + 1))
 
 
-def test_dataset_samples_carry_document_masks(tmp_path):
+def test_dataset_samples_carry_document_segments(tmp_path):
     docs = random_documents(60, 10, 4000, seed=9, min_len=2, max_len=12)
     prefix = write_dataset(str(tmp_path / "docs"), docs)
     cfg = make_cfg(tmp_path, [prefix], seq_length=32, split="1,0,0", reset_position_ids=True,
@@ -165,8 +197,8 @@ def test_dataset_samples_carry_document_masks(tmp_path):
         tokens = x["tokens"].tolist()
         doc = naive_documents(tokens)
         assert x["position_ids"].tolist() == [k - doc.index(doc[k]) for k in range(32)]
-        naive = torch.tensor([[not (j <= k and doc[k] == doc[j]) for j in range(32)] for k in range(32)])
-        assert torch.equal(x["attention_mask"][0], naive)
+        assert "attention_mask" not in x  # documents as cu_seqlens: each document's first position, then 32
+        assert x["cu_seqlens"].tolist() == [doc.index(d) for d in sorted(set(doc))] + [32]
         assert x["loss_mask"].tolist() == [0.0 if t == EOD else 1.0 for t in tokens]
 
 

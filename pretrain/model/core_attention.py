@@ -103,6 +103,10 @@ class SDPACoreAttention(MegatronModule):
             key, value = gather_sequence(key, 0, self.cp_group), gather_sequence(value, 0, self.cp_group)
         if is_document_layout(attention_mask):
             plan = attention_plan(attention_mask, query_blocks(query.shape[0], cp_size, cp_rank, key.shape[0]))
+            if plan.positions_reset and type(self) is SDPACoreAttention:
+                # megatron's MLA / GQA rotated q and k by window positions before this (config check_documents)
+                raise ValueError("per-document positions (data.reset_position_ids=true) reach RoPE only in the latent "
+                                 "MLA layer (DSA, or MLA under context parallelism); set data.reset_position_ids=false")
             if plan.isolated:
                 return self.attend_documents(query, key, value, plan)
             attention_mask = None  # positions only (applied by the RoPE before this): causal attention
