@@ -108,6 +108,17 @@ def check_context_parallel(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> 
     )
 
 
+def check_documents(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
+    """Per-document RoPE positions (`pretrain.model.documents`) are applied by the latent MLA layer (DSA, or MLA
+    under context parallelism); megatron's MLA and GQA attention rotate by the window position."""
+    latent = m.multi_latent_attention and (m.experimental_attention_variant == "dsa" or p.context_parallel_size > 1)
+    require(
+        not d.reset_position_ids or latent,
+        "data.reset_position_ids=true restarts RoPE per document only in the latent MLA layer "
+        "(model.experimental_attention_variant=dsa, or parallel.context_parallel_size > 1); set it to false here",
+    )
+
+
 def check_trainable(m: ModelConfig, t: TrainConfig) -> None:
     if t.trainable_params != "dsa_indexer":
         return
