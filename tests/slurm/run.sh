@@ -7,7 +7,10 @@
 # 1. launch/slurm.sbatch trains the tiny model; the job is cancelled with scancel after its first
 #    checkpoint and submitted again: the second job resumes from the newest checkpoint (its first
 #    step is that checkpoint's step + 1) and finishes; metrics.jsonl then holds every step once.
-# 2. launch/curriculum.sh --slurm runs configs/curriculum/tiny.yaml as one job; every stage finishes.
+# 2. Preemption: `scancel --signal=USR1` (what --signal=USR1@N sends before the time limit) makes the
+#    ranks save at their next step boundary and exit with 75; launch/slurm.sbatch requeues the job,
+#    which resumes at the next step and finishes: every step once, no step lost or repeated.
+# 3. launch/curriculum.sh --slurm runs configs/curriculum/tiny.yaml as one job; every stage finishes.
 # The daemons are stopped at the end, pass or fail. Work files: $SLURM_TEST_DIR (default: a temp dir).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -62,7 +65,37 @@ sys.exit(0 if steps == list(range(1, int(sys.argv[2]) + 1)) else 1)
 PY
 echo "ok: job $second resumed at step $((saved + 1)) and finished $iters steps"
 
-# ---- 2. the tiny curriculum as one Slurm job -------------------------------------------------------
+# ---- 2. scancel --signal=USR1: checkpoint at the next step, requeue, resume ---------------------------
+ckpt=$WORK/preempt/checkpoints
+preempt=(--config configs/models/glm5-tiny.yaml "train.train_iters=$iters" train.eval_interval=null
+         optimizer.lr_warmup_iters=0 data.seq_length=128 logging.log_interval=1 "logging.run_dir=$WORK/preempt"
+         "checkpoint.save=$ckpt" checkpoint.save_interval=100)
+job=$(sbatch --parsable --output="$WORK/%x-%j.out" launch/slurm.sbatch "${preempt[@]}")
+log=$WORK/glm5-pretrain-$job.out
+for _ in $(seq 600); do
+    [[ -f $WORK/preempt/metrics.jsonl && $(wc -l <"$WORK/preempt/metrics.jsonl") -ge 3 ]] && break
+    [[ $(job_state "$job") =~ ^(PENDING|RUNNING|CONFIGURING)$ ]] || fail "job $job ended ($(job_state "$job")) before step 3"
+    sleep 0.5
+done
+scancel --signal=USR1 "$job"
+echo "job $job: sent SIGUSR1 after step 3"
+for _ in $(seq 1200); do
+    [[ $(job_state "$job") =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL)$ ]] && break
+    sleep 0.5
+done
+[[ $(job_state "$job") == COMPLETED ]] || fail "job $job is $(job_state "$job"), expected COMPLETED after its requeue"
+stopped=$(sed -n 's/.*preempted: stopped by SIGUSR1 after step \([0-9]*\):.*/\1/p' "$log" | head -n 1)
+[[ -n $stopped ]] || fail "job $job did not stop on SIGUSR1"
+grep -q "requeueing job $job" "$log" || fail "job $job was not requeued"
+grep -q "resumed from $ckpt at iteration $stopped" "$log" || fail "requeued job $job did not resume from step $stopped"
+"$PY" - "$WORK/preempt/metrics.jsonl" "$iters" <<'PY' || fail "metrics.jsonl of the preempted run does not hold steps 1..$iters once each"
+import json, sys
+steps = [json.loads(line)["step"] for line in open(sys.argv[1]) if line.strip()]
+sys.exit(0 if steps == list(range(1, int(sys.argv[2]) + 1)) else 1)
+PY
+echo "ok: job $job saved at step $stopped on SIGUSR1, was requeued and finished $iters steps"
+
+# ---- 3. the tiny curriculum as one Slurm job -------------------------------------------------------
 plan_dir=$WORK/plan
 SBATCH_ARGS="--wait --output=$WORK/%x-%j.out" bash launch/curriculum.sh --slurm --plan configs/curriculum/tiny.yaml \
     "run_dir=$plan_dir" >"$WORK/submit.log" 2>&1 || { cat "$WORK/submit.log"; fail "the curriculum job failed"; }

@@ -1,0 +1,189 @@
+"""A long run without drift: memory, file handles, threads and tokens/s per step, and the time each
+checkpoint save blocks training.
+
+    python benchmarks/soak.py --out soak.json                     # glm5-ablate, 1,000 steps, one GPU
+    python benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 20 --interval 5 --no-eval \
+        --async-save false --out save_sync.json                    # seconds blocked per save, synchronous
+    torchrun --nproc-per-node 2 benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 20 \
+        --interval 5 --no-eval --async-save true --out save_async_2gpu.json
+
+The run is the ordinary trainer (`pretrain.training.loop.Trainer`) in this process, with an evaluation
+and a checkpoint every `--interval` steps (`checkpoint.async_save` from `--async-save`). After every
+step rank 0 records: GPU memory allocated and reserved, host RSS, open file descriptors and threads of
+the process (from /proc), and the step's tokens/s; after every save, the seconds the save blocked
+training (`Trainer.save_blocked_s`: the whole write when synchronous, staging the tensors when async).
+Without `--data` the tokens are synthetic (`data.mock=true`); with `--data PREFIX --tokenizer FILE` they
+are the preprocessed files.
+
+Verdict (after `--warmup` steps, by default the first evaluation-and-save cycle and 10 steps more):
+GPU allocated, GPU reserved and host RSS may grow by at most `--max-growth` (1%) from the first tenth of
+the remaining steps to the last tenth (maxima of each window), file handles and threads not at all, and
+the median tokens/s of the last tenth must be within `--max-slowdown` (5%) of the first tenth's. The
+JSON holds every sample, the windows and the verdict; a PNG of the curves is written beside it when
+matplotlib is installed (else one line says so). Exit code 0 when the verdict passes, 1 when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+from pathlib import Path
+from typing import Dict, List
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from anywhere
+
+ROOT = Path(__file__).resolve().parents[1]
+GROWING = ("gpu_allocated_gib", "gpu_reserved_gib", "host_rss_gib")  # may grow by --max-growth
+FIXED = ("open_files", "threads")  # must not grow
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def sample(values: Dict[str, float]) -> Dict[str, float]:
+    """This process now: memory, descriptors, threads; and the step's tokens/s from the trainer."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    return {
+        "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30 if gpu else 0.0,
+        "gpu_reserved_gib": torch.cuda.memory_reserved() / 2**30 if gpu else 0.0,
+        "host_rss_gib": _proc_status("VmRSS") / 2**20,
+        "open_files": len(os.listdir("/proc/self/fd")),
+        "threads": _proc_status("Threads") or threading.active_count(),
+        "tokens_per_sec": values.get("tokens_per_sec"),
+    }
+
+
+def verdict(samples: List[dict], warmup: int, max_growth: float, max_slowdown: float) -> dict:
+    post = [s for s in samples if s["step"] > warmup]
+    if len(post) < 2:
+        return {"pass": False, "why": f"only {len(post)} steps after the warm-up of {warmup}"}
+    width = max(1, len(post) // 10)
+    first, last = post[:width], post[-width:]
+    checks, failed = {}, []
+    for key in GROWING + FIXED:
+        a, b = max(s[key] for s in first), max(s[key] for s in last)
+        growth = (b - a) / a if a else (0.0 if b == a else float("inf"))
+        limit = max_growth if key in GROWING else 0.0
+        checks[key] = {"first": a, "last": b, "growth": growth, "limit": limit}
+        if growth > limit:
+            failed.append(f"{key} grew {growth:+.2%} ({a:.4g} -> {b:.4g}; limit {limit:.0%})")
+    speeds = [[s["tokens_per_sec"] for s in w if s["tokens_per_sec"]] for w in (first, last)]
+    if all(speeds):
+        a, b = statistics.median(speeds[0]), statistics.median(speeds[1])
+        checks["tokens_per_sec"] = {"first": a, "last": b, "change": b / a - 1, "limit": -max_slowdown}
+        if b / a - 1 < -max_slowdown:
+            failed.append(f"tokens/s fell {b / a - 1:+.2%} ({a:.0f} -> {b:.0f})")
+    return {"pass": not failed, "why": "; ".join(failed) or "no growth beyond the limits", "window_steps": width,
+            "first_window": [first[0]["step"], first[-1]["step"]], "last_window": [last[0]["step"], last[-1]["step"]],
+            "checks": checks}
+
+
+def plot(result: dict, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no curve: matplotlib is not installed (pip install matplotlib)"
+    steps = [s["step"] for s in result["samples"]]
+    keys = GROWING + FIXED + ("tokens_per_sec",)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2 * len(keys)), sharex=True)
+    for ax, key in zip(axes, keys):
+        ax.plot(steps, [s[key] or float("nan") for s in result["samples"]], lw=0.8)
+        ax.set_ylabel(key, fontsize=8)
+        ax.axvline(result["warmup"], color="grey", ls=":")
+        for save in result["saves"]:
+            ax.axvline(save["step"], color="tab:red", lw=0.4, alpha=0.5)
+    axes[-1].set_xlabel("step (dotted: end of warm-up; red: checkpoints)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"curve: {path}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs/models/glm5-ablate.yaml"))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--interval", type=int, default=200, help="steps between evaluations and checkpoints")
+    parser.add_argument("--no-eval", action="store_true", help="checkpoints only (the save-time measurement)")
+    parser.add_argument("--async-save", choices=("true", "false"), default="true", help="checkpoint.async_save")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the verdict's windows "
+                                                                   "(default: --interval + 10)")
+    parser.add_argument("--data", help="preprocessed dataset prefix (default: synthetic tokens)")
+    parser.add_argument("--tokenizer", help="its tokenizer.json (with --data)")
+    parser.add_argument("--max-growth", type=float, default=0.01)
+    parser.add_argument("--max-slowdown", type=float, default=0.05)
+    parser.add_argument("--run-dir", help="checkpoints and metrics (default: a folder beside --out)")
+    parser.add_argument("--out", required=True, help="results JSON (the PNG goes beside it)")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. train.micro_batch_size=2")
+    args = parser.parse_args(argv)
+    if bool(args.data) != bool(args.tokenizer):
+        parser.error("--data and --tokenizer go together")
+
+    from pretrain import compat
+    from pretrain.config import load_config
+    from pretrain.training.loop import Trainer
+
+    compat.install()
+    out = Path(args.out)
+    run_dir = Path(args.run_dir or out.with_suffix(""))
+    data = ([f"data.data_path=[{args.data}]", f"data.tokenizer={args.tokenizer}", "data.mock=false"] if args.data
+            else ["data.mock=true", "data.data_path=[]"])
+    cfg = load_config(args.config, [
+        f"train.train_iters={args.steps}", f"train.eval_interval={'null' if args.no_eval else args.interval}",
+        f"checkpoint.save={run_dir / 'checkpoints'}", f"checkpoint.save_interval={args.interval}",
+        "checkpoint.auto_resume=false", f"checkpoint.async_save={args.async_save}", f"logging.run_dir={run_dir}",
+        f"logging.log_interval={args.interval}", *data, *args.overrides])
+    trainer = Trainer(cfg)
+    samples: List[dict] = []
+    saves: List[dict] = []
+    log_step, save = trainer.metrics.log_step, trainer.save
+
+    def logged(iteration, values):
+        log_step(iteration, values)
+        samples.append({"step": iteration, **sample(values)})
+
+    def saved():
+        path = save()
+        saves.append({"step": trainer.iteration, "blocked_s": trainer.save_blocked_s})
+        return path
+
+    trainer.metrics.log_step, trainer.save = logged, saved
+    trainer.train()
+    if trainer.rank != 0:
+        return 0
+    import torch
+
+    warmup = args.warmup if args.warmup is not None else min(args.interval + 10, args.steps // 2)
+    blocked = [s["blocked_s"] for s in saves]
+    result = {
+        "config": args.config, "steps": args.steps, "interval": args.interval, "async_save": args.async_save == "true",
+        "data": args.data or "synthetic (data.mock=true)", "world_size": trainer.world_size,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "warmup": warmup,
+        "save_blocked_s": {"median": statistics.median(blocked) if blocked else None, "all": blocked},
+        "saves": saves, "samples": samples,
+    }
+    result["verdict"] = verdict(samples, warmup, args.max_growth, args.max_slowdown)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(plot(result, out.with_suffix(".png")))
+    v = result["verdict"]
+    print(f"soak {'PASS' if v['pass'] else 'FAIL'}: {v['why']}; checkpoints block training a median "
+          f"{result['save_blocked_s']['median']} s ({'async' if result['async_save'] else 'sync'}); {out}")
+    return 0 if v["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

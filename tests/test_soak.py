@@ -1,0 +1,48 @@
+"""benchmarks/soak.py on CPU with the tiny model and a few steps: it runs, records every step and every
+save, and its verdict flags growth (checked on made-up samples against hand-computed windows)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.test_training import ROOT
+
+
+def test_soak_smoke_on_cpu(tmp_path):
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/soak.py", "--config", "configs/models/glm5-tiny.yaml", "--steps", "4",
+         "--interval", "2", "--warmup", "1", "--out", str(out), "optimizer.lr_warmup_iters=1", "data.seq_length=64"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [s["step"] for s in result["samples"]] == [1, 2, 3, 4]
+    assert [s["step"] for s in result["saves"]] == [2, 4] and all(s["blocked_s"] > 0 for s in result["saves"])
+    assert result["async_save"] is True and result["verdict"]["pass"] == (proc.returncode == 0)
+    for s in result["samples"]:
+        assert s["host_rss_gib"] > 0 and s["open_files"] > 0 and s["threads"] > 0 and s["tokens_per_sec"] > 0
+    assert "soak PASS" in proc.stdout or "soak FAIL" in proc.stdout
+
+
+def test_verdict_windows_and_limits():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import verdict
+
+    def samples(rss_last, threads_last, speed_last):
+        rows = []
+        for step in range(1, 41):  # warm-up 20: windows of 2 steps, 21-22 and 39-40
+            late = step >= 39
+            rows.append({"step": step, "gpu_allocated_gib": 1.0, "gpu_reserved_gib": 2.0,
+                         "host_rss_gib": rss_last if late else 10.0, "open_files": 30,
+                         "threads": threads_last if late else 12, "tokens_per_sec": speed_last if late else 100.0})
+        return rows
+
+    flat = verdict(samples(10.05, 12, 97.0), 20, 0.01, 0.05)
+    assert flat["pass"] and flat["first_window"] == [21, 22] and flat["last_window"] == [39, 40]
+    grown = verdict(samples(10.2, 12, 100.0), 20, 0.01, 0.05)
+    assert not grown["pass"] and "host_rss_gib grew +2.00%" in grown["why"]
+    assert "threads grew" in verdict(samples(10.0, 13, 100.0), 20, 0.01, 0.05)["why"]
+    assert "tokens/s fell -10.00%" in verdict(samples(10.0, 12, 90.0), 20, 0.01, 0.05)["why"]
