@@ -46,8 +46,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.notices import say_once
+
 _log = logging.getLogger(__name__)
-_LOGGED_ALL_REDUCE = False
 
 
 def cp_size_and_rank(group: Optional[dist.ProcessGroup]):
@@ -115,7 +116,6 @@ def _to_rank_order(full: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
 
 def _reduce_scatter(grad_rank_major: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over the group, keep this rank's block (rank-major along `dim`)."""
-    global _LOGGED_ALL_REDUCE
     size, rank = cp_size_and_rank(group)
     if dist.get_backend(group) == "nccl":
         moved = grad_rank_major.movedim(dim, 0).contiguous()
@@ -124,10 +124,8 @@ def _reduce_scatter(grad_rank_major: torch.Tensor, dim: int, group) -> torch.Ten
         return out.movedim(0, dim)
     # gloo has no reduce-scatter: all-reduce the whole gradient and keep this rank's block
     # (cp x the traffic; CPU runs only).
-    if not _LOGGED_ALL_REDUCE:
-        _LOGGED_ALL_REDUCE = True
-        _log.info("context parallelism on %s: gradients of gathered keys are all-reduced, not reduce-scattered",
-                  dist.get_backend(group))
+    say_once(_log, "context parallelism on %s: gradients of gathered keys are all-reduced, not reduce-scattered "
+             "(cp x the traffic of NCCL's reduce-scatter)", dist.get_backend(group))
     full = grad_rank_major.contiguous()
     dist.all_reduce(full, group=group)
     return full.chunk(size, dim=dim)[rank]

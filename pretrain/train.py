@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from pretrain.config import ConfigError, load_config
+from pretrain.notices import configure_logging
 
 
 def main(argv=None) -> int:
@@ -22,6 +23,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (may extend another with base:)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.train_iters=100")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         cfg = load_config(args.config, args.overrides)
         from pretrain import compat

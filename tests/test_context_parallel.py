@@ -21,6 +21,7 @@ across CP sizes: tests/test_context_parallel_training.py.
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 from typing import Dict, List
 
@@ -132,7 +133,8 @@ def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
     DSAMetrics.clear()
     get_moe_layer_wise_logging_tracker().clear()  # sized by the first model that records (layers + MTP)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([batch]), model=ddp, num_microbatches=1,
+        forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group()),
+        data_iterator=iter([batch]), model=ddp, num_microbatches=1,
         seq_length=SEQ, micro_batch_size=BATCH, decoder_seq_length=SEQ, forward_only=False)
     lm = torch.zeros(2, dtype=torch.float64)
     for item in losses or []:

@@ -95,10 +95,12 @@ def _train_stage(rank, world_size, config: str, overrides: List[str]) -> dict:
     """Build a Trainer (which loads checkpoint.pretrained), train, and report the model's state dict
     before and after training and which parameters were trainable."""
     from pretrain.config import load_config
-    from pretrain.training.loop import Trainer, _unwrap
+    from megatron.core.utils import unwrap_model
+
+    from pretrain.training.loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
-    model = _unwrap(trainer.model[0])
+    model = unwrap_model(trainer.model[0])
 
     def state():
         return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
@@ -113,10 +115,12 @@ def _train_stage(rank, world_size, config: str, overrides: List[str]) -> dict:
 def _indexer_gradients(rank, world_size, overrides: List[str]) -> dict:
     """One warm-up train_step whose optimizer step only records the reduced gradients (main_grad)."""
     from pretrain.config import load_config
-    from pretrain.training.loop import Trainer, _unwrap
+    from megatron.core.utils import unwrap_model
+
+    from pretrain.training.loop import Trainer
 
     trainer = Trainer(load_config(str(WARMUP), overrides))
-    model = _unwrap(trainer.model[0])
+    model = unwrap_model(trainer.model[0])
     grads: Dict[str, torch.Tensor] = {}
 
     def record_step():

@@ -21,6 +21,7 @@ steps; this file pins each gradient of one step.)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List
 
 import pytest
@@ -78,7 +79,7 @@ def pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict
         chunk.zero_grad_buffer()
         model.config.finalize_model_grads_func = finalize_model_grads
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([batch]), model=chunk, num_microbatches=1,
+        forward_step_func=partial(forward_step, cp_group=None), data_iterator=iter([batch]), model=chunk, num_microbatches=1,
         seq_length=SEQ, micro_batch_size=tokens.shape[0], decoder_seq_length=SEQ, forward_only=False,
     )
     if ddp:

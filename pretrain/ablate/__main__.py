@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pretrain.ablate.runner import evaluate_at, run_local, run_slurm
 from pretrain.ablate.sweep import SweepError, load_sweep, rel, select
+from pretrain.notices import configure_logging
 
 
 def main(argv=None) -> int:
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--evaluate-at", type=int, default=None, metavar="N")
     parser.add_argument("--smooth", type=int, default=1, metavar="N", help="moving average of the plotted curves")
     args = parser.parse_args(argv)
+    configure_logging()
     if args.parallel < 1:
         parser.error(f"--parallel must be >= 1, got {args.parallel}")
     if args.parallel > 1 and args.slurm:

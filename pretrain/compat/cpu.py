@@ -11,10 +11,14 @@ unavailable; idempotent. Its changes are process-wide and stay for the life of t
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from pretrain.compat.registry import Workaround
+from pretrain.notices import say_once
+
+_log = logging.getLogger(__name__)
 
 _CPU_INSTALLED = False
 
@@ -171,6 +175,9 @@ def install_cpu_support() -> None:
     _CPU_MODE = _CudaToCpuMode()
     _CPU_MODE.__enter__()
     _CPU_INSTALLED = True
+    # Said because a GPU node whose torch sees no CUDA (a CPU build of torch, a broken driver) would train here too.
+    say_once(_log, "no CUDA device: megatron-core runs on the CPU with gloo (pretrain.compat.cpu); on a GPU node, "
+                   "check that torch is a CUDA build and sees the driver")
 
 
 def token_dispatcher_for_device(name: str) -> str:

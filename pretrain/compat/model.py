@@ -1,13 +1,16 @@
-"""megatron-core 0.16.1's GPTModel and GroupedMLP, as GLM-5 builds them (part of `pretrain.compat`).
+"""megatron-core 0.16.1's GPTModel, GroupedMLP and TransformerLayer, as GLM-5 builds them (part of
+`pretrain.compat`).
 
-All three are used where the model is built (`pretrain.model.glm5_model`, `pretrain.model.experts`);
-none changes megatron-core process-wide.
+The GPTModel and GroupedMLP helpers are used where the model is built (`pretrain.model.glm5_model`,
+`pretrain.model.experts`) and change nothing process-wide; `silence_unknown_mlp_type` (applied by `install()`)
+filters one line of TransformerLayer's log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Iterator
 
 import torch
@@ -80,6 +83,28 @@ def grouped_mm_available(device_type: str) -> bool:
         return False
 
 
+UNKNOWN_MLP_TYPE = "Unknown MLP type"
+TRANSFORMER_LAYER_LOGGER = "megatron.core.transformer.transformer_layer"
+
+
+class _DropUnknownMLPType(logging.Filter):
+    """Drops TransformerLayer's "Unknown MLP type: ... Using default kwargs." (a WARNING per layer).
+
+    megatron-core 0.16.1 hands its process groups only to MLP classes it names by identity (MLP, MoELayer,
+    GroupedMLP, ...), so every layer of `GLM5MoELayer` (a MoELayer subclass) logs it. The default kwargs are right
+    for it: with no `pg_collection` it takes megatron's default groups, which are the ones the whole model uses
+    (`build_model` passes no other), so the line says nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(UNKNOWN_MLP_TYPE)
+
+
+def silence_unknown_mlp_type() -> None:
+    logger = logging.getLogger(TRANSFORMER_LAYER_LOGGER)
+    if not any(isinstance(f, _DropUnknownMLPType) for f in logger.filters):
+        logger.addFilter(_DropUnknownMLPType())
+
+
 WORKAROUNDS = [
     Workaround(
         name="gpt_model_mtp_block_class",
@@ -101,5 +126,14 @@ WORKAROUNDS = [
         reason="asserts the grouped_gemm CUDA extension, which our torch._grouped_mm experts do not use",
         upstream="open",
         test="tests/test_param_count.py::test_glm5_744b_parameter_count",
+    ),
+    Workaround(
+        name="silence_unknown_mlp_type",
+        target="megatron.core.transformer.transformer_layer logger (\"Unknown MLP type ... Using default kwargs.\")",
+        reason="TransformerLayer warns once per MoE layer that it does not know GLM5MoELayer, whose default kwargs "
+               "(megatron's default process groups) are the model's own",
+        upstream="open",
+        test="tests/test_notices.py::test_training_log_shows_framework_notices_and_no_megatron_noise",
+        install=silence_unknown_mlp_type,
     ),
 ]

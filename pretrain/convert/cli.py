@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     for p in (imp, exp):
         p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     args = parser.parse_args(argv)
+    from pretrain.notices import configure_logging
+
+    configure_logging()
     from pretrain import compat
 
     compat.install()

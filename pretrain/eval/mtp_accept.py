@@ -161,6 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="prompts decoded together")
     parser.add_argument("--json", type=Path, default=None, help="write {'metrics': {...}} here")
     args = parser.parse_args(argv)
+    from pretrain.notices import configure_logging
+
+    configure_logging()
     for name in ("samples", "prompt_tokens", "new_tokens", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -77,6 +77,9 @@ def main(argv=None, prog: str = "python -m pretrain.eval.retrieval") -> int:
     parser.add_argument("--probes", type=Path, default=None, help="JSONL of data_pipeline.retrieval_probe instead")
     parser.add_argument("--json", type=Path, default=None, help="write {'metrics': {...}} here")
     args = parser.parse_args(argv)
+    from pretrain.notices import configure_logging
+
+    configure_logging()
     from data_pipeline.retrieval_probe import filler_tokens, make_probe
     from data_pipeline.tokenizer import load_tokenizer
     from pretrain.eval.checkpoint import checkpoint_config, default_data_prefix, device_of, load_for_eval

@@ -91,6 +91,9 @@ def main(argv=None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=4")
     args = parser.parse_args(argv)
+    from pretrain.notices import configure_logging
+
+    configure_logging()
     cfg = load_config(args.config, args.overrides)
     from pretrain import compat
 

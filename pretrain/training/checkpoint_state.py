@@ -30,6 +30,8 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.utils import unwrap_model
 
+from pretrain.optim.roles import sub_optimizers
+
 # How model and optimizer describe their shards (megatron-LM's choices for a reshardable checkpoint).
 SHARDED_STATE_METADATA = {
     "distrib_optim_sharding_type": "fully_sharded_model_space",  # DistributedOptimizer: model-space tensors
@@ -81,7 +83,7 @@ def _child(loaded: Any, key: Any) -> Any:
 
 
 def _inner_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub in sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         if inner is not None:
             yield inner
@@ -114,7 +116,7 @@ def optimizer_step(optimizer) -> Dict[str, Any]:
 def prime_optimizer_state(optimizer, saved: Dict[str, Any]) -> None:
     """Give every parameter its (zero) optimizer state and the saved step before the state dict that
     the loaded tensors fill is taken: torch Adam refuses a parameter state without its step."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub in sub_optimizers(optimizer):
         if getattr(sub, "init_state_fn", None) is not None and getattr(sub, "optimizer", None) is not None:
             sub.init_state_fn(sub.optimizer, sub.config)
     set_optimizer_step(optimizer, saved)

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Dict, Tuple
 
 import torch
+from megatron.core.utils import unwrap_model
 
 from parallel.context_parallel import cp_size_and_rank, global_token_count, split_batch
 from pretrain.training.profile_scopes import scope
@@ -47,15 +48,14 @@ def _masked_sum(loss_mask, output, cp_group):
     return total, count.to(torch.int), log
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, *, cp_group):
     """Stages that need data (first: tokens; last: labels and MTP's tokens) read a batch; under
-    context parallelism each rank keeps its two chunks of the sequence (`parallel.context_parallel`)."""
-    unwrapped = model
-    while hasattr(unwrapped, "module"):
-        unwrapped = unwrapped.module
+    context parallelism each rank keeps its two chunks of the sequence (`parallel.context_parallel`).
+    `cp_group`: the context-parallel group (None without CP), bound by the caller
+    (`partial(forward_step, cp_group=...)`); megatron's schedules pass the iterator and the model."""
+    unwrapped = unwrap_model(model)
     needs_data = unwrapped.pre_process or unwrapped.post_process
     batch = _to_device(next(data_iterator)) if needs_data else {}
-    cp_group = getattr(getattr(unwrapped, "pg_collection", None), "cp", None)
     batch = split_batch(batch, *cp_size_and_rank(cp_group))
     output = model(
         batch.get("tokens"),
