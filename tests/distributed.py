@@ -9,12 +9,15 @@
 
     results = run_ranks(_body, 2, batch)          # [result of rank 0, result of rank 1]
 
-Each rank is a fresh process that no earlier call has touched: a fork of a clean server process
-(multiprocessing's "forkserver") that imported torch, megatron-core and the project once and did
-nothing else, so no torch.distributed or megatron parallel state ever exists in the pytest process,
-and no state leaks from one call to the next. Forking it instead of spawning an interpreter per rank
-saves the ~5 s of CPU each rank would spend importing (most of the multi-rank tests' time on a
-2-core machine). A rank gets the caller's current environment and working directory, as a spawned
+Each rank is a fresh process that no earlier call has touched, so no torch.distributed or megatron
+parallel state ever exists in the pytest process, and no state leaks from one call to the next. Without
+CUDA it is a fork of a clean server process (multiprocessing's "forkserver") that imported torch,
+megatron-core and the project once and did nothing else: forking it instead of spawning an interpreter
+per rank saves the ~5 s of CPU each rank would spend importing (most of the multi-rank tests' time on a
+2-core machine). On a CUDA host every rank is a spawned interpreter (`rank_start_method`): a process
+forked after CUDA was touched (torch's device query in `torch.cuda.is_available()` is enough) cannot use
+CUDA ("Cannot re-initialize CUDA in forked subprocess"), and GPU tests share the pytest process with
+in-process GPU tests, so nothing forked may be trusted to be clean there. A rank gets the caller's current environment and working directory, as a spawned
 process would; `TORCH_COMPILE_DISABLE`, which torch reads at import, is applied to torch's config
 explicitly. The environment of a torchrun launch is set before `fn` runs: MASTER_ADDR=127.0.0.1, a
 free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE), so
@@ -42,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "run_ranks", "to_cpu"]
+__all__ = ["RankError", "free_port", "rank_start_method", "run_ranks", "to_cpu"]
 
 _POLL_S = 0.05
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
@@ -71,6 +74,12 @@ def to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(to_cpu(v) for v in value)
     return value
+
+
+def rank_start_method() -> str:
+    """How ranks start: "spawn" on a CUDA host (a fork of a process that touched CUDA cannot use it),
+    else "forkserver" (see the module docstring)."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def _check_importable(fn: Callable) -> None:
@@ -176,8 +185,10 @@ def run_ranks(
     _check_importable(fn)
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
+    method = rank_start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
         torch.save(args, Path(tmp) / "args.pt")

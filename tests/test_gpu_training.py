@@ -65,6 +65,11 @@ def test_memory_features_bf16_match_the_plain_step_and_offload_overlaps():
     """glm5-tiny at 2 x 2048 tokens in bf16 (DSA sparse on the Triton kernels): full recompute, activation
     offloading (both backends) and the fused output loss (chunked, Liger) give the plain step's loss and gradients within
     bf16 tolerance; the offloader's copies run on its side streams, and the step issues no host sync."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("deepspeed is not installed: the 'deepspeed' variant (model.activation_offload_backend=deepspeed) "
+                    "needs it; install it with pip install -e '.[deepspeed]'")
     from parallel import activation_offload
     from parallel.initialize import ensure_single_rank
     from pretrain.config import load_config

@@ -49,3 +49,23 @@ def test_run_ranks_gives_ranks_the_callers_environment_now(monkeypatch, tmp_path
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
     (plain,) = run_ranks(rank_environment, 1)
     assert not plain["compile_disabled"]
+
+
+def rank_process(rank: int, world_size: int) -> dict:
+    import multiprocessing
+    import os
+
+    return {"parent": os.getppid(), "start_method": multiprocessing.get_start_method(allow_none=True)}
+
+
+def test_ranks_are_spawned_on_a_cuda_host(monkeypatch):
+    """Where CUDA is available the pytest process (and a fork server) may have touched it, and a fork of such
+    a process cannot use CUDA: ranks are then spawned, children of the caller (without CUDA they come from the
+    fork server, as in every other test here)."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # in the caller only: the rank is a new process
+    (spawned,) = run_ranks(rank_process, 1)
+    assert spawned == {"parent": os.getpid(), "start_method": "spawn"}
