@@ -75,7 +75,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "train.trainable_params": {"all", "dsa_indexer"},
         "optimizer.optimizer": {"adam", "muon"},
         "optimizer.muon_ns_dtype": {"bfloat16", "float32"},
-        "optimizer.zero2_grad_reduce": {"microbatch", "step"},
+        "optimizer.zero2_grad_reduce": {"microbatch", "step", "microbatch_scatter"},
         "optimizer.muon_router": {"adamw", "muon"},
         "optimizer.muon_indexer": {"adamw", "muon"},
         "optimizer.lr_decay_style": {"constant", "linear", "cosine"},

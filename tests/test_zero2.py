@@ -258,9 +258,11 @@ def _wrapper_grads(rank, world_size, dtype, grad_reduce_in_fp32, reduce_per):
     module = _small_module(dtype)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     # small buckets, and no bound on the reduces in flight: each bucket is launched again before
-    # anything else waits for its previous reduce
+    # anything else waits for its previous reduce (scatter buckets: windows of several parameters)
     model = Zero2DataParallel(config, module, lambda n, p: float(p.numel()), reduce_per, grad_reduce_in_fp32,
-                              bucket_elements=40, max_inflight=1000)
+                              bucket_elements=300 if reduce_per == "microbatch_scatter" else 40, max_inflight=1000)
+    if reduce_per == "microbatch_scatter":  # the layout under test: buckets shared by both ranks
+        assert sum(type(b).__name__ == "ScatterBucket" for b in model.buckets) >= 2
     model.zero_grad_buffer()
     for m in range(3):
         ctx = model.no_sync() if m == 0 else contextlib.nullcontext()
@@ -281,7 +283,7 @@ def _small_loss(model, rank, micro, dtype):
     return model(x).float().pow(2).mean()
 
 
-@pytest.mark.parametrize("reduce_per", ["microbatch", "step"])
+@pytest.mark.parametrize("reduce_per", ["microbatch", "step", "microbatch_scatter"])
 def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
     """The owner's main_grad = (1/dp) * sum over ranks and micro-batches of the float64 gradients;
     in fp32 to 1e-6, with parameters and the reduction in bf16 to bf16 accuracy."""

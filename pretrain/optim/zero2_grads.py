@@ -16,6 +16,9 @@ optimizer keeps a full-size gradient buffer on every rank. The price is one redu
 traffic, the owner still accumulates in fp32). `reduce_per="step"` (`optimizer.zero2_grad_reduce:
 step`) instead accumulates locally and reduces once per step (DDP's traffic, a full-size gradient
 buffer while the step's backward passes run, still sharded optimizer state and main weights).
+`optimizer.zero2_grad_reduce: microbatch_scatter` reduces per micro-batch as reduce-scatters of
+buckets that mix owners (`pretrain.optim.zero2_scatter`: half the time of a reduce at d = 2, the
+compute stream not waiting for it until the step's end), with ownership decided per bucket.
 
 After the optimizer step each owner broadcasts the updated parameters it owns: every parameter
 crosses the network once (the "all-gather of owned shards"), bucket by bucket, and the broadcasts
@@ -41,6 +44,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+from pretrain.optim.zero2_scatter import ScatterBucket, scatter_windows, window_owners
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # megatron-core's DDP default bucket size
 
@@ -99,6 +104,16 @@ class _Bucket:
         self.comm: Optional[torch.Tensor] = None
         self.ready: set = set()
         self.work = None
+        self.owned_params = params if self.is_owner else []
+        self.owned_numel = self.numel if self.is_owner else 0
+
+    def start_reduce(self) -> None:
+        """Reduce `comm` (set by the caller) to the owner."""
+        self.work = dist.reduce(self.comm, dst=self.owner_global, group=self.group, async_op=True)
+
+    def start_param_sync(self):
+        """Send the owner's updated parameters to its group (the work)."""
+        return dist.broadcast(self.param_data, src=self.owner_global, group=self.group, async_op=True)
 
     @property
     def in_place(self) -> bool:
@@ -120,11 +135,12 @@ class _Bucket:
             self.comm = None
 
 
-def broadcast_bucket(b: _Bucket):
-    """Start sending an owner's updated parameters to its group (the work, or None alone)."""
+def broadcast_bucket(b):
+    """Start sending the owners' updated parameters of bucket `b` to its group (a broadcast, or an
+    all-gather for a `ScatterBucket`): the work, or None alone."""
     if b.group.size() == 1:
         return None
-    return dist.broadcast(b.param_data, src=b.owner_global, group=b.group, async_op=True)
+    return b.start_param_sync()
 
 
 class Zero2DataParallel(DistributedDataParallel):
@@ -140,8 +156,11 @@ class Zero2DataParallel(DistributedDataParallel):
                  reduce_per: str = "microbatch", grad_reduce_in_fp32: bool = True,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2):
         _BaseDataParallel.__init__(self, config=config, module=module)
-        if reduce_per not in ("microbatch", "step"):
-            raise ValueError(f"reduce_per must be 'microbatch' or 'step', got {reduce_per!r}")
+        if reduce_per not in ("microbatch", "step", "microbatch_scatter"):
+            raise ValueError(f"optimizer.zero2_grad_reduce must be 'microbatch', 'step' or 'microbatch_scatter', "
+                             f"got {reduce_per!r}")
+        self.scatter = reduce_per == "microbatch_scatter"
+        reduce_per = "microbatch" if self.scatter else reduce_per
         # "step": megatron's schedules run every micro-batch but the last under no_sync(); gradients
         # then accumulate locally (full-size, transient) and are reduced once, as with DDP.
         self.reduce_per = reduce_per
@@ -151,6 +170,7 @@ class Zero2DataParallel(DistributedDataParallel):
         self.ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
                                                         use_distributed_optimizer=True)
         self.max_inflight = max_inflight
+        self._side_stream = None  # CUDA stream of the scatter buckets' accumulation
         dense_group = ps.get_data_parallel_group(with_context_parallel=True)
         expert_group = ps.get_expert_data_parallel_group()
         # Gradients are averaged over the data-parallel replicas of the model (experts too: their
@@ -165,6 +185,9 @@ class Zero2DataParallel(DistributedDataParallel):
             if not part:
                 continue
             group = expert_group if expert else dense_group
+            if self.scatter and group.size() > 1:
+                self._make_scatter_buckets(part, [cost_fn(n, p) for n, p in part], group, scale, bucket_elements)
+                continue
             owners = assign_owners([cost_fn(n, p) for n, p in part], [p.numel() for _, p in part], group.size())
             for (n, p), o in zip(part, owners):
                 # A weight shared between pipeline stages (MTP's embedding) is all-reduced between the
@@ -173,6 +196,11 @@ class Zero2DataParallel(DistributedDataParallel):
                     o = 0
                 self.param_owner[p] = (o, group)
             self._make_buckets(part, group, scale, bucket_elements)
+        # One launch order for dense and expert buckets together, by when a bucket's last gradient
+        # arrives: in dense-then-expert order the expert buckets (most of an MoE model) could only
+        # start after the dense embedding's gradient, at the very end of every backward.
+        position = {p: i for i, (_, p) in enumerate(named)}
+        self.buckets.sort(key=lambda b: max(position[p] for p in b.params))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._inflight: deque = deque()
@@ -197,6 +225,37 @@ class Zero2DataParallel(DistributedDataParallel):
             dtype = torch.float32 if self.grad_reduce_in_fp32 else members[0].dtype
             self.buckets.append(_Bucket(members, owner, group, scale, dtype))
 
+    def _make_scatter_buckets(self, part, costs, group, scale: float, bucket_elements: int) -> None:
+        """Windows of consecutive parameters, owners balanced inside each (`pretrain.optim.zero2_scatter`);
+        a parameter of half a window or more alone, reduced to the rank with the least load."""
+        world = group.size()
+        total_cost = float(sum(costs)) or 1.0
+        total_size = float(sum(p.numel() for _, p in part)) or 1.0
+        load = [0.0] * world
+        device = part[0][1].device
+        if self._side_stream is None and device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(device=device)
+        for kind, idx in scatter_windows(part, costs, bucket_elements):
+            params = [part[i][1] for i in idx]
+            dtype = torch.float32 if self.grad_reduce_in_fp32 else params[0].dtype
+            if kind == "solo":
+                p = params[0]
+                c, s = costs[idx[0]] / total_cost, p.numel() / total_size
+                o = 0 if getattr(p, "shared_embedding", False) else min(range(world), key=lambda r: (load[r] + max(c, s), r))
+                load[o] += max(c, s)
+                self.param_owner[p] = (o, group)
+                self.buckets.append(_Bucket([p], o, group, scale, dtype))
+                continue
+            for dt in sorted({p.dtype for p in params}, key=str):  # one dtype per flat bucket
+                sub = [i for i in idx if part[i][1].dtype == dt]
+                owners = window_owners([costs[i] for i in sub], [part[i][1].numel() for i in sub], world, load,
+                                       total_cost, total_size)
+                members = [part[i][1] for i in sub]
+                for p, o in zip(members, owners):
+                    self.param_owner[p] = (o, group)
+                reduce_dtype = torch.float32 if self.grad_reduce_in_fp32 else dt
+                self.buckets.append(ScatterBucket(members, owners, group, scale, reduce_dtype, self._side_stream))
+
     # ------------------------------------------------------------------ gradients
     def owns(self, param: torch.nn.Parameter) -> bool:
         owner, group = self.param_owner[param]
@@ -204,7 +263,7 @@ class Zero2DataParallel(DistributedDataParallel):
 
     def owned_grad_elements(self) -> int:
         """Elements of persistent gradient storage on this rank."""
-        return sum(b.numel for b in self.buckets if b.is_owner)
+        return sum(b.owned_numel for b in self.buckets)
 
     @torch.no_grad()
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -246,7 +305,7 @@ class Zero2DataParallel(DistributedDataParallel):
         b.local = None
         self._track_transient()
         if b.group.size() > 1:
-            b.work = dist.reduce(b.comm, dst=b.owner_global, group=b.group, async_op=True)
+            b.start_reduce()
         else:
             b.settle()
         b.ready.clear()
@@ -269,6 +328,12 @@ class Zero2DataParallel(DistributedDataParallel):
         for b in self.buckets:
             b.settle()
         self._inflight.clear()
+        self._join_side_stream()
+
+    def _join_side_stream(self) -> None:
+        """The compute stream waits for the owners' accumulation on the side stream (scatter buckets)."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
 
     def start_grad_sync(self, *unused) -> None:
         pass  # reduces start from the gradient hooks
@@ -289,6 +354,8 @@ class Zero2DataParallel(DistributedDataParallel):
     def zero_grad_buffer(self) -> None:
         for b in self.buckets:
             b.settle()
+        self._join_side_stream()  # the side stream's last adds land before the zeroing
+        for b in self.buckets:
             b.ready.clear()
             b.local = None
             if b.is_owner:

@@ -10,7 +10,8 @@ the owner of its share:
   optimizer state is sharded); bf16 training keeps fp32 main weights only for owned parameters;
 - the step goes bucket by bucket in `broadcast_order`: the owner updates a bucket, copies it into
   the bf16 model weights and starts its broadcast, then moves on to its next bucket while the
-  broadcast runs; non-owners only receive;
+  broadcast runs; non-owners only receive (a bucket of many owners, `zero2_scatter`: each
+  updates its segment, then one all-gather);
 - the gradient norm is summed over the owned gradients of all ranks (world group: every parameter
   counted once, tensor-parallel duplicates excluded as before);
 - checkpoints hold each owner's state as the main replica of that tensor, so any data-parallel size
@@ -59,10 +60,10 @@ def _owner_step(self) -> bool:
         return True
     works = []
     for bucket in self._zero_buckets:
-        if bucket.is_owner:
-            mains = [getattr(p, "main_param", p) for p in bucket.params]
+        if bucket.owned_params:  # a whole bucket, or this rank's segment of a scatter bucket
+            mains = [getattr(p, "main_param", p) for p in bucket.owned_params]
             self.optimizer.step(params=mains)
-            for p, main in zip(bucket.params, mains):
+            for p, main in zip(bucket.owned_params, mains):
                 if main is not p:
                     p.data.copy_(main.data)
         works.append(broadcast_bucket(bucket))
