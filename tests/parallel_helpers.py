@@ -38,6 +38,8 @@ LAYOUTS = {
     # megatron's MoELayer trains with TP > 1 only with sequence parallelism
     "tp2": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.expert_model_parallel_size=2"],
+    # the per-rank EP dispatch (pretrain/model/ep_dispatch.py) in the whole model
+    "ep2_dedup": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall_dedup"],
 }
 
 
