@@ -9,9 +9,11 @@ tokens is cut into 2 * cp chunks of c = S / (2 * cp) tokens, and CP rank r holds
 
 Under a causal mask the work of chunk k grows with k, so pairing chunk r with chunk 2cp - 1 - r
 gives every rank the same number of (query, key) pairs. Positions stay global: RoPE rotates token
-i by g(i) (megatron's `RotaryEmbedding` selects the same chunks when given the full length), a
-query at g(i) sees the keys at positions <= g(i) in its own document, and the labels, loss mask and
-the rows of a dense document mask are split like the tokens.
+i by g(i) (megatron's `RotaryEmbedding` selects the same chunks when given the full length; with
+`data.reset_position_ids`, by its position within its document), a query at g(i) sees the keys at
+positions <= g(i) in its own document, and the labels, loss mask and position ids are split like the
+tokens. Packed documents travel as the batch's document layout (`pretrain.model.documents`: O(S) segment
+starts and position origins over the whole sequence), which is not split: every rank keeps all S entries.
 
 Attention (MLA, DSA, GQA) all-gathers what is small per token over the CP group, never the
 queries: MLA's compressed latent and rope key (kv_lora_rank + qk_pos_emb_head_dim = 576 numbers per
@@ -20,8 +22,9 @@ K/V heads. `gather_sequence` returns them in global order (rank j's block holds 
 2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys in
 global positions: dense attention without documents as one causal call per query chunk (chunk k
 sees keys [0, (k + 1) c), diagonal aligned to the last key; no mask tensor:
-`SDPACoreAttention.attend_cp_causal`), with documents through the global causal / document mask,
-sparse DSA through its selected key positions. The gather's backward sums the gathered tensor's
+`SDPACoreAttention.attend_cp_causal`), with documents as causal pieces per (query chunk, document)
+(`pretrain.model.document_attention`: no mask tensor), sparse DSA through its selected key positions
+(top-k only within each query's document). The gather's backward sums the gathered tensor's
 gradient over the CP group and hands each rank the rows of its own tokens (a reduce-scatter):
 
     d L / d x_j = sum_r  d L_r / d gather(x)[rows of rank j]
