@@ -10,8 +10,9 @@ batch), the per-layer indexer losses, and every parameter's gradient.
 
 Cases: dense MLA (no DSA: megatron's MLA at CP = 1, the latent layer at CP > 1), DSA sparse attention
 with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attention (4 heads, 2 groups),
-packed documents (a block-diagonal document mask and a loss mask with holes, so the CP ranks hold
-different numbers of loss tokens), and the MTP layer (2 depths, rolled labels crossing chunk
+packed documents as the data pipeline gives them (cu_seqlens and restarting position ids, which the training
+step turns into the O(S) document layout; a loss mask with holes, so the CP ranks hold different numbers of loss
+tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, window positions), and the MTP layer (2 depths, rolled labels crossing chunk
 boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
 batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
@@ -48,7 +49,10 @@ CASES = {
     "dsa_warmup": WARMUP,
     "gqa": ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
             "model.num_query_groups=2", "model.kv_channels=16"],
-    "packed": SPARSE,
+    "packed": SPARSE,  # packed documents, positions restarting per document: DSA sparse
+    "packed_warmup": WARMUP,  # the same documents through dense attention and the dense KL
+    "packed_gqa": ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
+                   "model.num_query_groups=2", "model.kv_channels=16"],  # documents isolated, window positions
     "mtp": WARMUP + ["model.mtp_num_layers=2"],
     # the long-context memory features under CP: full recompute, activation offload, chunked output loss
     "memory": SPARSE + ["model.mtp_num_layers=2", "model.recompute_granularity=full", "model.recompute_method=uniform",
@@ -77,16 +81,18 @@ def make_batch(case: str) -> Dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(BATCH, SEQ),
              "position_ids": torch.arange(SEQ).expand(BATCH, -1)}
-    if case in ("packed", "mtp", "memory"):  # holes in the loss mask, unevenly over the chunks
+    if case in ("mtp", "memory"):  # holes in the loss mask, unevenly over the chunks
         batch["loss_mask"] = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()
-    if case == "packed":  # documents crossing chunk boundaries (chunks of 16, 8 and 4 tokens)
+    if case.startswith("packed"):  # documents crossing chunk boundaries (chunks of 16, 8 and 4 tokens)
+        batch["loss_mask"] = (torch.rand(BATCH, SEQ, generator=gen) > 0.3).float()
+        # as the data pipeline gives them (`packing.collate_batch`): offsets into the [BATCH * SEQ] stream
         starts = [[0, 5, 19, 20], [0, 11, 30]]
-        doc = torch.zeros(BATCH, SEQ, dtype=torch.long)
-        for row, row_starts in enumerate(starts):
-            for s in row_starts[1:]:
-                doc[row, s:] += 1
-        causal = torch.ones(SEQ, SEQ).tril().bool()
-        batch["attention_mask"] = ~(causal & (doc[:, :, None] == doc[:, None, :])).unsqueeze(1)
+        batch["cu_seqlens"] = torch.tensor([row * SEQ + s for row, row_starts in enumerate(starts)
+                                            for s in row_starts] + [BATCH * SEQ], dtype=torch.int32)
+        if case != "packed_gqa":  # positions restart per document (GQA takes window positions only)
+            bounds = [row_starts + [SEQ] for row_starts in starts]
+            batch["position_ids"] = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])])
+                                                 for b in bounds])
     return batch
 
 
@@ -277,7 +283,7 @@ def test_reference_is_meaningful(reference):
     """The cases can fail: finite losses near log(vocab), trained indexers, unequal loss masks."""
     for case, ref in reference.items():
         assert math.isclose(ref["loss"], math.log(VOCAB), rel_tol=0.15), case
-        trains_indexer = case not in ("mla", "gqa")
+        trains_indexer = case not in ("mla", "gqa", "packed_gqa")
         assert bool(ref["indexer"]) == trains_indexer, case
         indexer_grads = [g for n, g in ref["grads"].items() if ".indexer." in n]
         if trains_indexer:
@@ -287,6 +293,14 @@ def test_reference_is_meaningful(reference):
     assert "indexer_loss/mtp" in reference["mtp"]["indexer"]
     mask = make_batch("packed")["loss_mask"]
     assert mask[:, :8].sum() != mask[:, 8:16].sum()  # CP=2 ranks hold different numbers of loss tokens
+    # the training step hands the packed cases' documents to attention (isolated; positions restart but GQA's)
+    from pretrain.model.documents import attention_plan, query_blocks
+    from pretrain.training.step import with_documents
+
+    for case in ("packed", "packed_warmup", "packed_gqa"):
+        plan = attention_plan(with_documents(make_batch(case))["document_layout"], query_blocks(SEQ))
+        assert plan.isolated and plan.positions_reset == (case != "packed_gqa"), case
+    assert reference["packed"]["loss"] != reference["dsa_sparse"]["loss"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -16,6 +16,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from parallel.context_parallel import cp_size_and_rank, global_token_count, split_batch
+from pretrain.model.documents import document_layout
 from pretrain.training.profile_scopes import scope
 
 
@@ -48,19 +49,33 @@ def _masked_sum(loss_mask, output, cp_group):
     return total, count.to(torch.int), log
 
 
+def with_documents(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The batch with its document layout (`pretrain.model.documents`: O(S) per sequence, built on the host from
+    `cu_seqlens` and `position_ids`) as `document_layout` when its documents are isolated or its positions
+    restart; the model takes it as its `attention_mask`. It covers the whole sequence: context parallelism splits
+    the batch's other entries (`split_batch`), not this one."""
+    if batch.get("attention_mask") is not None or "tokens" not in batch:
+        return batch  # a caller's own megatron mask
+    b, s = batch["tokens"].shape
+    layout = document_layout(batch.get("cu_seqlens"), batch.get("position_ids"), b, s)
+    return batch if layout is None else dict(batch, document_layout=layout)
+
+
 def forward_step(data_iterator, model, *, cp_group):
     """Stages that need data (first: tokens; last: labels and MTP's tokens) read a batch; under
     context parallelism each rank keeps its two chunks of the sequence (`parallel.context_parallel`).
+    Every stage's attention needs the documents of packed sequences: stages between the first and the last
+    read the batch too (for its document layout) when they are given a data iterator.
     `cp_group`: the context-parallel group (None without CP), bound by the caller
     (`partial(forward_step, cp_group=...)`); megatron's schedules pass the iterator and the model."""
     unwrapped = unwrap_model(model)
-    needs_data = unwrapped.pre_process or unwrapped.post_process
-    batch = _to_device(next(data_iterator)) if needs_data else {}
+    needs_data = unwrapped.pre_process or unwrapped.post_process or data_iterator is not None
+    batch = _to_device(with_documents(next(data_iterator))) if needs_data else {}
     batch = split_batch(batch, *cp_size_and_rank(cp_group))
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),
-        batch.get("attention_mask"),
+        batch.get("document_layout", batch.get("attention_mask")),
         labels=batch.get("labels"),
         loss_mask=batch.get("loss_mask"),
     )
