@@ -12,8 +12,8 @@ Cases: dense MLA (no DSA: megatron's MLA at CP = 1, the latent layer at CP > 1),
 with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attention (4 heads, 2 groups),
 packed documents as the data pipeline gives them (cu_seqlens and restarting position ids, which the training
 step turns into the O(S) document layout; a loss mask with holes, so the CP ranks hold different numbers of loss
-tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, window positions), and the MTP layer (2 depths, rolled labels crossing chunk
-boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
+tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, window positions), and the MTP
+layer (2 depths, rolled labels crossing chunk boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
 batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
