@@ -24,6 +24,7 @@ import logging
 import torch
 
 from parallel.recompute_units import route_recompute_units
+from pretrain.notices import say_once
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def enable_deepspeed_offload(model: torch.nn.Module) -> None:
         return offloaded
 
     route_recompute_units(wrap)
-    log.info("activation offload: DeepSpeed %s checkpoint_in_cpu for every recompute unit", deepspeed.__version__)
+    say_once(log, "activation offload: DeepSpeed %s checkpoint_in_cpu for every recompute unit", deepspeed.__version__)
 
 
 def reset_deepspeed_offload() -> None:

@@ -33,6 +33,11 @@ def first_time(key: Hashable) -> bool:
     return True
 
 
+def forget_said() -> None:
+    """Forget every notice said so far, so each is said again (tests that check a notice)."""
+    _SAID.clear()
+
+
 def say_once(logger: logging.Logger, message: str, *args, level: int = logging.INFO) -> bool:
     """`logger.log(level, message, *args)` the first time this logger is given this (formatted) message in this
     process; returns whether it was said."""
@@ -74,4 +79,4 @@ def configure_logging(rank: Optional[int] = None, level: int = logging.INFO) -> 
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-__all__ = ["FRAMEWORK_LOGGERS", "configure_logging", "first_time", "say_once", "warn_once"]
+__all__ = ["FRAMEWORK_LOGGERS", "configure_logging", "first_time", "forget_said", "say_once", "warn_once"]

@@ -168,6 +168,7 @@ def test_path_choice_and_the_unfused_warning(monkeypatch, caplog):
     kernels (here: no triton) takes the torch ops with one warning per reason, or fails when asked for."""
     from types import SimpleNamespace
 
+    from pretrain.notices import forget_said
     from pretrain.optim import muon_staging
 
     cpu = torch.zeros(2, 3)
@@ -176,7 +177,7 @@ def test_path_choice_and_the_unfused_warning(monkeypatch, caplog):
     assert muon_staging.use_fused(cpu, torch.bfloat16, True)  # through the interpreter (conftest sets it)
     assert not muon_staging.use_fused(cpu, torch.bfloat16, False)
     monkeypatch.setattr(muon_staging, "triton_available", lambda: False)
-    monkeypatch.setattr(muon_staging, "_logged_unfused", set())
+    forget_said()  # the notice may have been said earlier in this process
     cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32, grad=SimpleNamespace(dtype=torch.float32))
     with caplog.at_level("WARNING", logger="pretrain.optim.muon_staging"):
         assert not muon_staging.use_fused(cuda, torch.bfloat16, None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_layer import (
 from pretrain.compat import SequenceParallelTorchNorm, te_available
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa import DSACoreAttention, DSAMLASelfAttention
+from pretrain.model.latent_attention import LatentCoreAttention, LatentMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
 from pretrain.model.moe_dispatch import GLM5MoELayer
 
@@ -110,14 +111,23 @@ def latent_norm(norm_cls: type) -> type:
     return LatentNorm
 
 
+def mla_classes(config) -> Tuple[type, type]:
+    """(self-attention, core attention) of an MLA layer: DSA's (the latent layer plus the lightning indexer);
+    under context parallelism the latent layer (`pretrain.model.latent_attention`: the layer all-gathers the
+    latent over CP, not the up-projected K/V); else megatron's MLA with SDPA."""
+    if getattr(config, "experimental_attention_variant", None) == "dsa":
+        return DSAMLASelfAttention, DSACoreAttention
+    if config.context_parallel_size > 1:
+        return LatentMLASelfAttention, LatentCoreAttention
+    return MLASelfAttention, SDPACoreAttention
+
+
 def _attention_spec(config, backend) -> ModuleSpec:
     if config.multi_latent_attention:
         norm = latent_norm(backend.layer_norm(rms_norm=True))
-        # DSA, and MLA under context parallelism, keep the keys as the latent (the layer all-gathers
-        # it over CP, not the up-projected K/V): `pretrain.model.dsa.layer`.
-        latent = getattr(config, "experimental_attention_variant", None) == "dsa" or config.context_parallel_size > 1
+        attention, core = mla_classes(config)
         return ModuleSpec(
-            module=DSAMLASelfAttention if latent else MLASelfAttention,
+            module=attention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=backend.column_parallel_linear(),
@@ -125,7 +135,7 @@ def _attention_spec(config, backend) -> ModuleSpec:
                 linear_q_up_proj=backend.column_parallel_linear(),
                 linear_kv_down_proj=backend.linear(),
                 linear_kv_up_proj=backend.column_parallel_linear(),
-                core_attention=DSACoreAttention if latent else SDPACoreAttention,
+                core_attention=core,
                 linear_proj=backend.row_parallel_linear(),
                 q_layernorm=norm if config.q_lora_rank is not None else IdentityOp,
                 kv_layernorm=norm,

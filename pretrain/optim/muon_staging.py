@@ -17,9 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from pretrain.model.dsa.kernels import interpreting, triton_available
+from pretrain.notices import say_once
 
 log = logging.getLogger(__name__)
-_logged_unfused: set = set()  # reasons the torch path was taken on CUDA, each logged once per process
 
 
 @dataclass
@@ -89,7 +89,6 @@ def use_fused(p: torch.Tensor, stage_dtype: torch.dtype, requested: Optional[boo
         return bool(requested) or p.is_cuda
     if requested:
         raise ValueError(f"Muon's fused elementwise kernels cannot run: {why}")
-    if p.is_cuda and why not in _logged_unfused:
-        _logged_unfused.add(why)
-        log.warning("Muon takes the unfused torch elementwise path: %s", why)
+    if p.is_cuda:  # each reason said once per process
+        say_once(log, "Muon takes the unfused torch elementwise path: %s", why, level=logging.WARNING)
     return False

@@ -1,9 +1,9 @@
 """GLM-5's DSA layer: MLA whose attention is restricted to the lightning indexer's top-k keys.
 
-GLM-5 report, DSA section; DeepSeek-V3.2 section 2. `DSAMLASelfAttention` computes MLA's
-projections as megatron-core's `MLASelfAttention` does (same parameters, same TP / SP layout) but
-keeps keys and values as the shared 512-dim latent plus the 64-dim rope key, and hands them with
-the key/value up-projection to `DSACoreAttention`, the attention spec's core-attention slot, which
+GLM-5 report, DSA section; DeepSeek-V3.2 section 2. `DSAMLASelfAttention` is MLA with latent keys
+(`pretrain.model.latent_attention.LatentMLASelfAttention`: megatron's MLA projections and parameters, keys and
+values kept as the shared 512-dim latent plus the 64-dim rope key), whose core-attention slot is
+`DSACoreAttention`, the latent core (`LatentCoreAttention`: up-projection and dense SDPA) plus the indexer. It
 
 - owns the layer's `LightningIndexer` ("full" layers) or reuses the top-k of the previous full layer
   (`dsa_indexer_types` "shared", HF's `indexer_types`),
@@ -33,8 +33,8 @@ Context parallelism (`parallel.context_parallel`): each CP rank holds 2 chunks o
 layer all-gathers the normalized latent and the roped rope key (576 numbers per token at GLM-5's
 shapes) and the core attention the indexer keys (128), in global order, and the rank's queries
 attend to all keys under the causal mask of their global positions: dense, or top-k over the global
-key range. The gathers' backward reduce-scatters the gradients. The same classes carry plain MLA
-(no `dsa` variant: no indexer) under CP, where megatron's MLA would gather nothing.
+key range. The gathers' backward reduce-scatters the gradients. Plain MLA under CP is the latent layer alone
+(`pretrain.model.specs`), with no indexer.
 """
 
 from __future__ import annotations
@@ -42,182 +42,34 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from parallel.context_parallel import cp_size_and_rank, gather_sequence, local_positions
+from parallel.context_parallel import gather_sequence
 from pretrain.compat.dsa import IndexerLossAutoScaler
-from pretrain.model.core_attention import SDPACoreAttention
-from pretrain.model.documents import (
-    AttentionPlan, attention_plan, is_document_layout, query_blocks, rope_positions, segment_starts,
-)
+from pretrain.model.documents import AttentionPlan, segment_starts
 from pretrain.model.dsa.backend import select_backend
-from pretrain.model.dsa.kernels import triton_available
-from pretrain.model.dsa.indexer import (
-    LightningIndexer, VisibleKeys, default_chunk, pack_indices, segment_ids_from_cu_seqlens,
-)
+from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, pack_indices
 from pretrain.model.dsa.indexer_loss import (
     DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
 )
 from pretrain.model.dsa.sparse_core import sparse_mla_core
-from pretrain.model.notices import warn_once
+from pretrain.model.latent_attention import LatentCoreAttention, LatentMLASelfAttention, bool_mask, group_size
 
 
-def _tp_size(group) -> int:
-    return group.size() if group is not None else 1
+class DSAMLASelfAttention(LatentMLASelfAttention):
+    """The DSA layer: MLA with latent keys (`pretrain.model.latent_attention`) whose core attention is
+    `DSACoreAttention` (the spec fills the slot); the projections, RoPE and CP gathers are the latent layer's."""
 
 
-class DSAMLASelfAttention(MLASelfAttention):
-    """MLA self-attention whose core attention sees the latent keys (training and evaluation)."""
-
-    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None,
-                *, inference_params=None):
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("DSA attention has no KV-cache inference path; run full sequences")
-        cfg, tp = self.config, self.pg_collection.tp
-        tp_size = _tp_size(tp)
-        sp = cfg.sequence_parallel and tp_size > 1
-
-        # Down projections and latent norms, laid out as megatron's MLA lays them out.
-        q_c, _ = self.linear_q_down_proj(hidden_states)
-        if q_c.size(-1) != cfg.q_lora_rank:
-            q_c = gather_from_tensor_model_parallel_region(q_c, group=tp)
-            if cfg.sequence_parallel:
-                q_c = scatter_to_sequence_parallel_region(q_c, group=tp)
-        q_c = self.q_layernorm(q_c)
-        kv, _ = self.linear_kv_down_proj(hidden_states)
-        full_seq = not sp
-        if kv.size(-1) != cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim:  # column-parallel: [s, b, width / TP]
-            kv = gather_from_tensor_model_parallel_region(kv, group=tp)
-            full_seq = True
-        latent, k_pe = torch.split(kv, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
-        if full_seq and sp:  # the latent norm runs sequence-sharded (its weight is SP-marked)
-            latent = scatter_to_sequence_parallel_region(latent, group=tp)
-        latent = self.kv_layernorm(latent)
-        # The latent and the rope key are shared by this rank's heads: every TP rank's heads add to
-        # their gradient (megatron's MLA loses the rope key's share, Megatron-LM #1699).
-        if sp:
-            latent = gather_from_sequence_parallel_region(latent, group=tp)
-        elif tp_size > 1:
-            latent = copy_to_tensor_model_parallel_region(latent, group=tp)
-        if not full_seq:
-            k_pe = gather_from_sequence_parallel_region(k_pe, group=tp)
-        elif tp_size > 1:
-            k_pe = copy_to_tensor_model_parallel_region(k_pe, group=tp)
-
-        q, _ = self.linear_q_up_proj(q_c)
-        s, b = q.shape[0], q.shape[1]
-        q = q.view(s, b, self.num_attention_heads_per_partition, self.q_head_dim)
-        q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-
-        layout = attention_mask if is_document_layout(attention_mask) else None
-        if layout is not None:
-            attention_mask = None
-        rope, layout = self._rope(s, packed_seq_params, q.device, layout)
-        q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
-        positions = None
-        cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
-        if cp_size > 1:  # every rank's latent keys, in global order: one all-gather of c + d_rope per token
-            keys = gather_sequence(torch.cat([latent, k_pe[:, :, 0]], dim=-1), 0, self.pg_collection.cp)
-            latent, k_pe = keys[..., :cfg.kv_lora_rank], keys[..., cfg.kv_lora_rank:].unsqueeze(2)
-            positions = local_positions(s, cp_size, cp_rank, q.device)
-        documents = None  # the plan of isolated documents (None: causal over the whole window)
-        if layout is not None:
-            plan = attention_plan(layout, query_blocks(s, cp_size, cp_rank))
-            documents = plan if plan.isolated else None
-
-        recompute = self.checkpoint_core_attention and self.training  # recompute_modules: core_attn
-        # Sparse layers recompute only the attention, inside their core (`sparse_core`): a checkpoint of
-        # the whole core would repeat the indexer's top-k and keep its inputs besides.
-        sparse = getattr(cfg, "experimental_attention_variant", None) == "dsa" and cfg.dsa_sparse_attention
-
-        def core(q_nope, q_pe, latent, k_pe, weight, x, qr):
-            return self.core_attention(q_nope, q_pe, latent, k_pe, weight, x=x, qr=qr, attention_mask=attention_mask,
-                                       documents=documents, layout=layout, rope=rope, query_positions=positions,
-                                       recompute_attention=sparse and (recompute or cfg.dsa_sparse_recompute_attention))
-
-        inputs = (q_nope, q_pe, latent, k_pe, self.linear_kv_up_proj.weight, hidden_states, q_c)
-        if recompute and not sparse:
-            out = tensor_parallel.checkpoint(core, False, *inputs)
-        else:
-            out = core(*inputs)
-        output, bias = self.linear_proj(out)
-        return output, bias
-
-    def _rope(self, s: int, packed_seq_params, device, layout):
-        """(rope(t), layout): RoPE over this rank's tokens, by their position within their document where positions
-        restart (a document layout's origins; THD packing, whose sequences become the layout)."""
-        cfg = self.config
-        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd"
-        cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
-        if thd and cp_size > 1:
-            raise NotImplementedError("context parallelism takes packed documents as the batch's document layout "
-                                      "(pretrain.model.documents), not as THD cu_seqlens")
-        if thd:
-            cu = packed_seq_params.cu_seqlens_q.to(device)
-            starts = cu.long()[segment_ids_from_cu_seqlens(cu, s)].to(torch.int32)  # [1, s]
-            layout = torch.stack([starts, starts], dim=1)
-        positions = None
-        if layout is not None and attention_plan(layout, query_blocks(s, cp_size, cp_rank)).positions_reset:
-            query_positions = local_positions(s, cp_size, cp_rank, device)
-            positions = rope_positions(layout, query_positions)  # [b, s], each < the global length
-        # megatron's rotary modules return this CP rank's positions unless asked for the whole table (packed_seq)
-        length = s * cp_size
-        if cfg.rope_type == "rope":
-            freqs, mscale = self.rotary_pos_emb(length, packed_seq=positions is not None), 1.0
-        else:
-            freqs, mscale = self.rotary_pos_emb(length, packed_seq=positions is not None)
-        if positions is None:
-            freqs = freqs[:s]
-        elif positions.shape[0] == 1:
-            freqs = freqs[positions[0]]
-        else:  # per-sample positions: [s, b, 1, r], which megatron's formula broadcasts (the fused kernel does not)
-            freqs = freqs[positions.t()].view(s, positions.shape[0], 1, freqs.shape[-1])
-        cp = self.pg_collection.cp
-        # On CUDA one Triton kernel per direction (`pretrain.model.rope`), bitwise megatron's unfused formula,
-        # which takes seven passes and recomputes its cos / sin on every call; megatron's own on CPU.
-        fused = None
-        if freqs.is_cuda and triton_available():
-            if cfg.rotary_interleaved:
-                warn_once("model.rotary_interleaved=true: MLA's RoPE runs megatron-core's unfused formula (the "
-                          "fused kernel takes the non-interleaved rotation GLM-5 uses)", stacklevel=2)
-            elif freqs.shape[1] != 1:
-                warn_once("documents with per-sample RoPE positions (micro-batch > 1): MLA's RoPE runs megatron-core's "
-                          "unfused formula (the fused kernel takes one position per token row)", stacklevel=2)
-            else:
-                from pretrain.model.rope import mla_rope
-
-                fused = mla_rope(freqs, mscale)
-
-        def rope(t: torch.Tensor) -> torch.Tensor:
-            if fused is not None:
-                return fused(t)
-            return apply_rotary_pos_emb(t, freqs, config=cfg, mscale=mscale, cp_group=cp)
-
-        return rope, layout
-
-
-class DSACoreAttention(SDPACoreAttention):
-    """The core-attention slot of a DSA layer (see the module docstring)."""
+class DSACoreAttention(LatentCoreAttention):
+    """The core-attention slot of a DSA layer (see the module docstring): the latent core plus the indexer."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         types = getattr(config, "dsa_indexer_types", None)
         # Decoder layers 1..num_layers follow dsa_indexer_types; the MTP layer always has its own.
         self.index_type = types[layer_number - 1] if types and layer_number <= config.num_layers else "full"
-        # Plain MLA under context parallelism uses this slot too (latent keys), without an indexer.
-        dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
-        self.indexer = LightningIndexer(config) if self.index_type == "full" and dsa else None
+        self.indexer = LightningIndexer(config) if self.index_type == "full" else None
         self.__dict__["index_source"] = None  # the full layer a shared layer reads (not a submodule)
         self.last_indices: Optional[torch.Tensor] = None
         self.shared_by_others = False  # set by link_shared_indexers
@@ -239,9 +91,7 @@ class DSACoreAttention(SDPACoreAttention):
         s, b, h, dn = q_nope.shape
         t = latent.shape[0]
         c, dv = latent.shape[-1], cfg.v_head_dim
-        w = kv_up_weight.view(h, dn + dv, c)
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask < 0
+        attention_mask = bool_mask(attention_mask)
         segment_ids = segment_starts(layout) if documents is not None else None  # equal within a document
         keys = VisibleKeys(s, t, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids,
                            query_positions=query_positions)
@@ -280,19 +130,8 @@ class DSACoreAttention(SDPACoreAttention):
             return out
 
         indexed = self._index_inputs(x, qr, rope) if train_indexer else None
-        k_nope, value = F.linear(latent, w.view(h * (dn + dv), c)).view(t, b, h, dn + dv).split([dn, dv], dim=-1)
-        query = torch.cat([q_nope, q_pe], dim=-1)
-        key = torch.cat([k_nope, k_pe.expand(-1, -1, h, -1)], dim=-1)
-        mask = attention_mask
-        cp_size, cp_rank = cp_size_and_rank(self.cp_group)
-        if documents is not None:  # within each query's document, no mask tensor
-            out = self.attend_documents(query, key, value, documents)
-        elif mask is None and cp_size > 1:  # causal in global positions, no mask tensor
-            out = self.attend_cp_causal(query, key, value, cp_size, cp_rank)
-        else:
-            if query_positions is not None:
-                mask = ~keys.rows(0, s).unsqueeze(1)  # a caller's dense mask under CP: its rows AND global causal
-            out = self.attend(query, key, value, mask, self.attn_mask_type)
+        out, query, key = self.attend_latent(q_nope, q_pe, latent, k_pe, kv_up_weight, attention_mask, documents,
+                                             query_positions)
         if train_indexer:
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
@@ -310,6 +149,13 @@ class DSACoreAttention(SDPACoreAttention):
             out = self._attach(out, loss, coeff)
         return out
 
+    def own_recompute(self, layer_recompute: bool) -> Optional[bool]:
+        """Sparse attention recomputes inside its core (`sparse_core`, keeping the top-k) under the layer's
+        `core_attn` recompute or `dsa_sparse_recompute_attention`; dense DSA layers are checkpointed whole."""
+        if not self.config.dsa_sparse_attention:
+            return None
+        return layer_recompute or bool(self.config.dsa_sparse_recompute_attention)
+
     def _backend(self, device: torch.device):
         """This layer's sparse-operation backend, chosen on first use (when the device is known)."""
         if self.backend is None:
@@ -324,7 +170,7 @@ class DSACoreAttention(SDPACoreAttention):
     def _index_inputs(self, x, qr, rope):
         """The indexer's q_I, k_I, w from detached inputs over the full sequence."""
         x, qr = x.detach(), qr.detach()
-        if self.config.sequence_parallel and _tp_size(self.tp_group) > 1:
+        if self.config.sequence_parallel and group_size(self.tp_group) > 1:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False, group=self.tp_group)
         q, k, w = self.indexer.project(x, qr, rope)
