@@ -90,3 +90,29 @@ def test_async_worker_applies_the_writer_patch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_async_save_on_gpu_resumes_like_a_synchronous_run(tmp_path):
+    """megatron's persistent worker process (spawned, CUDA tensors staged through it): a run resumed from an
+    asynchronous checkpoint continues the synchronous run's losses."""
+    train = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml",
+             "train.eval_interval=null", "optimizer.lr_warmup_iters=1", "checkpoint.save_interval=2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(run_dir, ckpt, iters, *extra):
+        proc = subprocess.run(train + [f"train.train_iters={iters}", f"logging.run_dir={run_dir}",
+                                       f"checkpoint.save={ckpt}", *extra], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    run(tmp_path / "sync", tmp_path / "ckpt_sync", ITERS)
+    run(tmp_path / "async", tmp_path / "ckpt_async", 4, "checkpoint.async_save=true", "optimizer.lr_decay_iters=6")
+    assert (tmp_path / "ckpt_async" / "latest").read_text().count('"iteration": 4') == 1
+    out = run(tmp_path / "async", tmp_path / "ckpt_async", ITERS, "checkpoint.async_save=true",
+              "optimizer.lr_decay_iters=6")
+    assert "at iteration 4" in out
+    a = [r["loss"] for r in read_metrics(tmp_path / "sync")]
+    b = [r["loss"] for r in read_metrics(tmp_path / "async")]
+    assert len(a) == len(b) == ITERS and b == pytest.approx(a, rel=1e-5)
