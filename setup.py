@@ -23,7 +23,7 @@ setup(
         "hf": ["transformers==5.23.0"],  # GlmMoeDsaForCausalLM, the reference model
         "wandb": ["wandb"],
         "parquet": ["pyarrow"],
-        "plot": ["matplotlib"],
+        "plot": ["matplotlib"],  # the loss-curve PNGs (pretrain.ablate, pretrain.tools.plot); tables need nothing
         "tensorboard": ["tensorboard"],
         "te": ["transformer-engine[pytorch]"],  # optional backend, used when it imports
         # the DSA kernels; CUDA builds of torch ship it, the CPU tests run it in its interpreter
