@@ -2,14 +2,15 @@
 # The launch scripts against a real Slurm: a one-node cluster on this machine (slurm-wlm 22.05 on
 # Debian 12: munged, slurmctld, slurmd; installed with apt-get when missing, which needs root).
 #
-#   bash tests/slurm/run.sh          # CI runs it after tests/run.sh (.ci/run); about 5 minutes on 2 cores
+#   bash tests/slurm/run.sh          # CI runs it after tests/run.sh (.ci/run); about 8 minutes on 2 cores
 #
 # 1. launch/slurm.sbatch trains the tiny model; the job is cancelled with scancel after its first
 #    checkpoint and submitted again: the second job resumes from the newest checkpoint (its first
 #    step is that checkpoint's step + 1) and finishes; metrics.jsonl then holds every step once.
 # 2. Preemption: `scancel --signal=USR1` (what --signal=USR1@N sends before the time limit) makes the
 #    ranks save at their next step boundary and exit with 75; launch/slurm.sbatch requeues the job,
-#    which resumes at the next step and finishes: every step once, no step lost or repeated.
+#    which resumes at the next step and finishes: every step once, no step lost or repeated. (Slurm
+#    holds a requeued job about 2 minutes before it is eligible again: most of this case's time.)
 # 3. launch/curriculum.sh --slurm runs configs/curriculum/tiny.yaml as one job; every stage finishes.
 # The daemons are stopped at the end, pass or fail. Work files: $SLURM_TEST_DIR (default: a temp dir).
 set -euo pipefail
