@@ -67,7 +67,7 @@ def add(total: Dict[str, float], part: Dict[str, float]) -> Dict[str, float]:
 
 
 def indexer_inputs(q, k, w, topk, keys, indices):
-    """What `agreement` needs of a recorded top-k call (`dsa_selection_overlap.TopkRecorder`)."""
+    """What `agreement` needs of a recorded top-k call (`dsa_topk_recording.TopkRecorder`)."""
     return q.detach(), k.detach(), w.detach(), keys, topk
 
 
@@ -105,7 +105,7 @@ def lm_loss(model, seqs, fp8: bool, sparse: bool = True) -> float:
 
 
 def from_model(args, ap) -> Dict[str, Dict[str, float]]:
-    from benchmarks.dsa_selection_overlap import TopkRecorder, dsa_model, recorded_forwards, sequences
+    from benchmarks.dsa_topk_recording import TopkRecorder, dsa_model, recorded_forwards, sequences
 
     try:
         cfg, model = dsa_model(args.checkpoint, args.config, ["model.dsa_sparse_attention=true", *args.overrides])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import math
 import os
 import statistics
@@ -36,13 +37,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pretrain.model.dsa.backend import TritonBackend  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
-from pretrain.model.dsa.kernels import atomics, indexer_kl  # noqa: E402
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING  # noqa: E402
 
 H, C, R, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 D = C + R
 SCALE = 256**-0.5  # MLA: (qk_head_dim 192 + rope 64)^-1/2
-BACKEND = TritonBackend()
-KL_CONFIGS: list = []  # --kl-configs
+BACKEND = TritonBackend()  # the kernels' defaults
 
 
 def timed(fn, reps: int, warmup: int = 2):
@@ -91,53 +91,51 @@ def inputs(s: int, gen: torch.Generator):
     return q, kv, qi, ki, w
 
 
-def sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse=None):
+def sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse=None, backend=BACKEND):
     """The sparse indexer loss as the DSA layer runs it in backward (`indexer_loss.kl_from_attention_backward`):
     target = the attention backward's head sums, renormalized by the kernel; the KL over the selected keys with its
     gradients into (q_I, k_I, w), given the top-k's log sum exp of the selection (`sel_lse`; None: the kernel forms
     it). -> (loss, grads)."""
-    plan = BACKEND.sparse_kl_plan(idx, lambda r0, r1, _i: head_sums[:, r0:r1], 0, lse=sel_lse, normalize=True)
+    plan = backend.sparse_kl_plan(idx, lambda r0, r1, _i: head_sums[:, r0:r1], 0, lse=sel_lse, normalize=True)
     loss, grads, _ = plan(qi, ki, w)
     return loss, grads
 
 
-def ours(s, q, kv, qi, ki, w, reps):
+def ours(s, q, kv, qi, ki, w, reps, backend=BACKEND, kl_configs=()):
     """The DSA layer's kernels in the layer's order: top-k (with its selection's log sum exp, for the KL); sparse
     attention forward; its backward, which also sums P over heads (the KL's target); the indexer KL and its
-    gradient from those sums."""
+    gradient from those sums. `backend`: a TritonBackend (its options and tuning); `kl_configs`: the KL kernel's
+    (BN, warps, stages, slots as M) also timed on the same inputs."""
     keys = VisibleKeys(s, s, "cuda")
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    idx, sel_lse = BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
-    res = {"topk_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True), reps),
-           "topk_no_lse_ms": timed(lambda: BACKEND.topk(qi, ki, w, TOPK, keys, 0), reps)}
-    res["attn_fwd_ms"] = timed(lambda: BACKEND.attention_forward(q, kv, idx, SCALE, C, 0), reps)
-    out, lse = BACKEND.attention_forward(q, kv, idx, SCALE, C, 0)
+    idx, sel_lse = backend.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
+    res = {"topk_ms": timed(lambda: backend.topk(qi, ki, w, TOPK, keys, 0, with_lse=True), reps),
+           "topk_no_lse_ms": timed(lambda: backend.topk(qi, ki, w, TOPK, keys, 0), reps)}
+    res["attn_fwd_ms"] = timed(lambda: backend.attention_forward(q, kv, idx, SCALE, C, 0), reps)
+    out, lse = backend.attention_forward(q, kv, idx, SCALE, C, 0)
 
     def attn_bwd(head_sums=None):
-        return BACKEND.attention_backward(q, kv, idx, lse, g, out, SCALE, C, 0, head_sums=head_sums)
+        return backend.attention_backward(q, kv, idx, lse, g, out, SCALE, C, 0, head_sums=head_sums)
 
     res["attn_bwd_ms"] = timed(lambda: attn_bwd(torch.zeros(idx.shape, dtype=torch.float32, device="cuda")), reps)
     res["attn_bwd_no_target_ms"] = timed(attn_bwd, reps)
     head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
     attn_bwd(head_sums)
-    res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse), reps)
-    res["kl_own_lse_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums), reps)
-    default = indexer_kl.CONFIG
-    try:  # --kl-configs: the KL kernel's (BN, warps, stages, slots as M) swept on the same inputs
-        for config in KL_CONFIGS:
-            indexer_kl.CONFIG = config
-            res.setdefault("kl_ms_by_config", {})["x".join(map(str, config))] = timed(
-                lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse), reps)
-    finally:
-        indexer_kl.CONFIG = default
+    res["kl_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse, backend), reps)
+    res["kl_own_lse_ms"] = timed(lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, None, backend), reps)
+    for config in kl_configs:  # --kl-configs: the KL kernel's (BN, warps, stages, slots as M) on the same inputs
+        other = TritonBackend(backend.deterministic, backend.key_partition_bytes, backend.indexer_fp8,
+                              replace(backend.tuning, kl_tiles=tuple(config)))
+        res.setdefault("kl_ms_by_config", {})["x".join(map(str, config))] = timed(
+            lambda: sparse_kl_triton(qi, ki, w, idx, head_sums, sel_lse, other), reps)
 
     def whole(backward: bool):
-        ix, sl = BACKEND.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
-        o, ls = BACKEND.attention_forward(q, kv, ix, SCALE, C, 0)
+        ix, sl = backend.topk(qi, ki, w, TOPK, keys, 0, with_lse=True)
+        o, ls = backend.attention_forward(q, kv, ix, SCALE, C, 0)
         if backward:
             hs = torch.zeros(ix.shape, dtype=torch.float32, device="cuda")
-            BACKEND.attention_backward(q, kv, ix, ls, g, o, SCALE, C, 0, head_sums=hs)
-            sparse_kl_triton(qi, ki, w, ix, hs, sl)
+            backend.attention_backward(q, kv, ix, ls, g, o, SCALE, C, 0, head_sums=hs)
+            sparse_kl_triton(qi, ki, w, ix, hs, sl, backend)
 
     res["fwd_ms"] = timed(lambda: whole(False), reps)
     res["fwdbwd_ms"] = timed(lambda: whole(True), reps)
@@ -227,14 +225,14 @@ def main(argv=None):
                          "(with --key-partition-mib too if given): rows 'dsa_options'")
     ap.add_argument("--vector-atomics", action="store_true",
                     help="also run (a) with the key gradients summed by 16-byte vector reductions instead of Triton's "
-                         "scalar atomics (kernels.atomics.VECTOR_ATOMICS=True), in the same run (with the options "
+                         "scalar atomics (DSAKernelTuning.vector_atomics), in the same run (with the options "
                          "above too if given): rows 'dsa_options'")
     ap.add_argument("--kl-configs", default="",
                     help="also time the sparse indexer loss's kernel at these (BN x warps x stages x slots-as-M) configs, "
-                         "e.g. 64x4x2x1,128x4x2x0 (kernels.indexer_kl.CONFIG), in the same run: 'kl_ms_by_config'")
+                         "e.g. 64x4x2x1,128x4x2x0 (DSAKernelTuning.kl_tiles), in the same run: 'kl_ms_by_config'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    KL_CONFIGS[:] = tile_configs(args.kl_configs)
+    kl_configs = tile_configs(args.kl_configs)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")
     options = args.key_partition_mib is not None or args.indexer_fp8 or args.vector_atomics
@@ -245,24 +243,21 @@ def main(argv=None):
         t0 = time.time()
         q, kv, qi, ki, w = inputs(s, gen)
         try:
-            entry["dsa"] = ours(s, q, kv, qi, ki, w, args.reps)
+            entry["dsa"] = ours(s, q, kv, qi, ki, w, args.reps, BACKEND, kl_configs)
         except torch.OutOfMemoryError as e:
             entry["dsa"] = {"error": f"OOM: {e}"[:200]}
         torch.cuda.empty_cache()
         if options:
             mib = args.key_partition_mib  # None: the kernels' default, 0: one pass
-            BACKEND.key_partition_bytes = None if mib is None else int(mib * 2**20)
-            BACKEND.indexer_fp8 = args.indexer_fp8
-            atomics.VECTOR_ATOMICS = args.vector_atomics
+            backend = TritonBackend(key_partition_bytes=None if mib is None else int(mib * 2**20),
+                                    indexer_fp8=args.indexer_fp8,
+                                    tuning=replace(DEFAULT_TUNING, vector_atomics=args.vector_atomics))
             try:
-                entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps)
+                entry["dsa_options"] = ours(s, q, kv, qi, ki, w, args.reps, backend)
                 entry["dsa_options"].update(key_partition_mib=args.key_partition_mib, indexer_fp8=args.indexer_fp8,
                                             vector_atomics=args.vector_atomics)
             except torch.OutOfMemoryError as e:
                 entry["dsa_options"] = {"error": f"OOM: {e}"[:200]}
-            finally:
-                BACKEND.key_partition_bytes, BACKEND.indexer_fp8 = None, False
-                atomics.VECTOR_ATOMICS = False
             torch.cuda.empty_cache()
         try:
             entry["dense"] = dense(s, max(2, args.reps // 2) if s >= 65536 else args.reps)

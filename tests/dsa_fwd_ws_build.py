@@ -1,6 +1,6 @@
-"""Compile the warp-specialized sparse MLA kernels (the forwards, `sparse_mla_fwd_ws` and, for 8-32 heads,
-`sparse_mla_fwd_km`; the backward's first pass,
-`sparse_mla_bwd_ws`, and its query gradient, `sparse_mla_dq_ws`) for sm_90 without a GPU (Triton's bundled ptxas)
+"""Compile the warp-specialized sparse MLA kernels of `pretrain.model.dsa.kernels.hopper` (the forwards,
+`forward_heads_m` and, for 8-32 heads, `forward_keys_m`; the backward's first pass, `first_pass`, and its query
+gradient, `query_gradient`) with the default tuning's tiles for sm_90 without a GPU (Triton's bundled ptxas)
 and print, per kernel and (C, R), what its PTX holds: warp-group MMAs, cp.async gathers and their mbarrier arrivals,
 the loader partition's register budget, the threads of its barriers (one partition's warps), and the shared memory.
 
@@ -18,20 +18,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
-from pretrain.model.dsa.kernels import sparse_mla_dq_ws as dqws
-from pretrain.model.dsa.kernels import sparse_mla_fwd_km as km
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+from pretrain.model.dsa.kernels.hopper import first_pass, forward_heads_m, forward_keys_m, loader, query_gradient
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING as TUNING
 
 
 def build(c: int, r: int, kernel: str = "forward") -> dict:
     if kernel == "scores":  # two score warp groups of 4 warps and the loader; one stage each
-        fn, cons = bws.scores_kernel, dict(H=64, C=c, R=r, BN=bws.CONFIG[0], HEAD_SUMS=True, num_warps=4)
+        fn, cons = first_pass.scores_kernel, dict(H=64, C=c, R=r, BN=TUNING.first_pass_tiles[0], HEAD_SUMS=True,
+                                                  num_warps=4)
     elif kernel.startswith("keys-as-M"):  # 8-32 heads: one consumer warp group and the loader
-        (bn, nbuf), h = km.CONFIG, int(kernel.split()[-1])
-        fn, cons = km.fwd_kernel, dict(H=h, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=km.CONSUMER_WARPS)
+        (bn, nbuf), h = TUNING.keys_m_tiles, int(kernel.split()[-1])
+        fn, cons = forward_keys_m.fwd_kernel, dict(H=h, C=c, R=r, BN=bn, NBUF=nbuf,
+                                                   num_warps=forward_keys_m.CONSUMER_WARPS)
     else:
-        fn, (bn, nbuf) = (dqws.dq_kernel, dqws.CONFIG) if kernel == "dq" else (ws.fwd_kernel, ws.CONFIG)
+        fn, (bn, nbuf) = ((query_gradient.dq_kernel, TUNING.dq_tiles) if kernel == "dq"
+                          else (forward_heads_m.fwd_kernel, TUNING.gluon_forward_tiles))
         cons = dict(H=64, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=8)
     types = {"idx_ptr": "*i32", "nv_ptr": "*i32", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "hs_ptr": "*fp32"}
     floats = ("qk_scale", "sm_scale")
@@ -40,7 +41,7 @@ def build(c: int, r: int, kernel: str = "forward") -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in cons and n not in floats}
     kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cons["num_warps"], maxnreg=ws.MAXNREG))
+                            options=dict(num_warps=cons["num_warps"], maxnreg=loader.MAXNREG))
     ptx = kernel.asm["ptx"]
     return {"wgmma": ptx.count("wgmma.mma_async"),
             "cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
@@ -48,7 +49,7 @@ def build(c: int, r: int, kernel: str = "forward") -> dict:
             # the partitions' register budgets, raised or lowered from the launch's
             "setmaxnreg": [int(x) for x in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)],
             "barrier_threads": sorted({int(x) for x in re.findall(r"bar\.sync\s+\d+, (\d+);", ptx)}),
-            "shared": kernel.metadata.shared, "loader_regs": ws.LOADER_REGS.value}
+            "shared": kernel.metadata.shared, "loader_regs": loader.LOADER_REGS.value}
 
 
 def main():

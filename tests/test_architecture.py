@@ -157,3 +157,149 @@ def test_library_names_no_benchmark_or_lab_path():
                 if path_ref.search(line) or import_ref.search(line):
                     wrong.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert not wrong, "library code names benchmarks/ or lab/ (cite docs/... instead):\n" + "\n".join(wrong)
+
+
+PRODUCT = ("pretrain", "parallel", "data_pipeline")
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _module_bindings(tree: ast.AST) -> Dict[str, str]:
+    """Names a file binds to project modules: `import a.b as x` (x), `import a.b` (a), `from a import b` (b, when
+    a.b is a module)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    out[a.asname] = a.name
+                else:
+                    out[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if _is_module(f"{node.module}.{a.name}"):
+                    out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _dotted(node: ast.AST, bound: Dict[str, str]):
+    """The module path an expression names (`x`, `x.y` through the file's module bindings), else None."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, bound)
+        if base is not None and _is_module(f"{base}.{node.attr}"):
+            return f"{base}.{node.attr}"
+    return None
+
+
+def _product(module) -> bool:
+    return module is not None and module.split(".")[0] in PRODUCT
+
+
+def product_global_assignments(path: Path) -> List[str]:
+    """`module.NAME = ...` (and augmented / tuple targets), `setattr(module, ...)` and `monkeypatch.setattr(module,
+    "UPPER_NAME", ...)` where module is a product module (pretrain, parallel, data_pipeline): a knob set from outside
+    the module that reads it. (monkeypatch.setattr of a function, a test's spy, is not a knob.)"""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound = _module_bindings(tree)
+    found = []
+
+    def targets(node):
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                yield from targets(elt)
+        elif isinstance(node, ast.Attribute):
+            yield node
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            attrs = [a for t in node.targets for a in targets(t)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            attrs = list(targets(node.target))
+        else:
+            attrs = []
+        for a in attrs:
+            module = _dotted(a.value, bound)
+            if _product(module):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} assigns {module}.{a.attr}")
+        if isinstance(node, ast.Call) and node.args:
+            fn = node.func
+            plain = isinstance(fn, ast.Name) and fn.id == "setattr"
+            patch = isinstance(fn, ast.Attribute) and fn.attr == "setattr" and not plain
+            module = _dotted(node.args[0], bound)
+            name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) and patch:
+                module, _, name = node.args[0].value.rpartition(".")  # monkeypatch.setattr("pkg.mod.NAME", value)
+            knob = isinstance(name, str) and name.isupper()
+            if _product(module) and (plain or (patch and knob)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} sets {module}.{name} through setattr")
+    return found
+
+
+# Globals that tests outside the DSA kernels still set on a product module (knobs, and functions swapped for fakes);
+# each is to become an argument or a monkeypatch of a function, then leave this list. The test fails on any other
+# assignment, and on an entry here that no longer occurs.
+KNOWN_GLOBAL_ASSIGNMENTS = {
+    "tests/test_checkpoint_files.py": {"pretrain.training.checkpoint.save_config"},
+    "tests/test_context_parallel.py": {"parallel.activation_offload.MIN_OFFLOAD_BYTES"},
+    "tests/test_curriculum_nodes.py": {"pretrain.curriculum.runner.VERDICT_TIMEOUT_S"},
+    "tests/test_dsa_memory.py": {"pretrain.model.core_attention.sdpa_kernel"},
+    "tests/test_ep_dispatch.py": {"pretrain.model.ep_dispatch.all_to_all"},
+    "tests/test_gpu_ep_dispatch.py": {"pretrain.model.ep_dispatch.all_to_all"},
+    "tests/test_gpu_training.py": {"parallel.activation_offload.MIN_OFFLOAD_BYTES"},
+    "tests/test_memory_features.py": {"parallel.activation_offload.MIN_OFFLOAD_BYTES"},
+    "tests/test_muon_training.py": {"pretrain.optim.roles.tp_group_of"},
+}
+
+
+def test_no_product_module_global_is_assigned_from_outside():
+    """benchmarks/, lab/ and tests/ never assign a product module's global (`module.NAME = ...`, `setattr(module,
+    ...)`, a test's `monkeypatch.setattr(module, "NAME", ...)` of an UPPER_CASE knob): a script or test that times or
+    checks another choice passes it as an argument (for the DSA kernels, a `DSAKernelTuning`)."""
+    found: Dict[str, Set[str]] = {}
+    lines = []
+    for folder in ("benchmarks", "lab", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for hit in product_global_assignments(path):
+                rel = str(path.relative_to(ROOT))
+                name = hit.split()[-1] if "assigns" in hit else hit.split()[2]
+                found.setdefault(rel, set()).add(name)
+                if name not in KNOWN_GLOBAL_ASSIGNMENTS.get(rel, set()):
+                    lines.append(hit)
+    assert not lines, "product module globals assigned from outside (pass an argument instead):\n" + "\n".join(lines)
+    stale = {f: n - found.get(f, set()) for f, n in KNOWN_GLOBAL_ASSIGNMENTS.items() if n - found.get(f, set())}
+    assert not stale, f"no longer assigned, remove from KNOWN_GLOBAL_ASSIGNMENTS: {stale}"
+
+
+def test_dsa_kernels_import_nothing_of_dsa_outside_them():
+    """pretrain/model/dsa/kernels/ imports only itself from pretrain.model.dsa (the reference, the layer and the
+    backend build on the kernels, never the other way)."""
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        if not name.startswith("pretrain.model.dsa.kernels"):
+            continue
+        for target, names, line in _imports(name, path):
+            for reached in _resolve(target, names, modules):
+                if reached.startswith("pretrain.model.dsa") and not (
+                        reached == "pretrain.model.dsa.kernels" or reached.startswith("pretrain.model.dsa.kernels.")):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {reached}")
+    assert not wrong, "the DSA kernels import their users:\n" + "\n".join(wrong)
+
+
+def test_nothing_imports_the_lab():
+    """lab/ may import pretrain and benchmarks; nothing imports lab (the library, the benchmarks, the product tests)."""
+    wrong = []
+    for folder in ("pretrain", "parallel", "data_pipeline", "benchmarks", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                if any(n == "lab" or n.startswith("lab.") for n in names):
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not wrong, "modules that import lab:\n" + "\n".join(wrong)

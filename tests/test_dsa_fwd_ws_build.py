@@ -1,5 +1,6 @@
-"""The warp-specialized sparse MLA kernels, the forwards (`pretrain/model/dsa/kernels/sparse_mla_fwd_ws.py`, and
-`sparse_mla_fwd_km.py` for 8-32 heads) and the backward's first pass (`sparse_mla_bwd_ws.py`), build for sm_90 without a GPU into what their speed rests on
+"""The warp-specialized sparse MLA kernels of `pretrain/model/dsa/kernels/hopper/`, the forwards (`forward_heads_m.py`,
+and `forward_keys_m.py` for 8-32 heads) and the backward's first pass (`first_pass.py`, `query_gradient.py`), build
+for sm_90 without a GPU into what their speed rests on
 (`tests/dsa_fwd_ws_build.py`, in a process without the interpreter): warp-group MMAs, cp.async gathers that arrive
 on mbarriers, a loader partition with its own register budget, barriers of the eight consumer warps only, and
 shared memory within Hopper's 232,448 bytes per block. Their values are tested on the GPU
@@ -32,11 +33,11 @@ def test_warp_specialized_forward_builds_for_hopper():
 
 
 def test_cpu_tensors_take_the_triton_kernels():
-    from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
-    from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+    from pretrain.model.dsa.kernels.hopper.loader import inputs_fit
+    from pretrain.model.dsa.kernels.sparse_mla import attention_plan
 
     q = torch.zeros(1, 4, 64, 576, dtype=torch.bfloat16)
-    assert not ws.supported(q, q[:, :, 0], 64, 512, 64) and not bws.supported(q, q[:, :, 0], 64, 512, 64)
-    from pretrain.model.dsa.kernels import sparse_mla_fwd_km as km
-
-    assert not km.supported(q[:, :, :16], q[:, :, 0], 16, 512, 64)
+    for h in (64, 16):
+        plan = attention_plan(q[:, :, :h], q[:, :, 0], 512)
+        assert (plan.forward, plan.first_pass) == ("triton", "triton") and plan.capability is None
+    assert not inputs_fit(q, q[:, :, 0])

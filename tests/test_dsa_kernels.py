@@ -19,6 +19,8 @@ The same kernels run compiled on the GPU in tests/test_gpu_dsa_kernels.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,6 +29,8 @@ import triton  # noqa: F401  (the dev extra installs it; the kernels run in its 
 from pretrain.model.dsa.indexer import (  # noqa: E402
     VisibleKeys, gather_keys, indexer_topk, segment_ids_from_cu_seqlens,
 )
+from pretrain.model.dsa.kernels.plan import kernel_plan, key_partitions  # noqa: E402
+from pretrain.model.dsa.kernels.tuning import DSAKernelTuning, KeyGradient, SelectTuning  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_sparse_mla  # noqa: E402
 from tests.dsa_references import NEG_INF, ref_topk  # noqa: E402
 
@@ -121,11 +125,11 @@ def test_indexer_scores_and_exact_selection(kern, mode):
 
 
 @pytest.mark.parametrize("keys_m,bm", [(False, 3), (True, 3), (True, 1)])
-def test_index_scores_by_tile_order(kern, monkeypatch, keys_m, bm):
-    """The score kernel's tile orders (`SCORE_CONFIG`: tokens x heads or keys as the MMA's M) against float64,
-    ragged (S, heads and dims off every block), documents, rows starting mid-sequence."""
+def test_index_scores_by_tile_order(kern, keys_m, bm):
+    """The score kernel's tile orders (`DSAKernelTuning.score_tiles`: tokens x heads or keys as the MMA's M) against
+    float64, ragged (S, heads and dims off every block), documents, rows starting mid-sequence."""
     ktop = kern["indexer_topk"]
-    monkeypatch.setattr(ktop, "SCORE_CONFIG", (bm, 16, 0, 0, keys_m))
+    tuning = DSAKernelTuning(score_tiles=(bm, 16, 0, 0, keys_m))
     gen = torch.Generator().manual_seed(5)
     b, s, h, d = 2, 29, 3, 20
     q, k, w = torch.randn(b, s, h, d, generator=gen), torch.randn(b, s, d, generator=gen), torch.randn(b, s, h, generator=gen)
@@ -133,7 +137,7 @@ def test_index_scores_by_tile_order(kern, monkeypatch, keys_m, bm):
     lo, hi = ktop.visible_ranges(*keys.ranges())
     want = naive_scores(q, k, w, vis)
     buf = torch.full((b, s - 7, s), float("nan"))
-    ktop.index_score_rows(q, k, w, lo, hi, 7, s - 7, buf)
+    ktop.index_score_rows(q, k, w, lo, hi, 7, s - 7, buf, tuning=tuning)
     v = vis[:, 7:].expand(b, -1, -1)
     assert rel(buf[v], want[:, 7:][v]) < 1e-6
     assert bool((buf[~v & ~buf.isnan()] == NEG_INF).all())  # what is written outside a row's keys is -inf
@@ -172,13 +176,11 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
-def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
+def test_radix_select_compaction_both_ways(kern, prefetch):
     """Rows whose candidates after two radix passes fit the capacity are finished on a compacted copy, the
     others on the full row; both give the naive top-k (the tie rule included); blocks of 64 (several per row and per
     candidate list), each loaded one iteration ahead or not."""
     ksel = kern["radix_select"]
-    monkeypatch.setattr(ksel, "SELECT_PREFETCH", prefetch)
-    monkeypatch.setattr(ksel, "SELECT_BLOCK", 64)
     gen = torch.Generator().manual_seed(11)
     n, t, topk = 24, 300, 20
     rows = torch.randn(n, t, generator=gen)
@@ -186,9 +188,8 @@ def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     rows[1::3] = rows[1::3] * 1e-3 + 7.0  # one exponent: the first two digits leave a wide bucket
     lo = torch.zeros(1, n, dtype=torch.int32)
     hi = torch.full((1, n), t, dtype=torch.int32)
-    monkeypatch.setattr(ksel, "SELECT_CAPACITY", 2)
-    monkeypatch.setattr(ksel, "SELECT_SCRATCH_BYTES", 8 * 40 * 5)  # 5 rows per launch: 5 launches
-    cap = ksel.select_capacity(topk, t)
+    tuning = SelectTuning(prefetch=prefetch, block=64, capacity=2, scratch_bytes=8 * 40 * 5)  # 5 rows a launch: 5
+    cap = ksel.select_capacity(topk, t, tuning)
     # which rows compact: the K-th largest key's top 16 bits, counted as the kernel counts them
     keys = _order_key(rows)
     kth = keys.sort(dim=-1, descending=True).values[:, topk - 1]
@@ -196,27 +197,24 @@ def test_radix_select_compaction_both_ways(kern, monkeypatch, prefetch):
     fits = n_cand <= cap
     assert cap == 40 and bool(fits.any()) and bool((~fits).any())
     out = torch.full((1, n, topk), -7, dtype=torch.int32)
-    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out, tuning=tuning)
     assert torch.equal(out[0].long(), ref_topk(rows[None], topk)[0])
-    monkeypatch.setattr(ksel, "SELECT_CAPACITY", 100)  # capacity >= the row: never compacts
-    assert ksel.select_capacity(topk, t) == 0
+    tuning = replace(tuning, capacity=100)  # capacity >= the row: never compacts
+    assert ksel.select_capacity(topk, t, tuning) == 0
     out2 = torch.full((1, n, topk), -7, dtype=torch.int32)
-    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out2)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n, topk, out2, tuning=tuning)
     assert torch.equal(out2, out)
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
-def test_radix_select_sampled_threshold(kern, monkeypatch, prefetch):
+def test_radix_select_sampled_threshold(kern, prefetch):
     """The sampled threshold (8 chunks of 2 keys here): rows where the keys at or above it number K..capacity are
     selected from that copy, the others (too few: a sample above its row's K-th largest; too many: ties) by the
     radix passes; every row gives the naive top-k. Which rows take which way is predicted from the sample in
     PyTorch and both must occur."""
     ksel = kern["radix_select"]
-    monkeypatch.setattr(ksel, "SELECT_PREFETCH", prefetch)
-    monkeypatch.setattr(ksel, "SELECT_BLOCK", 64)
-    monkeypatch.setattr(ksel, "SAMPLE_CHUNKS", 8)
-    monkeypatch.setattr(ksel, "SAMPLE_CHUNK", 16)  # n / 128 = 2 keys per chunk here
-    monkeypatch.setattr(ksel, "SAMPLE_MIN_CHUNK", 2)
+    # n / 128 = 2 keys per chunk here
+    tuning = SelectTuning(prefetch=prefetch, block=64, sample_chunks=8, sample_chunk=16, sample_min_chunk=2)
     gen = torch.Generator().manual_seed(12)
     n_rows, t, topk = 30, 300, 20
     rows = torch.randn(n_rows, t, generator=gen)
@@ -225,7 +223,7 @@ def test_radix_select_sampled_threshold(kern, monkeypatch, prefetch):
     rows[2::5, :150] += 3.0  # the first half above the second
     lo = torch.zeros(1, n_rows, dtype=torch.int32)
     hi = torch.full((1, n_rows), t, dtype=torch.int32)
-    cap = ksel.select_capacity(topk, t)
+    cap = ksel.select_capacity(topk, t, tuning)
     assert cap == 40
     # the sample and its threshold as the kernel forms them
     ch = min(t // 128, 16)
@@ -239,12 +237,11 @@ def test_radix_select_sampled_threshold(kern, monkeypatch, prefetch):
     assert bool(sampled.any()) and bool((~sampled).any())
     out = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
     took = torch.zeros(1, dtype=torch.int32)
-    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out, sampled=took)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out, sampled=took, tuning=tuning)
     assert torch.equal(out[0].long(), ref_topk(rows[None], topk)[0])
     assert int(took) == int(sampled.sum())  # the rows predicted to take the sample's copy, and no other
-    monkeypatch.setattr(ksel, "SELECT_SAMPLE", False)
     out2 = torch.full((1, n_rows, topk), -7, dtype=torch.int32)
-    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out2)
+    ksel.select_rows(rows[None].clone(), lo, hi, 0, n_rows, topk, out2, tuning=replace(tuning, sample=False))
     assert torch.equal(out2, out)
 
 
@@ -265,29 +262,28 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
     kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
     walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows),
-    and with their rows added four columns at a time (atomics.VECTOR_ATOMICS, the interpreter's form of the GPU's
-    16-byte reductions)."""
+    and with their rows added four columns at a time (`DSAKernelTuning.vector_atomics`, the interpreter's form of
+    the GPU's 16-byte reductions)."""
     sm = kern["sparse_mla"]
     deterministic, partitioned = dkv == "deterministic", dkv.endswith("partitioned")
     fused_parts = dkv == "fused_atomic_partitioned"
-    if dkv.endswith("_vector"):
+    tuning = DSAKernelTuning(vector_atomics=dkv.endswith("_vector"))
+    if tuning.vector_atomics:
         from pretrain.model.dsa.kernels import atomics
 
-        monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
-        assert atomics.reduction_mode(torch.zeros(1), 24, 8) == 1
-    mode = {"split": 5, "fused_atomic": 0, "deterministic": None}[dkv.removesuffix("_partitioned").removesuffix("_vector")]
-    monkeypatch.setattr(sm, "DKV_MODE", mode)
+        assert atomics.reduction_mode(torch.zeros(1), 24, 8, vector=True) == 1
+    mode = {"split": KeyGradient.SEPARATE, "fused_atomic": KeyGradient.FUSED,
+            "deterministic": None}[dkv.removesuffix("_partitioned").removesuffix("_vector")]
+    tuning = replace(tuning, key_gradient=mode)
     if partitioned:
-        # the fused kernel through its default budget (partition_budget), the separate pass through an explicit one
-        monkeypatch.setattr(sm, "FUSED_PARTITION_BYTES" if mode == 0 else "KEY_PARTITION_BYTES", 6 * 32 * 10)
-        monkeypatch.setattr(sm, "DQ32_BYTES", 2 * 5 * 32 * 4 * 15)
-        assert sm.key_partitions(37, 32, sm.partition_budget(None, mode == 5)) == [(0, 10), (10, 20), (20, 30),
-                                                                                  (30, 37)]
+        # the fused kernel through its default budget, the separate pass through an explicit one
+        budget = "fused_partition_bytes" if mode is KeyGradient.FUSED else "key_partition_bytes"
+        tuning = replace(tuning, dq32_bytes=2 * 5 * 32 * 4 * 15, **{budget: 6 * 32 * 10})
+        budget = kernel_plan(5, 24, 8, 37, None, tuning).partition_bytes
+        assert key_partitions(37, 32, budget) == [(0, 10), (10, 20), (20, 30), (30, 37)]
     if config is not None:  # several key blocks and latent column slices per token; blocks of query rows
-        monkeypatch.setattr(sm, "kernel_config", lambda h, c, backward=False: config if backward else config[:3])
-        dkv_mod = kern["sparse_mla_dkv"]
-        monkeypatch.setattr(dkv_mod, "dkv_config", lambda h, c: (16, 16, 4, 1))
-        monkeypatch.setattr(dkv_mod, "SCRATCH_BYTES", 2 * 12 * 2 * 5 * 4 * 10)  # 10 of 37 rows per block
+        tuning = replace(tuning, triton_tiles=config, dkv_tiles=(16, 16, 4, 1),
+                         dkv_scratch_bytes=2 * 12 * 2 * 5 * 4 * 10)  # 10 of 37 rows per block
     # what the backward launched: the fused kernel's partition flags, the separate pass's key ranges
     flags, ranges = [], set()
     bwd_kernel, key_gradient = sm._bwd_kernel, sm.key_gradient
@@ -308,7 +304,7 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     q, kv, idx = sparse_case(3)
     scale = 0.3
     q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, lse = sm.sparse_mla_attention(q1, kv1, idx.int(), scale, 24, deterministic)
+    out, lse = sm.sparse_mla_attention(q1, kv1, idx.int(), scale, 24, deterministic, tuning)
     q2, kv2 = q.double().requires_grad_(), kv.double().requires_grad_()
     ref, ref_lse = ref_sparse_mla(q2, kv2, idx, scale, 24, 7)
     assert rel(out, ref) < 1e-5 and rel(lse, ref_lse) < 1e-6
@@ -320,14 +316,14 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     # runs once per block and only its key-gradient pass walks the ranges
     assert flags == ([True] * 12 if fused_parts else [False] * len(flags)) and flags
     parts = {(0, 10), (10, 20), (20, 30), (30, 37)} if partitioned else {None}
-    assert ranges == (parts if mode == 5 else set())
+    assert ranges == (parts if mode is KeyGradient.SEPARATE else set())
     # the backward's by-product, the indexer loss's target: sum_h P_h at every slot (0 on empty ones); dO given
     # head-major here ([h, b, s, c] in memory, as W_UV's product hands it over), read in place
     head_sums = torch.zeros(idx.shape, dtype=torch.float32)
     g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     assert not g_hm.is_contiguous() and torch.equal(g_hm, g)
     dq_h, dkv_h = sm.sparse_mla_backward(q, kv, idx.int(), lse.detach(), sm.output_delta(g_hm, out.detach()), g_hm,
-                                         scale, 24, deterministic, head_sums=head_sums)
+                                         scale, 24, deterministic, head_sums=head_sums, tuning=tuning)
     assert rel(dkv_h, rdkv) < 1e-5
     want = torch.einsum("bshd,bskd->bshk", q.double(), gather_keys(kv.double(), idx)) * scale
     want = want.masked_fill((idx < 0)[:, :, None], NEG_INF).softmax(-1).sum(2)
@@ -335,7 +331,7 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     assert torch.equal(dq_h, dq) or rel(dq_h, rdq) < 1e-5
     if deterministic:  # bitwise reproducible
         q3, kv3 = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        out3, _ = sm.sparse_mla_attention(q3, kv3, idx.int(), scale, 24, True)
+        out3, _ = sm.sparse_mla_attention(q3, kv3, idx.int(), scale, 24, True, tuning)
         dq3, dkv3 = torch.autograd.grad(out3, (q3, kv3), g)
         assert torch.equal(dq3, dq) and torch.equal(dkv3, dkv)
 
@@ -407,15 +403,14 @@ def test_add_rows_matches_naive(kern, mode):
     assert rel(got, want) < 1e-6
 
 
-def test_reduction_mode_rules(kern, monkeypatch):
+def test_reduction_mode_rules(kern):
     from pretrain.model.dsa.kernels import atomics
 
     buf = torch.zeros(4, 8)
     assert atomics.reduction_mode(buf, 512, 64) == 0  # the default: tl.atomic_add (vector form measured no faster)
-    monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
-    assert atomics.reduction_mode(buf, 512, 64) == 1  # the interpreter's stand-in for the GPU's vector form
-    assert atomics.reduction_mode(buf, 24, 6) == 0  # a width that is not a multiple of 4: no 16-byte groups
-    assert atomics.reduction_mode(buf.double(), 512, 64) == 0
+    assert atomics.reduction_mode(buf, 512, 64, vector=True) == 1  # the interpreter's stand-in for the GPU's form
+    assert atomics.reduction_mode(buf, 24, 6, vector=True) == 0  # a width not a multiple of 4: no 16-byte groups
+    assert atomics.reduction_mode(buf.double(), 512, 64, vector=True) == 0
 
 
 def test_gpu_build_adds_key_rows_with_vector_reductions():
@@ -482,19 +477,17 @@ def test_topk_lse_of_the_selection(kern, mode):
 @pytest.mark.parametrize("lse", [False, True], ids=["own_lse", "given_lse"])
 @pytest.mark.parametrize("case", ["atomic", "deterministic", "vector", "row_blocks", "cp_keys", "heads_m",
                                   "normalize"])
-def test_sparse_kl_kernel_matches_float64(kern, monkeypatch, case, lse):
+def test_sparse_kl_kernel_matches_float64(kern, case, lse):
     """The fused sparse indexer loss: loss, target mass and the gradients of q_I, k_I and w against float64
     autograd; empty slots, rows with no key (padding), an unnormalized target row (the P factor), the target asked
     for in row blocks, key rows added four columns at a time, the deterministic reduction, more keys than
     queries (the keys gathered over context parallelism), heads as the products' M; with lse formed by the kernel
     or given (float64, as the top-k's would be). `normalize`: the kernel gets raw head sums (rows of any scale, a
     row of zeros) and a gradient factor, and matches float64 over the normalized rows with scaled gradients."""
-    from pretrain.model.dsa.kernels import atomics as kern_atomics
-
-    monkeypatch.setattr(kern_atomics, "VECTOR_ATOMICS", case == "vector")
+    tuning = DSAKernelTuning(vector_atomics=case == "vector")
     kl = kern["indexer_kl"]
     if case == "heads_m":
-        monkeypatch.setattr(kl, "CONFIG", kl.CONFIG[:3] + (0,))
+        tuning = replace(tuning, kl_tiles=tuning.kl_tiles[:3] + (0,))
     gen = torch.Generator().manual_seed(4)
     b, s, hi, d, topk = 2, 29, 3, 16, 9
     t = s + 6 if case == "cp_keys" else s
@@ -523,7 +516,7 @@ def test_sparse_kl_kernel_matches_float64(kern, monkeypatch, case, lse):
     rows = 8 if case == "row_blocks" else None
     given = selected_lse(q.double(), k.double(), w.double(), idx).float() if lse else None
     loss, (dq, dk, dw), psum = kl.sparse_kl(q, k, w, idx.int(), target, rows, deterministic=case == "deterministic",
-                                            lse=given, normalize=normalize, grad_scale=grad_scale)
+                                            lse=given, normalize=normalize, grad_scale=grad_scale, tuning=tuning)
     assert calls == ([(0, 8), (8, 16), (16, 24), (24, 29)] if rows else [(0, s)])
     leaves = [x.double().requires_grad_() for x in (q, k, w)]
     ref = naive_sparse_kl(*leaves, idx, p.double())

@@ -1,7 +1,11 @@
 """GPU checks of the DSA Triton kernels (marker `gpu`): top-k, sparse MLA and indexer KL against fp32, no host sync."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning, SelectTuning
 
 pytestmark = pytest.mark.gpu
 
@@ -26,13 +30,14 @@ def _relmax(a, b):
 
 @pytest.mark.parametrize("s,topk,mode", [(1000, 256, "causal"), (4096, 2048, "causal"), (3001, 512, "segments")])
 @pytest.mark.parametrize("order", ["default", "tokens_m", "keys_m"])
-def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
+def test_dsa_topk_kernel_on_gpu(s, topk, mode, order):
     from pretrain.model.dsa.indexer import VisibleKeys, index_scores, segment_ids_from_cu_seqlens, select_topk
     from pretrain.model.dsa.kernels import indexer_topk as kt
     from pretrain.model.dsa.kernels import radix_select as ksel
 
-    if order != "default":  # both tile orders of the score kernel (benchmarks sweep them)
-        monkeypatch.setattr(kt, "SCORE_CONFIG", (4, 64, 8, 3, False) if order == "tokens_m" else (4, 128, 8, 3, True))
+    tuning = DEFAULT_TUNING
+    if order != "default":  # both tile orders of the score kernel
+        tuning = DSAKernelTuning(score_tiles=(4, 64, 8, 3, False) if order == "tokens_m" else (4, 128, 8, 3, True))
 
     gen = torch.Generator(device="cuda").manual_seed(s)
     qi = torch.randn(1, s, 32, 128, device="cuda", generator=gen).bfloat16()
@@ -46,7 +51,7 @@ def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
     vis = keys.rows(0, s)
     _poison()
     buf = torch.empty(1, s, s, device="cuda")
-    kt.index_score_rows(qi, ki, w, lo, hi, 0, s, buf)
+    kt.index_score_rows(qi, ki, w, lo, hi, 0, s, buf, tuning=tuning)
     ref = index_scores(qi.float(), ki.float(), w, vis)
     assert not buf[vis.expand_as(buf)].isnan().any()
     assert _relmax(buf[vis.expand_as(buf)], ref[vis.expand_as(ref)]) < 1e-5
@@ -56,19 +61,18 @@ def test_dsa_topk_kernel_on_gpu(monkeypatch, s, topk, mode, order):
     ksel.select_rows(buf, lo, hi, 0, s, topk, out)
     assert torch.equal(out.long(), own)  # exact, ties included
     _poison()
-    idx = kt.indexer_topk(qi, ki, w, topk, lo, hi, buffer_bytes=256 * s * 4)  # several row blocks
+    idx = kt.indexer_topk(qi, ki, w, topk, lo, hi, buffer_bytes=256 * s * 4, tuning=tuning)  # several row blocks
     assert torch.equal(idx.long(), own)
 
 
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled", "radix_only"])
-def test_radix_select_long_rows_on_gpu(monkeypatch, sample):
+def test_radix_select_long_rows_on_gpu(sample):
     """Rows long enough for the sampled threshold (16K-40K keys, top-2048): Gaussian rows, rows of wide ties (more
     keys at the threshold than the capacity), ascending rows and rows whose first half is higher; exact against the
     reference selection, with and without the sample."""
     from pretrain.model.dsa.indexer import select_topk
     from pretrain.model.dsa.kernels import radix_select as ksel
 
-    monkeypatch.setattr(ksel, "SELECT_SAMPLE", sample)
     gen = torch.Generator(device="cuda").manual_seed(3)
     n_rows, t, topk = 512, 40000, 2048
     rows = torch.randn(1, n_rows, t, device="cuda", generator=gen)
@@ -81,7 +85,7 @@ def test_radix_select_long_rows_on_gpu(monkeypatch, sample):
     want = select_topk(rows.masked_fill(~vis, float("-inf")), topk)
     _poison()
     out = torch.empty(1, n_rows, topk, dtype=torch.int32, device="cuda")
-    ksel.select_rows(rows, lo, hi, 0, n_rows, topk, out)
+    ksel.select_rows(rows, lo, hi, 0, n_rows, topk, out, tuning=SelectTuning(sample=sample))
     assert torch.equal(out.long(), want)
 
 
@@ -201,17 +205,15 @@ def test_sparse_mla_kernels_on_gpu(s, h, topk):
                                              (1, 700, 200, 256, 32, 64), (2, 1500, 300, 512, 64, 16),
                                              (1, 4096, 2048, 512, 64, 16), (1, 700, 200, 256, 32, 16),
                                              (1, 4096, 2048, 512, 64, 8), (2, 1500, 300, 512, 64, 32)])
-def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, r, h):
-    """The warp-specialized forwards (Hopper; 64 heads as the MMA's M, `sparse_mla_fwd_ws`; 8-32 heads with the keys
-    as M, `sparse_mla_fwd_km`) against the fp32 reference and the Triton forward: batches, top-k not a multiple of
-    their 64-key blocks, rows with no valid slot (output 0, lse -inf), q with a padded head stride, another latent /
-    rope width; two runs bitwise equal."""
+def test_sparse_mla_warp_specialized_forward_on_gpu(b, s, topk, c, r, h):
+    """The warp-specialized forwards (Hopper; 64 heads as the MMA's M, `hopper.forward_heads_m`; 8-32 heads with the
+    keys as M, `hopper.forward_keys_m`) against the fp32 reference and the Triton forward: batches, top-k not a
+    multiple of their 64-key blocks, rows with no valid slot (output 0, lse -inf), q with a padded head stride,
+    another latent / rope width; two runs bitwise equal."""
     from pretrain.model.dsa.kernels import sparse_mla as km
-    from pretrain.model.dsa.kernels import sparse_mla_fwd_km as fwd_km
-    from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
+    from pretrain.model.dsa.kernels.hopper.loader import inputs_fit
+    from pretrain.model.dsa.kernels.plan import GLUON_HEADS_AS_M, GLUON_KEYS_AS_M, TRITON
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
-
-    ws = fwd_ws if h == 64 else fwd_km
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized forward is Hopper's (sm_90)")
@@ -231,14 +233,16 @@ def test_sparse_mla_warp_specialized_forward_on_gpu(monkeypatch, b, s, topk, c, 
     padded = torch.zeros(b, s, h, d + 32, device="cuda", dtype=torch.bfloat16)
     padded[..., :d] = q * (torch.rand(1, device="cuda", generator=gen) + 0.5)
     q = padded[..., :d]  # head stride d + 32
-    assert ws.supported(q, kv, h, c, r)
+    assert inputs_fit(q, kv)
+    assert km.attention_plan(q, kv, c).forward == (GLUON_HEADS_AS_M if h == 64 else GLUON_KEYS_AS_M)
+    triton_only = DSAKernelTuning(gluon_forward=False, gluon_forward_keys_m=False)
+    assert km.attention_plan(q, kv, c, triton_only).forward == TRITON
     scale = 256**-0.5
     ref, ref_lse = ref_attn(q.float(), kv.float(), idx.long(), scale, c, 64)
     out, lse = km.sparse_mla_forward(q, kv, idx, scale, c)
     out2, lse2 = km.sparse_mla_forward(q, kv, idx, scale, c)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    monkeypatch.setattr(ws, "ENABLED", False)
-    tout, tlse = km.sparse_mla_forward(q, kv, idx, scale, c)
+    tout, tlse = km.sparse_mla_forward(q, kv, idx, scale, c, triton_only)
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[:, 5] == 0).all() and torch.isinf(lse[:, 5]).all() and (lse[:, 5] < 0).all()
     fin = torch.isfinite(ref_lse)  # the reference's softmax over no key is NaN: compare the other rows
@@ -256,8 +260,9 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk, 
     batches, top-k not a multiple of the 32- and 64-key blocks, rows with no valid slot, another latent / rope width
     (test_sparse_mla_kernels_on_gpu checks the 64-head backward, through this pass, against the fp32 reference)."""
     from pretrain.model.dsa.kernels import sparse_mla as km
-    from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bws
     from pretrain.model.dsa.kernels import sparse_mla_dkv as kd
+    from pretrain.model.dsa.kernels.hopper.loader import inputs_fit
+    from pretrain.model.dsa.kernels.plan import GLUON, TRITON
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized first pass is Hopper's (sm_90)")
@@ -266,7 +271,9 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk, 
     kv = torch.cat([x[1] for x in parts])[..., :c + r].contiguous()
     idx = torch.cat([x[2] for x in parts])
     idx[:, 3] = -1
-    assert bws.supported(q, kv, 64, c, r)
+    assert inputs_fit(q, kv) and km.attention_plan(q, kv, c).first_pass == GLUON
+    tunings = {True: DEFAULT_TUNING, False: DSAKernelTuning(gluon_first_pass=False)}
+    assert km.attention_plan(q, kv, c, tunings[False]).first_pass == TRITON
     scale = 256**-0.5
     out, lse = km.sparse_mla_forward(q, kv, idx, scale, c)
     g = torch.randn(out.shape, device="cuda").bfloat16()
@@ -283,10 +290,9 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk, 
     monkeypatch.setattr(km, "empty_scratch", keep)
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(bws, "ENABLED", on)
         hs = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
         _poison()
-        dq, dkv = km.sparse_mla_backward(q, kv, idx, lse, delta, g_hm, scale, c, head_sums=hs)
+        dq, dkv = km.sparse_mla_backward(q, kv, idx, lse, delta, g_hm, scale, c, head_sums=hs, tuning=tunings[on])
         runs[on] = (dq, dkv, hs, stored["part"].clone())
     assert torch.equal(runs[True][0], runs[False][0])
     # sum_h P: the same fp32 P summed over the 64 heads in another order; each order of n positive fp32 terms lies
@@ -301,11 +307,12 @@ def test_sparse_mla_warp_specialized_first_pass_on_gpu(monkeypatch, b, s, topk, 
 
 
 @pytest.mark.parametrize("h", [16, 64])
-def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
-    """The backward with its keys walked in partitions (KEY_PARTITION_BYTES: 4096 keys in 3 ranges here; the fp32 dq
-    in blocks of query rows) against the fp32 reference, at the fused (16 heads) and separate-pass (64) key
-    gradient, dO read head-major in place; and Delta's kernel against float64."""
+def test_sparse_mla_backward_by_key_partitions_on_gpu(h):
+    """The backward with its keys walked in partitions (`DSAKernelTuning.key_partition_bytes`: 4096 keys in 3 ranges
+    here; the fp32 dq in blocks of query rows) against the fp32 reference, at the fused (16 heads) and separate-pass
+    (64) key gradient, dO read head-major in place; and Delta's kernel against float64."""
     from pretrain.model.dsa.kernels import sparse_mla as km
+    from pretrain.model.dsa.kernels.plan import key_partitions
     from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn
 
     s, topk = 4096, 2048
@@ -315,11 +322,10 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
     ref, _ = ref_attn(q32, kv32, idx.long(), scale, 512, 64)
     g = torch.randn(ref.shape, device="cuda").bfloat16()
     rdq, rdkv = torch.autograd.grad(ref, (q32, kv32), g.float())
-    monkeypatch.setattr(km, "KEY_PARTITION_BYTES", 6 * 576 * 1366)
-    monkeypatch.setattr(km, "DQ32_BYTES", h * 576 * 4 * 1500)
-    assert len(km.key_partitions(s, 576, km.KEY_PARTITION_BYTES)) == 3
+    tuning = DSAKernelTuning(key_partition_bytes=6 * 576 * 1366, dq32_bytes=h * 576 * 4 * 1500)
+    assert len(key_partitions(s, 576, km.attention_plan(q, kv, 512, tuning).partition_bytes)) == 3
     qb, kvb = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out, _ = km.sparse_mla_attention(qb, kvb, idx, scale, 512, False)
+    out, _ = km.sparse_mla_attention(qb, kvb, idx, scale, 512, False, tuning)
     g_hm = g.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # head-major, as the DSA layer hands dO over
     delta = km.output_delta(g_hm, out.detach())
     assert _relmax(delta, (g.double() * out.detach().double()).sum(-1)) < 1e-5
@@ -330,15 +336,15 @@ def test_sparse_mla_backward_by_key_partitions_on_gpu(monkeypatch, h):
 
 
 @pytest.mark.parametrize("mode", [0, 2])
-def test_add_rows_vector_reductions_on_gpu(monkeypatch, mode):
+def test_add_rows_vector_reductions_on_gpu(mode):
     """The key gradients' row adds as Triton's scalar atomics (mode 0, the default) and as 16-byte vector reductions
-    (mode 2, red.global.add.v4.f32 on sm_90+, the benchmarks' switch) against a float64 loop; repeated rows sum."""
+    (mode 2, red.global.add.v4.f32 on sm_90+, `DSAKernelTuning.vector_atomics`) against a float64 loop; repeated rows
+    sum."""
     from pretrain.model.dsa.kernels import atomics
     from tests.dsa_atomics_kernel import run_add_rows
 
     if mode == 2:
-        monkeypatch.setattr(atomics, "VECTOR_ATOMICS", True)
-        assert atomics.reduction_mode(torch.zeros(4, 8, device="cuda"), 512, 64) == (
+        assert atomics.reduction_mode(torch.zeros(4, 8, device="cuda"), 512, 64, vector=True) == (
             2 if torch.cuda.get_device_capability() >= (9, 0) else 0)
         if torch.cuda.get_device_capability() < (9, 0):
             pytest.skip("red.global.add.v4.f32 needs sm_90")
@@ -348,7 +354,7 @@ def test_add_rows_vector_reductions_on_gpu(monkeypatch, mode):
 
 @pytest.mark.parametrize("keys_m", [1, 0], ids=["slots_m", "heads_m"])
 @pytest.mark.parametrize("heads", [32, 16])
-def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
+def test_sparse_kl_kernel_on_gpu(heads, keys_m):
     """The fused sparse indexer loss (bf16 q_I / k_I, GLM-5's 32 x 128 indexer and the proxy's 16), its selection and
     lse from the top-k kernel, against float64: lse, and the loss and gradients of autograd of the KL over the
     gathered keys; with and without the given lse, atomic and deterministic (bitwise repeatable)."""
@@ -356,7 +362,7 @@ def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
     from pretrain.model.dsa.kernels import indexer_kl as kk
     from pretrain.model.dsa.kernels import indexer_topk as kt
 
-    monkeypatch.setattr(kk, "CONFIG", kk.CONFIG[:3] + (keys_m,))
+    tuning = replace(DEFAULT_TUNING, kl_tiles=DEFAULT_TUNING.kl_tiles[:3] + (keys_m,))
     s, topk = 1500, 512
     gen = torch.Generator(device="cuda").manual_seed(8)
     qi = torch.randn(1, s, heads, 128, device="cuda", generator=gen).bfloat16()
@@ -379,7 +385,7 @@ def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
     for det, given in ((False, True), (False, False), (True, True), (True, True)):
         _poison()
         loss, grads, psum = kk.sparse_kl(qi, ki, w, idx, lambda r0, r1, _i: p[:, r0:r1], 700, det,
-                                         sel_lse if given else None)
+                                         sel_lse if given else None, tuning=tuning)
         assert abs(loss.item() - ref.item()) < 1e-3 * ref.item() and abs(psum.item() - 1.0) < 1e-5
         for a, e in zip(grads, ref_grads):
             assert not a.isnan().any() and _relmax(a, e) < 2e-2
@@ -389,7 +395,7 @@ def test_sparse_kl_kernel_on_gpu(monkeypatch, heads, keys_m):
     # raw head sums (each row at its own scale) normalized by the kernel, gradients scaled by it (the DSA layer's call)
     raw = p * torch.linspace(1.0, 16.0, s, device="cuda")[None, :, None]
     loss, grads, psum = kk.sparse_kl(qi, ki, w, idx, lambda r0, r1, _i: raw[:, r0:r1], 700, False, sel_lse,
-                                     normalize=True, grad_scale=3.0)
+                                     normalize=True, grad_scale=3.0, tuning=tuning)
     assert abs(loss.item() - ref.item()) < 1e-3 * ref.item() and abs(psum.item() - 1.0) < 1e-5
     for a, e in zip(grads, ref_grads):
         assert not a.isnan().any() and _relmax(a, 3.0 * e) < 2e-2

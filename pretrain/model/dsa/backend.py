@@ -17,7 +17,12 @@ under TRITON_INTERPRET=1). Both return the same results up to floating-point rou
 
 Choices: "reference"; "triton" (an error where Triton cannot run); "auto": Triton on CUDA tensors
 when triton is installed, the reference otherwise. On CUDA without triton "auto" warns once per
-process, since the reference is about 14x slower there.
+process, since the reference is much slower there.
+
+`TritonBackend` holds a `DSAKernelTuning` (the kernels' switches and launch parameters; default: the measured
+choices) and hands it to every kernel call. Which kernels run for a layer's heads and GPU (`kernels.plan`) is said
+once in the log at INFO when the first sparse attention runs, e.g. "DSA kernels: 16 heads/rank sm_90 ->
+forward=gluon-keys-as-M, backward=triton, dkv=fused, partitioned(96 MiB)".
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from pretrain.model.dsa.indexer import VisibleKeys, indexer_topk
 from pretrain.model.dsa.indexer_fp8 import selection_inputs
 from pretrain.model.dsa.indexer_loss import apply_kl, sparse_kl_plan
 from pretrain.model.dsa.kernels import interpreting, triton_available
+from pretrain.model.dsa.kernels.plan import log_once
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning
 from pretrain.config.schema import ModelConfig
+from pretrain.model.notices import warn_once
 from pretrain.model.dsa.sparse_mla import output_delta, sparse_mla_attention, sparse_mla_backward, sparse_mla_forward
 
 BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backend"])  # the config field's choices
@@ -59,11 +67,17 @@ class ReferenceBackend:
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """q_abs [b, s, h, D], kv [b, T, D] -> (out [b, s, h, v_dim], lse [b, s, h] fp32)."""
+        self._say_plan(q_abs)
         return sparse_mla_attention(q_abs, kv, indices, scale, v_dim, chunk)
 
     def attention_forward(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """`sparse_attention`'s forward, no autograd: (out, lse)."""
+        self._say_plan(q_abs)
         return sparse_mla_forward(q_abs, kv, indices, scale, v_dim, chunk)
+
+    @staticmethod
+    def _say_plan(q_abs) -> None:
+        log_once(f"DSA kernels: {q_abs.shape[2]} heads/rank {q_abs.device.type} -> reference (PyTorch) backend")
 
     def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int,
                            head_sums=None):
@@ -91,15 +105,27 @@ class TritonBackend:
     """The Triton kernels; `deterministic` (megatron's `deterministic_mode`) reduces key gradients
     in a fixed order instead of with atomics; `key_partition_bytes` (`model.dsa_key_partition_mib`): the
     attention backward walks the keys in partitions of that many bytes of kv + fp32 dkv rows, 0: one pass, None: the
-    kernels' measured default (`kernels.sparse_mla.partition_budget`)."""
+    tuning's (default: the kernels' measured budget, `kernels.plan.kernel_plan`). `tuning`: the kernels'
+    `DSAKernelTuning` (None: the defaults)."""
 
     name = "triton"
 
     def __init__(self, deterministic: bool = False, key_partition_bytes: Optional[int] = None,
-                 indexer_fp8: bool = False):
+                 indexer_fp8: bool = False, tuning: Optional[DSAKernelTuning] = None):
         self.deterministic = bool(deterministic)
         self.key_partition_bytes = key_partition_bytes
         self.indexer_fp8 = bool(indexer_fp8)
+        self.tuning = DEFAULT_TUNING if tuning is None else tuning
+        if not isinstance(self.tuning, DSAKernelTuning):
+            raise TypeError(f"TritonBackend's tuning must be a DSAKernelTuning, got {type(self.tuning).__name__}")
+
+    def plan(self, q_abs, kv, v_dim: int):
+        """The `kernels.plan.KernelPlan` of the sparse attention on these inputs (said once in the log at INFO)."""
+        from pretrain.model.dsa.kernels.sparse_mla import attention_plan
+
+        plan = attention_plan(q_abs, kv, v_dim, self.tuning, self.deterministic, self.key_partition_bytes)
+        log_once(plan.describe())
+        return plan
 
     def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int, with_lse: bool = False):
         """As the reference (int32 indices); the kernel bounds its own score buffer, `chunk` is unused.
@@ -111,23 +137,26 @@ class TritonBackend:
 
         if self.indexer_fp8:
             q8, k8, w8, k_scale = selection_inputs(q, k, w)
-            indices = kernel(q8, k8, w8, topk, *keys.ranges(), check_ranges=False, k_scale=k_scale)
+            indices = kernel(q8, k8, w8, topk, *keys.ranges(), check_ranges=False, k_scale=k_scale,
+                             tuning=self.tuning)
             return (indices, None) if with_lse else indices
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if with_lse else None
-        indices = kernel(q, k, w, topk, *keys.ranges(), check_ranges=False, lse=lse)
+        indices = kernel(q, k, w, topk, *keys.ranges(), check_ranges=False, lse=lse, tuning=self.tuning)
         return (indices, lse) if with_lse else indices
 
     def sparse_attention(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """As the reference; one program per query token, `chunk` is unused."""
         from pretrain.model.dsa.kernels.sparse_mla import sparse_mla_attention as kernel
 
-        return kernel(q_abs, kv, indices, scale, v_dim, self.deterministic)
+        self.plan(q_abs, kv, v_dim)
+        return kernel(q_abs, kv, indices, scale, v_dim, self.deterministic, self.tuning)
 
     def attention_forward(self, q_abs, kv, indices, scale: float, v_dim: int, chunk: int):
         """As the reference's (the kernel's forward)."""
         from pretrain.model.dsa.kernels.sparse_mla import sparse_mla_forward as kernel
 
-        return kernel(q_abs, kv, indices, scale, v_dim)
+        self.plan(q_abs, kv, v_dim)
+        return kernel(q_abs, kv, indices, scale, v_dim, self.tuning)
 
     def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int,
                            head_sums=None):
@@ -138,7 +167,7 @@ class TritonBackend:
         # the latent gradient arrives head-major from W_UV's product: the kernels read it in place (no 2 h C copy)
         grad_out = unit_feature_stride(grad_out)
         return kernel(q_abs, kv, indices, lse, delta_of(grad_out, out), grad_out, scale, v_dim, self.deterministic,
-                      head_sums, key_partition_bytes=self.key_partition_bytes)
+                      head_sums, key_partition_bytes=self.key_partition_bytes, tuning=self.tuning)
 
     def sparse_kl_plan(self, indices, target: Callable, chunk: int, max_rows: Optional[int] = None,
                        lse=None, normalize: bool = False, grad_scale: float = 1.0) -> Callable:
@@ -148,24 +177,14 @@ class TritonBackend:
         target and scales the gradients itself."""
         from pretrain.model.dsa.kernels.indexer_kl import sparse_kl as kernel
 
-        deterministic = self.deterministic
-        return lambda q, k, w: kernel(q, k, w, indices, target, max_rows, deterministic, lse, normalize, grad_scale)
+        deterministic, tuning = self.deterministic, self.tuning
+        return lambda q, k, w: kernel(q, k, w, indices, target, max_rows, deterministic, lse, normalize, grad_scale,
+                                      tuning)
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
                   lse=None):
         """As the reference's."""
         return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params)
-
-
-_WARNED_NO_TRITON = False
-
-
-def _warn_reference_on_cuda() -> None:
-    global _WARNED_NO_TRITON
-    if not _WARNED_NO_TRITON:
-        _WARNED_NO_TRITON = True
-        warnings.warn("model.dsa_kernel_backend=auto: triton is not installed, so DSA runs its PyTorch reference on "
-                      "CUDA (about 14x slower than the Triton kernels); install triton", RuntimeWarning, stacklevel=3)
 
 
 def _reference(key_partition_bytes, indexer_fp8: bool) -> ReferenceBackend:
@@ -176,8 +195,10 @@ def _reference(key_partition_bytes, indexer_fp8: bool) -> ReferenceBackend:
 
 
 def select_backend(choice: str, device_type: str, deterministic: bool = False,
-                   key_partition_bytes: Optional[int] = None, indexer_fp8: bool = False):
-    """The backend for tensors on `device_type` under `model.dsa_kernel_backend` = `choice`."""
+                   key_partition_bytes: Optional[int] = None, indexer_fp8: bool = False,
+                   tuning: Optional[DSAKernelTuning] = None):
+    """The backend for tensors on `device_type` under `model.dsa_kernel_backend` = `choice`; `tuning`: the Triton
+    kernels' (None: the defaults)."""
     if choice not in BACKENDS:
         raise ValueError(f"model.dsa_kernel_backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "reference":
@@ -186,14 +207,15 @@ def select_backend(choice: str, device_type: str, deterministic: bool = False,
         if device_type != "cuda":
             return _reference(key_partition_bytes, indexer_fp8)
         if not triton_available():
-            _warn_reference_on_cuda()
+            warn_once("model.dsa_kernel_backend=auto: triton is not installed, so DSA runs its PyTorch reference on "
+                      "CUDA (about 14x slower than the Triton kernels); install triton", stacklevel=2)
             return _reference(key_partition_bytes, indexer_fp8)
-        return TritonBackend(deterministic, key_partition_bytes, indexer_fp8)
+        return TritonBackend(deterministic, key_partition_bytes, indexer_fp8, tuning)
     if not triton_available() or not (device_type == "cuda" or interpreting()):
         raise RuntimeError(
             "model.dsa_kernel_backend=triton needs the triton package and CUDA tensors (or TRITON_INTERPRET=1 "
             "on CPU); use dsa_kernel_backend=auto or reference")
-    return TritonBackend(deterministic, key_partition_bytes, indexer_fp8)
+    return TritonBackend(deterministic, key_partition_bytes, indexer_fp8, tuning)
 
 
 __all__ = ["BACKENDS", "ReferenceBackend", "TritonBackend", "select_backend"]

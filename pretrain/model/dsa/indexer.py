@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pretrain.model.dsa.kernels import triton_available
+from pretrain.model.dsa.kernels.ranges import ranges_move_backwards
 
 
 class LightningIndexer(nn.Module):
@@ -149,11 +150,6 @@ class VisibleKeys:
                              "sequence (causal attention within documents); this attention mask's do. Set "
                              "model.dsa_kernel_backend=reference")
         return lo, hi
-
-
-def ranges_move_backwards(lo: torch.Tensor, hi: torch.Tensor) -> bool:
-    """Whether some row's visible-key range [lo, hi) starts or ends before the previous row's (a host sync)."""
-    return bool((lo.diff(dim=-1) < 0).any() | (hi.diff(dim=-1) < 0).any())
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ exact in fp32, so the Triton kernel runs q8 . k8 on FP8 tensor cores (twice bf16
 scales after: s_q folded into the head weights w, s_k on the score columns. Only the selection uses I8; the
 indexer loss (KL to the attention) keeps the bf16 scores, so the indexer trains as before. DeepSeek pairs its FP8
 indexer with a Hadamard rotation of q_I and k_I (`model.dsa_indexer_hadamard`), which spreads outlier dims before the
-per-row scale is taken; the two keys are independent here. What FP8 costs in selection accuracy:
-`benchmarks/dsa_indexer_fp8.py` (recall of the bf16 top-k, per layer).
+per-row scale is taken; the two keys are independent here. What FP8 costs in selection accuracy (recall of the bf16
+top-k, per layer) and what it saves: docs/dsa.md.
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tens
 
     Its target p = sum_h P_h / sum is what the sparse attention's backward forms anyway (P = exp(s - lse)
     at every selected key); in forward it would take a second gather of kv and 2 h K (C + R) FLOPs per
-    token (13 ms per layer at 32K with 16 heads on an H200, `benchmarks/results/README.md`). So this
+    token (docs/dsa.md gives its cost at 32K). So this
     returns `channel` [b, s, K] (zeros, stride 0) for `sparse_core.sparse_mla_core`, whose backward
     hands the head sums back as the channel's gradient; autograd runs this function's backward after
     it: the KL, its gradient into (q_I, k_I, w) and on through the indexer's projection, recomputed from

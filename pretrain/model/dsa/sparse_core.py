@@ -43,8 +43,8 @@ def _absorbed(q_nope, q_pe, w_uk):
     """q_nope [s, b, h, dn], q_pe [s, b, h, dr] -> q_abs [b, s, h, c + dr] (a view of an [s, b, ...] tensor).
 
     One GEMM per head writes W_UK_h^T q_nope_h straight into the latent columns of q_abs (cuBLAS takes the row
-    stride h (c + dr)), and q_pe is copied into the rope columns. The product followed by a cat took 1.65 ms per
-    layer at glm5-proxy's 32K, in forward and again in backward (benchmarks/results/README.md)."""
+    stride h (c + dr)), and q_pe is copied into the rope columns: no product followed by a cat, in forward and
+    again in backward."""
     s, b, h, dn = q_nope.shape
     c, dr = w_uk.shape[-1], q_pe.shape[-1]
     q_abs = q_nope.new_empty(s, b, h, c + dr)
@@ -69,8 +69,8 @@ def _expanded(o_lat, w_uv):
 def _query_gradient(dq_lat, w_uk):
     """dq_lat [b, s, h, c] (a view of the absorbed query's gradient), w_uk [h, dn, c] -> dq_nope [s, b, h, dn]
     contiguous: one GEMM per head into [s, b, h, dn] rows. As an einsum the result came head-major, and the
-    q projection's split backward then concatenated it with dq_pe from that layout: 0.63 ms per layer at glm5-proxy's
-    32K against 0.16 for two contiguous inputs (benchmarks/results/README.md)."""
+    q projection's split backward then concatenated it with dq_pe from that layout, about 4x slower than from two
+    contiguous inputs."""
     b, s, h, c = dq_lat.shape
     dn = w_uk.shape[1]
     out = dq_lat.new_empty(s, b, h, dn)

@@ -2,13 +2,16 @@
 
 - `indexer_topk`: lightning-indexer scores and exact top-k selection (`radix_select`), no [S, S] matrix;
 - `sparse_mla`: sparse MLA attention in absorbed form, forward and backward (`sparse_mla_dkv`: the key gradient's
-  own pass from 32 heads; `sparse_mla_fwd_ws`, `sparse_mla_bwd_ws`, `sparse_mla_dq_ws`: the 64-head forward and
-  the backward's first pass (scores, then dq) on Hopper, warp-specialized, in Gluon; `sparse_mla_fwd_km`: the
-  8-32-head forward on Hopper, the selected keys as the MMA's M);
+  own pass from 32 heads); `hopper`: the same on Hopper, warp-specialized, in Gluon (the forwards at 64 and at 8-32
+  heads per rank, the 64-head backward's first pass);
 - `packed_indices`: the int16 top-k indices kept for backward, unpacked in one pass;
 - `indexer_kl`: the sparse indexer loss (KL at the selected keys) and its gradient, in one kernel;
 - `segment_sum`: the deterministic per-key reduction the backward passes can use instead of atomics;
-- `common`: launch parameters and the tile loads the kernels share.
+- `atomics`: the fp32 row adds of the key gradients;
+- `tuning`: `DSAKernelTuning`, every switch and launch parameter of the kernels in one frozen object;
+- `plan`: which kernels run for a layer's heads per rank and GPU (`kernel_plan`), said once in the log;
+- `common`: launch parameters and the tile loads the kernels share, the GPU's capability; `ranges`: the checks on
+  visible-key ranges that the kernels and the reference share.
 
 The DSA layer reaches them through `pretrain.model.dsa.backend.TritonBackend`; the PyTorch reference
 (`pretrain.model.dsa.indexer`, `sparse_mla`, `indexer_loss`) is their oracle. With TRITON_INTERPRET=1

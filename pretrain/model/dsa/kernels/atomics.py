@@ -5,15 +5,13 @@ section; DeepSeek-V3.2 section 2).
 
 Keys are shared between query tokens, so the sparse attention backward (`sparse_mla`, `sparse_mla_dkv`) and the
 indexer loss's backward (`indexer_kl`) sum their per-(token, selected key) rows with fp32 atomics: 576 values per
-pair in the attention, 128 in the indexer, the largest cost of the 8-16-head backward (benchmarks/results/
-README.md, "Cost per (query token, selected key) pair"). Triton 3.6 lowers `tl.atomic_add` to one scalar
-reduction per value (`REDG.E.ADD.F32` in SASS) whatever the layout. Hopper also has 16-byte vector reductions
-(`red.global.add.v4.f32`, PTX ISA 8.1, sm_90), a quarter of the instructions for the same bytes; `add_rows`
-can split a tile's columns into four interleaved tensors (columns 4i .. 4i + 3) and issue one such reduction per
-four columns through inline PTX. Measured on an H200 (benchmarks/results/README.md, 2026-11-26-atomics/), it
-gains nothing: the backward at 8-64 heads and 16K / 32K keys within -4% .. +1%, the indexer loss's backward 6-8%
-slower. The reductions are bound by the L2's atomic throughput in bytes, not by instruction issue. So the scalar
-form stays the default and the vector form is a switch the benchmarks time (`VECTOR_ATOMICS`). Modes
+pair in the attention, 128 in the indexer, the largest cost of the 8-16-head backward. Triton 3.6 lowers
+`tl.atomic_add` to one scalar reduction per value (`REDG.E.ADD.F32` in SASS) whatever the layout. Hopper also has
+16-byte vector reductions (`red.global.add.v4.f32`, PTX ISA 8.1, sm_90), a quarter of the instructions for the same
+bytes; `add_rows` can split a tile's columns into four interleaved tensors (columns 4i .. 4i + 3) and issue one such
+reduction per four columns through inline PTX. They measured no faster (the reductions are bound by the L2's atomic
+throughput in bytes, not by instruction issue), so the scalar form is the default and the vector form a tuning
+switch (`DSAKernelTuning.vector_atomics`). Modes
 (`reduction_mode`, a kernel constexpr):
 
 - 0: `tl.atomic_add` (any GPU, any widths; the default);
@@ -27,35 +25,25 @@ the adds, as two runs of mode 0 do.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from pretrain.model.dsa.kernels import interpreting
-
-# True: vector reductions wherever `reduction_mode` allows them; False: tl.atomic_add (the measured default).
-VECTOR_ATOMICS = False
+from pretrain.model.dsa.kernels.common import capability
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
-def reduction_mode(t: torch.Tensor, *widths: int) -> int:
-    """The `add_rows` mode for fp32 rows of buffer `t`: 0 unless VECTOR_ATOMICS; then 2 on CUDA sm_90+, 1 in the
-    interpreter, 0 otherwise, and 0 unless every width (row stride, column limits) is a multiple of 4, so that each
-    group of four columns is one aligned 16-byte word."""
-    if not VECTOR_ATOMICS or t.dtype != torch.float32 or any(int(w) % 4 for w in widths):
+def reduction_mode(t: torch.Tensor, *widths: int, vector: bool = False) -> int:
+    """The `add_rows` mode for fp32 rows of buffer `t`: 0 unless `vector` (`DSAKernelTuning.vector_atomics`); then 2
+    on CUDA sm_90+, 1 in the interpreter, 0 otherwise, and 0 unless every width (row stride, column limits) is a
+    multiple of 4, so that each group of four columns is one aligned 16-byte word."""
+    if not vector or t.dtype != torch.float32 or any(int(w) % 4 for w in widths):
         return 0
     if interpreting():
         return 1
     if not t.is_cuda:
         return 0
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return 2 if _capability(index) >= (9, 0) else 0
+    return 2 if capability(t.device) >= (9, 0) else 0
 
 
 @triton.jit

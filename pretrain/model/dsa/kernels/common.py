@@ -8,6 +8,9 @@ gathered key rows, and their scores q . k over both parts (fp32).
 
 from __future__ import annotations
 
+import functools
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +27,20 @@ def dot_precision(t: torch.Tensor) -> str:
 
 
 LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """The compute capability (major, minor) of a CUDA `device`; None for any other device (the CPU, where the
+    Triton kernels run in the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _device_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

@@ -33,11 +33,7 @@ import triton.language as tl
 from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import dot_precision, pow2
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
-
-# (BN slots per block, num_warps, num_stages, slots as the MMA's M) of the kernel (`benchmarks/dsa_kernels.py
-# --kl-configs` sweeps it)
-CONFIG = (64, 4, 2, 1)
-
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning
 
 @triton.jit
 def _slot_scores(qo, w, k_ptr, idx_row, j0, K, d, dm, s_kt, scale, BN: tl.constexpr, PREC: tl.constexpr,
@@ -150,7 +146,8 @@ def _sparse_kl_kernel(q_ptr, k_ptr, w_ptr, idx_ptr, p_ptr, lse_ptr, dq_ptr, dw_p
 
 
 def sparse_kl(q, k, w, indices, target: Callable, rows: Optional[int] = None, deterministic: bool = False,
-              lse: Optional[torch.Tensor] = None, normalize: bool = False, grad_scale: float = 1.0):
+              lse: Optional[torch.Tensor] = None, normalize: bool = False, grad_scale: float = 1.0,
+              tuning: DSAKernelTuning = DEFAULT_TUNING):
     """The sparse indexer loss over the selected keys and its gradient, no autograd: q_I [b, s, H, d], k_I [b, T, d]
     (d-contiguous; T keys, e.g. gathered over context parallelism), w [b, s, H], indices [b, s, K] (int32, -1 =
     empty), `target(r0, r1, indices[:, r0:r1])` -> p [b, r1 - r0, K] (fp32, 0 on empty slots), asked for `rows`
@@ -171,9 +168,9 @@ def sparse_kl(q, k, w, indices, target: Callable, rows: Optional[int] = None, de
     dw = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
     dk = torch.zeros(b, k.shape[1], d, dtype=torch.float32, device=q.device)
     stats = torch.empty(b, s, 2, dtype=torch.float32, device=q.device)
-    prec, red = dot_precision(q), reduction_mode(dk, d)
+    prec, red = dot_precision(q), reduction_mode(dk, d, vector=tuning.vector_atomics)
     rows = s if rows is None else max(1, int(rows))
-    bn, warps, stages, keys_m = CONFIG
+    bn, warps, stages, keys_m = tuning.kl_tiles  # (BN slots per block, num_warps, num_stages, slots as M)
     if lse is not None and (lse.shape != (b, s) or lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous fp32 [{b}, {s}] tensor, got {lse.dtype} {tuple(lse.shape)}")
 

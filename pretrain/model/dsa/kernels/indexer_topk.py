@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.dsa.indexer import ranges_move_backwards
 from pretrain.model.dsa.kernels.common import dot_precision, pow2
 from pretrain.model.dsa.kernels.radix_select import select_rows
+from pretrain.model.dsa.kernels.ranges import ranges_move_backwards
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning
 
 
 @triton.jit
@@ -81,15 +82,11 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, ks_ptr, r0, n_r
                  mask=row_ok[:, None] & (n[None, :] < T))
 
 
-# (BM tokens, BN keys, num_warps, num_stages, keys as the MMA's M) of the score kernel; BM 0: 128 // heads.
-# H200 sweep at S = 32K, 32 heads (benchmarks/results/README.md): keys as M, 64 keys x 4 tokens, 4 warps 567 TFLOP/s;
-# the (token, head) rows as M at their best (4 x 64, 8 warps) 294: the head sum then crosses warps.
-SCORE_CONFIG = (0, 64, 4, 3, True)
-
-
-def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
-    """(BH, BM, BN, num_warps, num_stages, keys_m): BM tokens x BH heads = 128 MMA columns (or rows) by default."""
-    bm0, bn0, warps0, stages0, keys_m = SCORE_CONFIG
+def _score_config(h: int, block_m: int, block_n: int, num_warps: int, tiles):
+    """(BH, BM, BN, num_warps, num_stages, keys_m) from `tiles` (`DSAKernelTuning.score_tiles`: keys as the MMA's M,
+    64 keys x 128 / heads tokens, 4 warps, the best of an H200 sweep; with the (token, head) rows as M the head sum
+    crosses warps): BM tokens x BH heads = 128 MMA columns (or rows) by default."""
+    bm0, bn0, warps0, stages0, keys_m = tiles
     bh = pow2(h, 1)
     bm = block_m or bm0 or max(1, 128 // bh)
     return (bh, max(bm, 16 // bh if bh < 16 else 1), block_n or bn0 or 64, num_warps or warps0 or 8, stages0 or 3,
@@ -97,13 +94,13 @@ def _score_config(h: int, block_m: int, block_n: int, num_warps: int):
 
 
 def index_score_rows(q, k, w, lo, hi, r0: int, n: int, out: torch.Tensor, block_m: int = 0, block_n: int = 0,
-                     num_warps: int = 0, k_scale=None) -> torch.Tensor:
+                     num_warps: int = 0, k_scale=None, tuning: DSAKernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Scores of query rows [r0, r0 + n) into out[:, :n] ([b, >= n, T] fp32); keys outside a row's
     [lo, hi) are -inf or left unwritten. lo / hi int32 contiguous [b | 1, s]. q and k bf16 / fp32, or
     float8_e4m3fn with `k_scale` [b, T] fp32 multiplying each key's column (`indexer_fp8`)."""
     b, s, h, d = q.shape
     t = k.shape[1]
-    bh, bm, bn, warps, stages, keys_m = _score_config(h, block_m, block_n, num_warps)
+    bh, bm, bn, warps, stages, keys_m = _score_config(h, block_m, block_n, num_warps, tuning.score_tiles)
     ks = k_scale if k_scale is not None else w
     _scores_kernel[(triton.cdiv(n, bm), b)](
         q, k, w, lo, hi, out, ks, r0, n, t,
@@ -147,7 +144,8 @@ def visible_ranges(lo: torch.Tensor, hi: torch.Tensor, check: bool = True):
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, lo: torch.Tensor, hi: torch.Tensor,
                  buffer_bytes: int = 1 << 30, block_m: int = 0, block_n: int = 0, num_warps: int = 0,
-                 check_ranges: bool = True, k_scale=None, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 check_ranges: bool = True, k_scale=None, lse: Optional[torch.Tensor] = None,
+                 tuning: DSAKernelTuning = DEFAULT_TUNING) -> torch.Tensor:
     """q [b, s, H_I, d], k [b, T, d], w [b, s, H_I] (fp32), lo / hi [b | 1, s] (visible keys [lo, hi)) ->
     indices [b, s, min(topk, T)] int32, ascending per row, -1 padded. `check_ranges`: see `visible_ranges`.
     FP8 selection (`pretrain.model.dsa.indexer_fp8`): q, k float8_e4m3fn, w with the query scales folded in,
@@ -167,8 +165,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, l
     buf = torch.empty(b, min(rows, s), t, dtype=torch.float32, device=q.device)
     for r0 in range(0, s, rows):
         n = min(rows, s - r0)
-        index_score_rows(q, k, w, lo, hi, r0, n, buf, block_m, block_n, num_warps, k_scale)
-        select_rows(buf, lo, hi, r0, n, topk, out)
+        index_score_rows(q, k, w, lo, hi, r0, n, buf, block_m, block_n, num_warps, k_scale, tuning)
+        select_rows(buf, lo, hi, r0, n, topk, out, tuning=tuning.select)
         if lse is not None:
             _selected_lse_kernel[(n, b)](buf, out, lse, r0, s, out.shape[-1], buf.stride(0), buf.stride(1),
                                          out.stride(0), out.stride(1), BLOCK=256)

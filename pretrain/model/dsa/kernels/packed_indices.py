@@ -5,13 +5,13 @@
     unpacked = -1            where packed = -1 (an empty slot, 0xFFFF)
              = packed & 0xFFFF  otherwise (the unsigned 16-bit key index: keys 32768..65534 were wrapped)
 
-In PyTorch that is a widening copy, a comparison, a mask and a select: four passes over [b, s, K], about 0.55 ms per
-unpack at glm5-proxy's 32K (two unpacks per DSA layer, in the attention backward and in the indexer loss's;
-benchmarks/results/README.md). One kernel reads the int16 tensor once and writes the int32 one.
+In PyTorch that is a widening copy, a comparison, a mask and a select: four passes over [b, s, K], twice per DSA
+layer (in the attention backward and in the indexer loss's). One kernel reads the int16 tensor once and writes the
+int32 one.
 
 `valid_counts`: nvalid[b, t] = #{j : indices[b, t, j] >= 0}, the valid slots of each row that the sparse attention
-kernels walk. `(indices >= 0).sum(-1, dtype=int32)` is a comparison, a widening copy and a reduction: about 0.34 ms
-per call at glm5-proxy's 32K, two calls per DSA layer (benchmarks/results/README.md); one kernel reads the row once.
+kernels walk. `(indices >= 0).sum(-1, dtype=int32)` is a comparison, a widening copy and a reduction, twice per DSA
+layer; one kernel reads the row once.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@ histogram pass from the top, then writes the selected key indices in ascending o
 K-th largest value is selected, and among keys equal to it the lowest key indices; -0.0 counts as +0.0. Rows with
 at most K visible keys list all of them and pad with -1. The result is deterministic.
 
-Passes over a row of n keys (each pass loads its next block while it works on this one, `SELECT_PREFETCH`):
+Passes over a row of n keys (each pass loads its next block while it works on this one, `SelectTuning.prefetch`):
 
-- sampled (`SELECT_SAMPLE`, rows of 8K keys or more): the r-th largest of a sample, 64 chunks of n / 1,024 keys (at
-  most 128) spread over the row, r such that about 1.5 K keys are expected at or above it, is a threshold; one pass
-  copies the keys at or above it; if they are at least K and at most the capacity, the four radix passes and the
+- sampled (`SelectTuning.sample`, rows of 8K keys or more): the r-th largest of a sample, 64 chunks of n / 1,024 keys
+  (at most 128) spread over the row, r such that about 1.5 K keys are expected at or above it, is a threshold; one
+  pass copies the keys at or above it; if they are at least K and at most the capacity, the four radix passes and the
   write read only the copy. So the row is read once, plus the sample (1/16 of it, at most 8,192 keys). The K-th
-  largest is among the copied keys whenever they are at least K, so the result is exact whatever the sample; a
-  sample unlike its row only costs the passes below.
+  largest is among the copied keys whenever they are at least K, so the result is exact whatever the sample; a sample
+  unlike its row only costs the passes below.
 - otherwise: two 8-bit passes over the row; the keys still in play (above the K-th largest's 16-bit bucket, and that
   bucket) are copied out when they fit the capacity (`select_capacity`) and the last two passes and the write read
   only them: three passes over the row; past the capacity, five.
@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from pretrain.model.dsa.kernels.tuning import SelectTuning
 
 
 @triton.jit
@@ -216,36 +218,26 @@ def _radix_select_kernel(s_ptr, lo_ptr, hi_ptr, out_ptr, cv_ptr, ci_ptr, count_p
 
 
 
-SELECT_BLOCK, SELECT_WARPS = 512, 4  # H200 sweep
-SELECT_PREFETCH = True  # each pass loads its next block while it works on this one (`_block`)
-SELECT_SAMPLE = True  # a sampled threshold first (module docstring)
-# the sample: 64 chunks of n / 1,024 keys, at most 128 (8,192 keys from rows of 128K), at least 8 (rows of 8K); with
-# a quarter of the row sampled (an H200 run) rows of 2K-16K keys were selected slower than by the radix passes alone
-SAMPLE_CHUNKS, SAMPLE_CHUNK, SAMPLE_MIN_CHUNK = 64, 128, 8
-SELECT_CAPACITY = 2  # candidates kept per row after two radix passes, in multiples of K (see select_rows)
-SELECT_SCRATCH_BYTES = 64 << 20  # the candidates' scratch; rows beyond it are selected in further launches
-
-
-def select_capacity(topk: int, t: int) -> int:
+def select_capacity(topk: int, t: int, tuning: SelectTuning = SelectTuning()) -> int:
     """Candidates per row that `select_rows` compacts (0: it never compacts, the rows are short)."""
-    cap = SELECT_CAPACITY * int(topk)
+    cap = tuning.capacity * int(topk)
     return cap if cap < t else 0
 
 
 def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: torch.Tensor,
-                sampled: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sampled: Optional[torch.Tensor] = None, tuning: SelectTuning = SelectTuning()) -> torch.Tensor:
     """Exact top-k (the tie rule above) of score rows [r0, r0 + n) (scores[:, :n]) into out[:, r0:r0 + n].
 
     The passes are the module docstring's: a sampled threshold and one copy of the keys above it (rows long enough
     for the sample), else two 8-bit radix passes and a copy of the keys still in play when they fit in
-    `select_capacity` (three passes over the row instead of five, 1.3-1.5x at 16K-128K, H200,
-    `benchmarks/results/README.md`). The copies take 8 bytes per candidate in a scratch of at most
-    `SELECT_SCRATCH_BYTES`, reused by launches over successive rows. `sampled` (an int32 tensor of one element):
-    add to it the number of rows selected from the sample's copy (the others took the radix passes)."""
+    `select_capacity` (three passes over the row instead of five). The copies take 8 bytes per candidate in a
+    scratch of at most `tuning.scratch_bytes`, reused by launches over successive rows. `sampled` (an int32 tensor
+    of one element): add to it the number of rows selected from the sample's copy (the others took the radix
+    passes). `tuning`: `DSAKernelTuning.select`."""
     b = out.shape[0]
     k = min(int(topk), scores.shape[-1])
-    cap = select_capacity(k, scores.shape[-1])
-    per = max(1, min(n, SELECT_SCRATCH_BYTES // (8 * cap * b))) if cap else n
+    cap = select_capacity(k, scores.shape[-1], tuning)
+    per = max(1, min(n, tuning.scratch_bytes // (8 * cap * b))) if cap else n
     cv = torch.empty(b, per if cap else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
     ci = torch.empty(cv.shape, dtype=torch.int32, device=scores.device)
     for q0 in range(0, n, per):
@@ -253,7 +245,7 @@ def select_rows(scores: torch.Tensor, lo, hi, r0: int, n: int, topk: int, out: t
         _radix_select_kernel[(min(per, n - q0), b)](
             sc, lo, hi, out, cv, ci, ci if sampled is None else sampled, r0 + q0, k, sc.stride(0), sc.stride(1),
             0 if lo.shape[0] == 1 else lo.stride(0), out.stride(0), out.stride(1), cv.stride(0), cv.stride(1), cap,
-            BLOCK=SELECT_BLOCK, PREFETCH=bool(SELECT_PREFETCH), SAMPLE=bool(SELECT_SAMPLE) and cap > 0,
-            NCH=SAMPLE_CHUNKS, CH=SAMPLE_CHUNK, MIN_CH=SAMPLE_MIN_CHUNK, COUNT=sampled is not None,
-            num_warps=SELECT_WARPS)
+            BLOCK=tuning.block, PREFETCH=bool(tuning.prefetch), SAMPLE=bool(tuning.sample) and cap > 0,
+            NCH=tuning.sample_chunks, CH=tuning.sample_chunk, MIN_CH=tuning.sample_min_chunk,
+            COUNT=sampled is not None, num_warps=tuning.warps)
     return out

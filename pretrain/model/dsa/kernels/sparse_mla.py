@@ -5,10 +5,9 @@ DeepSeek-V3.2 section 2). The math and the reference are `pretrain.model.dsa.spa
     o_h(t)    = sum_j softmax_j(s_h(t, .)) kv[S_t[j], :C],   lse_h(t) saved (fp32)
 
 One program per query token: its H heads form the MMA's M dimension (all heads share S_t), the
-token's selected keys are gathered BN at a time, with an online softmax in fp32 (exp2 domain). With 64 heads on
-Hopper the forward runs the warp-specialized Gluon kernel of `sparse_mla_fwd_ws` instead (same results, 1.7x), and
-the backward's first pass those of `sparse_mla_bwd_ws` and `sparse_mla_dq_ws` (bitwise the same results); with
-8-32 heads on Hopper the forward runs `sparse_mla_fwd_km`, the selected keys as the MMA's M (1.35-1.6x).
+token's selected keys are gathered BN at a time, with an online softmax in fp32 (exp2 domain). On Hopper the forward
+and, at 64 heads, the backward's first pass run the Gluon kernels of `kernels.hopper` instead (same results; which
+kernel runs where is `plan.kernel_plan`'s decision, docs/dsa.md gives their speeds).
 
 Backward per token recomputes P = exp(s - lse), dP = dO kv[:, :C]^T, dS = P (dP - Delta) scale, with
 Delta = rowsum(dO * O), and forms dq = dS kv and the key/value gradient of each gathered block,
@@ -17,8 +16,8 @@ runs either through fp32 atomics (fast, order-dependent rounding) or, with `dete
 through per-(token, slot) contributions reduced per key in a fixed order (`segment_sum`). From 32
 heads the atomic sum comes from a second pass over dS and P stored per (token, slot)
 (`sparse_mla_dkv`); with fewer heads this kernel forms it next to dq, and past ~16K keys it walks the keys in
-partitions small enough for L2 (`partition_budget`), one launch per partition over all query rows, each token taking
-the run of its ascending selection inside the partition (`key_partitions`).
+partitions small enough for L2 (`plan.key_partitions`), one launch per partition over all query rows, each token
+taking the run of its ascending selection inside the partition.
 """
 
 from __future__ import annotations
@@ -29,16 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as bwd_ws
-from pretrain.model.dsa.kernels import sparse_mla_fwd_km as fwd_km
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
 from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import (
-    LOG2E, block_scores, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
+    LOG2E, block_scores, capability, dot_precision, gather_block, load_query, mla_shapes, pow2, slot_range,
 )
 from pretrain.model.dsa.kernels.packed_indices import valid_counts
+from pretrain.model.dsa.kernels.plan import (GLUON, GLUON_HEADS_AS_M, GLUON_KEYS_AS_M, TRITON, kernel_plan,
+                                            key_partitions)
 from pretrain.model.dsa.kernels.segment_sum import scatter_rows_deterministic
-from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows, separate_pass_pays
+from pretrain.model.dsa.kernels.sparse_mla_dkv import empty_scratch, key_gradient, scratch_rows
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning, KeyGradient
 
 @triton.jit
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, H,
@@ -125,8 +124,8 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         ds_t = tl.trans(dsc)
         p_t = tl.trans(p.to(k_lat.dtype))
         dk_rope = tl.dot(ds_t, q_rope, input_precision=PREC)
-        # DKV: 0 = fp32 atomics into dkv, 1 = per-(token, slot) rows into part (deterministic),
-        # 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only),
+        # DKV (`KeyGradient`'s value): 0 = fp32 atomics into dkv, 1 = per-(token, slot) rows into part
+        # (deterministic), 2 = no key gradient, 3 = key gradient computed but not written (2 and 3: timing only),
         # 5 = dS and P stored per (token, slot) for the separate key-gradient pass (sparse_mla_dkv).
         pb = part_ptr + bid * s_pb + (t - r0).to(tl.int64) * s_pt + j[:, None] * s_pj
         drow = dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R)  # each slot's key row in dkv
@@ -169,13 +168,12 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     tl.store(dqb + C + r[None, :], dq_rope.to(dq_ptr.dtype.element_ty), mask=mr)
 
 
-DKV_MODE = None  # benchmarks only: force the key-gradient mode of the backward kernel (see _bwd_kernel)
-
-
-def kernel_config(h: int, c: int, backward: bool = False):
-    """(BN, num_warps, num_stages[, CC]): at 64 heads from the H200 sweep in benchmarks/dsa_kernel_sweep.py;
-    with up to 32 heads (per rank) from benchmarks/dsa_heads_sweep.py (H100), where one warp group and
-    deeper pipelining beat two warp groups: 1.7x the backward at 8-16 heads, 1.2-1.4x at 32."""
+def kernel_config(h: int, c: int, backward: bool = False, tiles=None):
+    """(BN, num_warps, num_stages[, CC]) of the Triton kernels: `tiles` (`DSAKernelTuning.triton_tiles`) if given,
+    else by heads from H100 / H200 sweeps: with up to 32 heads (per rank) one warp group and deeper pipelining beat
+    two warp groups."""
+    if tiles is not None:
+        return tuple(tiles) if backward else tuple(tiles)[:3]
     small = pow2(h) * pow2(c) <= 64 * 512
     if pow2(h) <= 32 and pow2(c) <= 512:
         return (32, 4, 2, 64) if backward else (64, 4, 2)
@@ -184,18 +182,31 @@ def kernel_config(h: int, c: int, backward: bool = False):
     return (64 if small else 32), 8, 2
 
 
-def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int):
+def attention_plan(q, kv, v_dim: int, tuning: DSAKernelTuning = DEFAULT_TUNING, deterministic: bool = False,
+                   key_partition_bytes=None):
+    """`plan.kernel_plan` for absorbed q [b, s, h, C + R] and kv [b, T, C + R] on their device."""
+    h, d = q.shape[2], q.shape[3]
+    return kernel_plan(h, int(v_dim), d - int(v_dim), kv.shape[1], capability(q.device), tuning, deterministic,
+                       key_partition_bytes)
+
+
+def sparse_mla_forward(q, kv, indices, scale: float, v_dim: int, tuning: DSAKernelTuning = DEFAULT_TUNING):
     """(out [b, s, h, v_dim] in q's dtype, lse [b, s, h] fp32); indices int32 [b, s, K]."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     indices = indices.to(torch.int32)
     nvalid = valid_counts(indices)
-    if fwd_ws.supported(q, kv, h, c, r):  # 64 heads on Hopper: the warp-specialized kernel (1.7x)
-        return fwd_ws.forward(q, kv, indices, nvalid, scale * LOG2E, c, r)
-    if fwd_km.supported(q, kv, h, c, r):  # 8-32 heads on Hopper: the same with the keys as the MMA's M (1.35-1.6x)
-        return fwd_km.forward(q, kv, indices, nvalid, scale * LOG2E, c, r)
+    forward = attention_plan(q, kv, v_dim, tuning).forward
+    if forward != TRITON:
+        from pretrain.model.dsa.kernels.hopper import forward_heads_m, forward_keys_m
+        from pretrain.model.dsa.kernels.hopper.loader import inputs_fit
+
+        if inputs_fit(q, kv) and forward == GLUON_HEADS_AS_M:
+            return forward_heads_m.forward(q, kv, indices, nvalid, scale * LOG2E, c, r, tuning.gluon_forward_tiles)
+        if inputs_fit(q, kv) and forward == GLUON_KEYS_AS_M:
+            return forward_keys_m.forward(q, kv, indices, nvalid, scale * LOG2E, c, r, tuning.keys_m_tiles)
     out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
-    bn, warps, stages = kernel_config(h, c)[:3]
+    bn, warps, stages = kernel_config(h, c, tiles=tuning.triton_tiles)[:3]
     _fwd_kernel[(s, b)](
         q, kv, indices, nvalid, out, lse, s, h,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
@@ -225,9 +236,8 @@ def _delta_kernel(do_ptr, o_ptr, delta_ptr, n_rows, S, H, s_dob, s_dot, s_doh, s
 
 
 def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Delta = rowsum(dO * O) [b, s, h] in fp32, one kernel reading dO and O once. Its torch form (two fp32 upcasts
-    and their product) kept 3 GiB of temporaries alive at the glm5-proxy 32K step's memory peak
-    (benchmarks/results/README.md)."""
+    """Delta = rowsum(dO * O) [b, s, h] in fp32, one kernel reading dO and O once (its torch form, two fp32 upcasts
+    and their product, kept 3 GiB of temporaries alive at the glm5-proxy 32K step's memory peak)."""
     b, s, h, c = out.shape
     if grad_out.shape != out.shape:
         raise ValueError(f"output_delta: dO {tuple(grad_out.shape)} and O {tuple(out.shape)} differ")
@@ -245,46 +255,14 @@ def unit_feature_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# None: `partition_budget`'s default; benchmarks and tests set a budget in bytes (0: one pass).
-KEY_PARTITION_BYTES = None
-# The fused key-gradient kernel's default budget (H200, 8-16 heads, benchmarks/results/README.md: 1.12x at 32K keys,
-# 1.33x at 64K; at 16K kv and dkv fit it in one pass). The separate pass (>= 32 heads) gained nothing measurable
-# (64 heads: 0.97x at 32K, 1.02x at 64K), so it takes none by default.
-FUSED_PARTITION_BYTES = 96 << 20
-DQ32_BYTES = 1 << 28  # the fp32 query-gradient accumulator of a partitioned backward: blocks of query rows within it
-
-
-def key_partitions(t: int, d: int, budget=None):
-    """[(lo, hi), ...]: `t` keys split evenly into the fewest ranges whose rows take at most `budget` bytes as kv
-    (bf16) plus fp32 key gradient, d values each; [(0, t)] without a budget.
-
-    Why: past ~16K keys the backward's cost per (token, key) pair grows (16 heads: 0.90 ns at 16K, 1.06 at 32K;
-    64 heads: 2.09 at 32K, 2.45 at 128K; H200, benchmarks/results/README.md), as dkv (fp32) and kv outgrow the
-    50 MiB L2 and the per-pair atomics and gathers go to HBM. One launch per partition keeps each launch's
-    working set within `budget`."""
-    if not budget:
-        return [(0, t)]
-    per = max(1, int(budget) // (6 * d))
-    n = triton.cdiv(t, per)
-    per = triton.cdiv(t, n)
-    return [(i * per, min(t, (i + 1) * per)) for i in range(n)]
-
-
-def partition_budget(key_partition_bytes, separate_pass: bool) -> int:
-    """Bytes of kv + fp32 dkv rows per key partition (0: one pass): `key_partition_bytes` if given (None: the
-    module's KEY_PARTITION_BYTES, else FUSED_PARTITION_BYTES on the fused path and none on the separate pass)."""
-    for budget in (key_partition_bytes, KEY_PARTITION_BYTES):
-        if budget is not None:
-            return int(budget)
-    return 0 if separate_pass else FUSED_PARTITION_BYTES
-
-
 def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_dim: int,
-                        deterministic: bool = False, head_sums=None, key_partition_bytes=None):
+                        deterministic: bool = False, head_sums=None, key_partition_bytes=None,
+                        tuning: DSAKernelTuning = DEFAULT_TUNING):
     """(dq in q's dtype, dkv in kv's dtype) from the forward's lse and Delta = rowsum(dO * O) (fp32).
     `head_sums`: a zeroed [b, s, K] fp32 tensor that receives sum_h P_h(t, j) at every valid slot (the
     sparse indexer loss's target, `indexer_loss.kl_from_attention_backward`). `key_partition_bytes`: see
-    `key_partitions` (None: `partition_budget`'s default, 0: one pass); the deterministic path takes none."""
+    `plan.key_partitions` (None: the tuning's, then the plan's default; 0: one pass); the deterministic path takes
+    none."""
     b, s, h, c, r = mla_shapes(q, kv, v_dim)
     t = kv.shape[1]
     indices = indices.to(torch.int32)
@@ -292,19 +270,16 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     grad_out, lse, delta = unit_feature_stride(grad_out), lse.contiguous(), delta.contiguous()
     dq = torch.empty(b, s, h, c + r, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(b, t, c + r, dtype=torch.float32, device=q.device)
-    bn, warps, stages, cc = kernel_config(h, c, backward=True)
+    bn, warps, stages, cc = kernel_config(h, c, backward=True, tiles=tuning.triton_tiles)
     prec = dot_precision(q)
-
-    if DKV_MODE is not None:
-        mode = DKV_MODE
-    else:
-        mode = 1 if deterministic else (5 if separate_pass_pays(h) else 0)
+    plan = attention_plan(q, kv, v_dim, tuning, deterministic, key_partition_bytes)
+    mode = plan.key_gradient.dkv
 
     if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
                                   or head_sums.stride(-1) != 1):
         raise ValueError(f"head_sums must be fp32 {tuple(indices.shape)} with unit last stride")
     hs = head_sums if head_sums is not None else dkv
-    parts = key_partitions(t, c + r, partition_budget(key_partition_bytes, mode == 5)) if mode in (0, 5) else [(0, t)]
+    parts = key_partitions(t, c + r, plan.partition_bytes)
     partitioned = len(parts) > 1
     # Mode 5's first pass writes no key gradient, so only its key-gradient pass walks the partitions; the
     # fused kernel (mode 0) walks them itself and sums dq over them in fp32.
@@ -312,12 +287,12 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
     # rows of the fp32 dq accumulator per block (partitioned fused kernel), and of the [dS | P] buffer (mode 5)
     block = s
     if dq_parts:
-        block = max(1, min(s, DQ32_BYTES // (b * h * (c + r) * 4)))
+        block = max(1, min(s, tuning.dq32_bytes // (b * h * (c + r) * 4)))
     if mode == 5:
-        block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size()))
+        block = min(block, scratch_rows(b, indices.shape[-1], h, s, q.element_size(), tuning.dkv_scratch_bytes))
     # unpartitioned, the kernel never touches dq32 (PART is off): dq stands in for the pointer
     dq32 = torch.empty(b, block, h, c + r, dtype=torch.float32, device=q.device) if dq_parts else dq
-    red = reduction_mode(dkv, c, r)
+    red = reduction_mode(dkv, c, r, vector=tuning.vector_atomics)
 
     def launch(r0, rows, part, dkv_mode, keys=(0, t)):
         split = keys != (0, t)
@@ -336,17 +311,24 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
         scatter_rows_deterministic(lambda r0, rows, part: launch(r0, rows, part, 1), indices, dkv, s)
     elif mode == 5:  # blocks of query rows within the [dS | P] buffer
         part = empty_scratch(q, indices.shape[-1], block)
-        ws = bwd_ws.supported(q, kv, h, c, r) and DKV_MODE is None
+        gluon = plan.first_pass == GLUON
+        if gluon:
+            from pretrain.model.dsa.kernels.hopper import first_pass
+            from pretrain.model.dsa.kernels.hopper.loader import inputs_fit
+
+            gluon = inputs_fit(q, kv)
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
-            if ws:  # 64 heads on Hopper: the warp-specialized first pass
-                bwd_ws.first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0, rows, scale,
-                                  scale * LOG2E, c, r)
+            if gluon:  # 64 heads on Hopper: the warp-specialized first pass
+                first_pass.first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0, rows,
+                                      scale, scale * LOG2E, c, r, tuning.first_pass_tiles, tuning.dq_tiles)
             else:
                 launch(r0, rows, part, mode)
+            if plan.key_gradient is KeyGradient.TIMING_FIRST_PASS:
+                continue
             for keys in parts:
                 key_gradient(q, grad_out, indices, nvalid, part, dkv, r0, rows, c, r, prec,
-                             keys if partitioned else None)
+                             keys if partitioned else None, tuning=tuning)
     elif partitioned:  # blocks of query rows within the fp32 dq accumulator
         for r0 in range(0, s, block):
             rows = min(block, s - r0)
@@ -359,11 +341,11 @@ def sparse_mla_backward(q, kv, indices, lse, delta, grad_out, scale: float, v_di
 
 class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, scale: float, v_dim: int, deterministic: bool):
+    def forward(ctx, q, kv, indices, scale: float, v_dim: int, deterministic: bool, tuning: DSAKernelTuning):
         indices = indices.to(torch.int32)
-        out, lse = sparse_mla_forward(q, kv, indices, scale, v_dim)
+        out, lse = sparse_mla_forward(q, kv, indices, scale, v_dim, tuning)
         ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.scale, ctx.v_dim, ctx.deterministic = scale, v_dim, deterministic
+        ctx.scale, ctx.v_dim, ctx.deterministic, ctx.tuning = scale, v_dim, deterministic, tuning
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -372,15 +354,16 @@ class SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         grad_out = unit_feature_stride(grad_out)
         delta = output_delta(grad_out, out)
-        dq, dkv = sparse_mla_backward(q, kv, indices, lse, delta, grad_out, ctx.scale, ctx.v_dim, ctx.deterministic)
-        return dq, dkv, None, None, None, None
+        dq, dkv = sparse_mla_backward(q, kv, indices, lse, delta, grad_out, ctx.scale, ctx.v_dim, ctx.deterministic,
+                                      tuning=ctx.tuning)
+        return dq, dkv, None, None, None, None, None
 
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int,
-                         deterministic: bool = False):
+                         deterministic: bool = False, tuning: DSAKernelTuning = DEFAULT_TUNING):
     """Triton version of `pretrain.model.dsa.sparse_mla.sparse_mla_attention` (same arguments and results).
     The valid slots of each row of `indices` must come first (-1 after them), as both top-k paths
     produce them."""
     if not math.isfinite(scale):
         raise ValueError(f"softmax scale must be finite, got {scale}")
-    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim), bool(deterministic))
+    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim), bool(deterministic), tuning)

@@ -4,16 +4,16 @@ DSA section; DeepSeek-V3.2 section 2). Math, with the notation of `sparse_mla`:
     dkv[S_t[j], :C] += sum_h dS_h(t, j) q_h(t)[:C] + P_h(t, j) dO_h(t)
     dkv[S_t[j], C:] += sum_h dS_h(t, j) q_h(t)[C:]
 
-The fused backward (`sparse_mla._bwd_kernel`, DKV 0) forms these products next to dq, where dS and P
-sit in registers in the [heads, keys] orientation and q / dO as A operands of the score products: the
-key-side products then need dS^T and P^T and q / dO in a second orientation, which Triton keeps as a
-second shared-memory copy or re-reads in narrow slices (at 64 heads the key gradient is 3/4 of the
-backward's time, `benchmarks/dsa_heads_sweep.py --dkv-modes`). Here the backward's first pass stores
-dS and P (bf16, as the fused kernel rounds them before its products) per (token, slot) as rows of
-2H values, and this pass reads them as the A operand [slots, heads] of one product per column slice:
-[dS | P] [BN, 2H] x [q ; dO] [2H, DS], q and dO only ever as B operands, each program owning one
-(token, column slice). Its rows go into dkv through fp32 atomics as in the fused kernel. The buffer is
-transient backward memory: 2 k H bf16 per query row, at most SCRATCH_BYTES (blocks of query rows).
+The fused backward (`sparse_mla._bwd_kernel`, DKV 0) forms these products next to dq, where dS and P sit in
+registers in the [heads, keys] orientation and q / dO as A operands of the score products: the key-side products
+then need dS^T and P^T and q / dO in a second orientation, which Triton keeps as a second shared-memory copy or
+re-reads in narrow slices (at 64 heads most of the backward's time). Here the backward's first pass stores dS and P
+(bf16, as the fused kernel rounds them before its products) per (token, slot) as rows of 2H values, and this pass
+reads them as the A operand [slots, heads] of one product per column slice: [dS | P] [BN, 2H] x [q ; dO] [2H, DS], q
+and dO only ever as B operands, each program owning one (token, column slice). Its rows go into dkv through fp32
+atomics as in the fused kernel. The buffer is transient backward memory: 2 k H bf16 per query row, at most
+`DSAKernelTuning.dkv_scratch_bytes` (blocks of query rows). `plan.kernel_plan` takes this pass from 32 heads per
+rank.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import triton.language as tl
 
 from pretrain.model.dsa.kernels.atomics import add_rows, reduction_mode
 from pretrain.model.dsa.kernels.common import pow2, slot_range
-
-# Bytes of the per-(token, slot) [dS | P] buffer: the backward runs over blocks of query rows that fit.
-SCRATCH_BYTES = 1 << 30
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning
 
 
 @triton.jit
@@ -71,33 +69,25 @@ def _dkv_kernel(q_ptr, do_ptr, idx_ptr, nv_ptr, part_ptr, dkv_ptr, S, H, T, r0, 
         add_rows(dkv_ptr + (bid * T + idx.to(tl.int64)) * (C + R), c0, dk, ok, C + R if ROPE else C, RED)
 
 
-def dkv_config(h: int, c: int):
-    """(BN, DS, num_warps, num_stages) of the key-gradient pass: the best of an H200 sweep at 8-64 heads
-    (`benchmarks/dsa_heads_sweep.py --dkv-configs`)."""
-    return 32, min(128, pow2(c)), 4, 3
+def dkv_config(h: int, c: int, tiles=None):
+    """(BN, DS, num_warps, num_stages) of the key-gradient pass: `tiles` (`DSAKernelTuning.dkv_tiles`) if given,
+    else the best of an H200 sweep at 8-64 heads."""
+    return tuple(tiles) if tiles is not None else (32, min(128, pow2(c)), 4, 3)
 
 
-def separate_pass_pays(h: int) -> bool:
-    """Whether the backward takes this pass instead of the fused kernel's key gradient: from 32 heads (H200,
-    S = 4K / 16K: 1.7x / 1.9x at 64 heads, 1.14x / 1.13x at 32). At 8-16 heads the fused kernel is 1.2x faster:
-    its key-side products are small there and hide behind the gathers, while this pass adds the [dS | P]
-    round trip."""
-    return pow2(h) >= 32
-
-
-def scratch_rows(b: int, k: int, h: int, s: int, itemsize: int) -> int:
-    """Query rows per block so that the [dS | P] buffer [b, rows, k, 2h] stays within SCRATCH_BYTES."""
-    return max(1, min(s, SCRATCH_BYTES // max(1, b * k * 2 * h * itemsize)))
+def scratch_rows(b: int, k: int, h: int, s: int, itemsize: int, scratch_bytes: int = 1 << 30) -> int:
+    """Query rows per block so that the [dS | P] buffer [b, rows, k, 2h] stays within `scratch_bytes`."""
+    return max(1, min(s, int(scratch_bytes) // max(1, b * k * 2 * h * itemsize)))
 
 
 def key_gradient(q, grad_out, indices, nvalid, part, dkv, r0: int, rows: int, c: int, r: int, prec: str,
-                 keys=None):
+                 keys=None, tuning: DSAKernelTuning = DEFAULT_TUNING):
     """dkv [b, T, C + R] fp32 += the key/value gradient of query rows r0 .. r0 + rows from part [b, rows', k, 2h]
     (dS, then P, per (token, slot)); `keys` = (lo, hi): only the selected keys in [lo, hi)."""
     b, s, h = q.shape[:3]
-    bn, ds, warps, stages = dkv_config(h, c)
+    bn, ds, warps, stages = dkv_config(h, c, tuning.dkv_tiles)
     k_lo, k_hi = keys if keys is not None else (0, dkv.shape[1])
-    red = reduction_mode(dkv, c, r)
+    red = reduction_mode(dkv, c, r, vector=tuning.vector_atomics)
     for rope, width, nsl in ((False, c, triton.cdiv(c, ds)), (True, r, 1)):
         _dkv_kernel[(rows * nsl, b)](
             q, grad_out, indices, nvalid, part, dkv, s, h, dkv.shape[1], r0, k_lo, k_hi,

@@ -11,25 +11,16 @@ when asked (the indexer loss's target). Two kernels:
   key rows. The forward's loader partition (`key_loader`) fills them; two score warp groups take the blocks in
   turn, one stage each, so that one group's products (S and dP, wgmma over all BN keys) run while the other forms
   P and dS and writes their rows. A group releases its stage as soon as its products are formed.
-- `sparse_mla_dq_ws.dq_kernel`: dq from the stored dS, gathering the key rows again.
+- `query_gradient.dq_kernel`: dq from the stored dS, gathering the key rows again.
 
-Why dq is not in the score kernel (as it was at first, with eight warps): its [64, C + R] fp32 accumulator needs
-eight warps' registers, and each stage was then held from its gather through S, dP, dS and dq, a chain two
-stages could not hide. Measured on an H100 (benchmarks/results/README.md, "The backward's first pass in two
-kernels; loaders a block ahead"): at 16K tokens the first pass takes 20.8 ms (score kernel 12.9, dq 7.0) against
-the single Gluon kernel's 31.4-31.8 and the Triton pass's 35.1, with dq and dS / P bitwise the Triton first pass's.
+Why dq is not in the score kernel: its [64, C + R] fp32 accumulator needs eight warps' registers, and each stage was
+then held from its gather through S, dP, dS and dq, a chain two stages could not hide. dq and dS / P are bitwise the
+Triton first pass's. sum_h P is reduced within each warp in the store layout (not across warps through shared
+memory, whose port the other group's products keep busy), so the head sums add the same fp32 values in another order
+than the Triton pass (each order within (64 - 1) 2^-24 of the exact sum). docs/dsa.md gives its speed.
 
-What the score groups' overlap costs (per-phase clocks read inside one program, H100, 16K): a block's products take
-about 2,100 cycles and its P / dS part about 3,000, of which about 1,900 went to sum_h P reduced across the four
-warps through shared memory, whose port the other group's products keep busy. P in fp32 now goes to the store
-layout first (one shared-memory round trip that the P store needed anyway), where the sum is a reduction within each
-warp: the score kernel 12.80 -> 12.27 ms in one call. The head sums then add the same fp32 values in another order
-than the Triton pass (each order within (64 - 1) 2^-24 of the exact sum). The variants tried and found slower
-(chunk rings, keys as the MMA's M, stores straight from the MMA's layout) are in benchmarks/results/README.md,
-"The score kernel's phases read from inside; sum_h P within each warp".
-
-Runs where `supported` says (as the forward: CUDA sm_90, bf16, 64 heads, C in {256, 512}, R in {32, 64});
-`sparse_mla` takes the Triton first pass elsewhere.
+Runs where `plan.kernel_plan` says (sm_90, 64 heads, the separate key-gradient pass, C in {256, 512}, R in {32, 64})
+for the inputs that `loader.inputs_fit`; `sparse_mla` takes the Triton first pass elsewhere.
 """
 
 from __future__ import annotations
@@ -40,13 +31,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from pretrain.model.dsa.kernels import sparse_mla_dq_ws as dq_ws
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws
-from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader, key_stages
+from pretrain.model.dsa.kernels.hopper.loader import LOADER_REGS, LOADER_WARPS, MAXNREG, key_loader, key_stages
+from pretrain.model.dsa.kernels.hopper.query_gradient import query_gradient
 
-CONFIG = (32,)  # (BN selected keys per block,): two stages (one per score warp group), with q and dO 217 KB
 SCORE_REGS = gl.constexpr(160)  # the second score warp group's register budget (a worker partition's)
-ENABLED = True  # False: the Triton first pass everywhere (`benchmarks/dsa_heads_sweep.py --ws off,on` times both)
 
 
 @gluon.jit
@@ -134,23 +122,20 @@ def scores_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr, pa
     ], [num_warps, LOADER_WARPS], [SCORE_REGS, LOADER_REGS])
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int) -> bool:
-    """Whether this kernel runs the first pass: ENABLED and what the warp-specialized forward needs."""
-    return ENABLED and fwd_ws.supported(q, kv, h, c, r, enabled=True)
-
-
 def first_pass(q, kv, indices, nvalid, grad_out, lse, delta, dq, part, head_sums, r0: int, rows: int, scale: float,
-               scale_log2: float, c: int, r: int):
+               scale_log2: float, c: int, r: int, tiles=(32,), dq_tiles=(64, 2)):
     """The first pass over query rows r0 .. r0 + rows: `scores`, then dq rows (q's dtype, [b, s, h, c + r]
-    contiguous) from the stored dS (`sparse_mla_dq_ws`)."""
-    scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0, rows, scale, scale_log2, c, r)
-    dq_ws.query_gradient(kv, indices, nvalid, dq, part, r0, rows, c, r)
+    contiguous) from the stored dS (`query_gradient`). tiles, dq_tiles: `DSAKernelTuning.first_pass_tiles`,
+    `dq_tiles`."""
+    scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0, rows, scale, scale_log2, c, r, tiles)
+    query_gradient(kv, indices, nvalid, dq, part, r0, rows, c, r, dq_tiles)
 
 
 def scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0: int, rows: int, scale: float,
-           scale_log2: float, c: int, r: int):
+           scale_log2: float, c: int, r: int, tiles=(32,)):
     """The score kernel over query rows r0 .. r0 + rows: part [b, rows', k, 2h] (dS, then P); head_sums [b, s, k]
-    fp32 receives sum_h P at the valid slots when given (else None)."""
+    fp32 receives sum_h P at the valid slots when given (else None); tiles = (BN selected keys per block,): two
+    stages (one per score warp group), with q and dO 217 KB."""
     b, s, h = q.shape[:3]
     hs = head_sums if head_sums is not None else lse
     hstr = head_sums.stride()[:2] if head_sums is not None else (0, 0)
@@ -158,5 +143,5 @@ def scores(q, kv, indices, nvalid, grad_out, lse, delta, part, head_sums, r0: in
         q, kv, indices, nvalid, grad_out, lse, delta, part, hs, s, r0,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), part.stride(0), part.stride(1), part.stride(2),
-        hstr[0], hstr[1], scale, scale_log2, H=h, C=c, R=r, BN=CONFIG[0], HEAD_SUMS=head_sums is not None,
+        hstr[0], hstr[1], scale, scale_log2, H=h, C=c, R=r, BN=tiles[0], HEAD_SUMS=head_sums is not None,
         num_warps=4, maxnreg=MAXNREG)

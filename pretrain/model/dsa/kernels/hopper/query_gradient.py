@@ -3,14 +3,13 @@ section; DeepSeek-V3.2 section 2): per query token t with its H = 64 heads as th
 
     dq(t) = sum_j dS(t, j) kv[S_t[j]]        (dS: [H, K] bf16, stored by the first pass per (token, slot))
 
-Why its own pass: the first pass (`sparse_mla_bwd_ws.scores_kernel`) keeps q and dO resident (137 KB of shared
+Why its own pass: the first pass (`first_pass.scores_kernel`) keeps q and dO resident (137 KB of shared
 memory), which leaves room for two key stages only; with dq in it as well, each stage was held from its gather
 through S, dP and dS to dq's product, a chain the two stages could not hide. Here a loader partition gathers
 each block of BN selected key rows with its dS rows (`part`, [slot, head]) into one of NBUF stages (the forward's
 `gather_block`, the next block's indices loaded ahead), and eight consumer warps, two warp groups each holding
-half of dq's columns, multiply (wgmma, A = dS^T's view, MN-major). No atomics: deterministic. Runs where
-`sparse_mla_bwd_ws.supported` says. 7.0 ms at 16K tokens on an H100 (`benchmarks/dsa_first_pass_probe.py`; 9.0
-with 32-key blocks in four stages).
+half of dq's columns, multiply (wgmma, A = dS^T's view, MN-major). No atomics: deterministic. Runs with
+`first_pass`.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from pretrain.model.dsa.kernels.sparse_mla_fwd_ws import (LOADER_REGS, LOADER_WARPS, MAXNREG, block_rows,
-                                                          gather_block, key_stages)
-
-CONFIG = (64, 2)  # (BN selected keys per block, NBUF stages)
+from pretrain.model.dsa.kernels.hopper.loader import (LOADER_REGS, LOADER_WARPS, MAXNREG, block_rows, gather_block,
+                                                      key_stages)
 
 
 @gluon.jit
@@ -88,10 +85,11 @@ def dq_kernel(kv_ptr, idx_ptr, nv_ptr, dq_ptr, part_ptr, S, r0, s_kb, s_kt, s_ib
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
-def query_gradient(kv, indices, nvalid, dq, part, r0: int, rows: int, c: int, r: int):
-    """dq rows r0 .. r0 + rows ([b, s, h, c + r] contiguous, written) from part [b, rows', k, 2h] (dS first)."""
+def query_gradient(kv, indices, nvalid, dq, part, r0: int, rows: int, c: int, r: int, tiles=(64, 2)):
+    """dq rows r0 .. r0 + rows ([b, s, h, c + r] contiguous, written) from part [b, rows', k, 2h] (dS first);
+    tiles = (BN selected keys per block, NBUF stages): `DSAKernelTuning.dq_tiles`."""
     b, s, h = dq.shape[:3]
-    bn, nbuf = CONFIG
+    bn, nbuf = tiles
     dq_kernel[(rows, b)](kv, indices, nvalid, dq, part, s, r0, kv.stride(0), kv.stride(1), indices.stride(0),
                          indices.stride(1), part.stride(0), part.stride(1), part.stride(2), H=h, C=c, R=r, BN=bn,
                          NBUF=nbuf, num_warps=8, maxnreg=MAXNREG)

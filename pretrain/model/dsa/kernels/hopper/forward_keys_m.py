@@ -1,4 +1,4 @@
-"""The sparse MLA forward for few heads per rank as a warp-specialized Gluon kernel for Hopper, the selected keys as
+"""The sparse MLA forward at 8-32 heads per rank as a warp-specialized Gluon kernel for Hopper, the selected keys as
 the MMA's M (GLM-5 report, DSA section; DeepSeek-V3.2 section 2). Same math, arguments and results as the Triton
 forward (`sparse_mla._fwd_kernel`):
 
@@ -11,13 +11,11 @@ a warp-group MMA (wgmma) takes as M:
     O^T [C, H] += K_lat^T P^T                               (A: the same key rows, transposed; B: P^T in shared memory)
 
 with the online softmax along the keys (a max across the consumer's four warps per block; the row sums kept per
-thread and reduced once at the end). The loader partition is the 64-head forward's (`sparse_mla_fwd_ws.key_loader`).
+thread and reduced once at the end). The loader partition is the 64-head forward's (`loader.key_loader`).
 
-Why: at 8-16 heads the Triton forward costs about 0.24 ns per (token, selected key) pair on an H200, while the same
-gathers alone run at 0.12 ns with small programs (`benchmarks/dsa_gather_probe.py`): the gathers are not its bound;
-its M = H rows and its [H, C] fp32 accumulator in four warps (spilling) are the likely one. Measured on an H200
-(benchmarks/results/README.md, "The DSA step's glue, the 8-32-head forward with keys as M"): 190-197 TFLOP/s at 16
-heads against the Triton forward's 148-149, 308-315 at 32 heads against 198-199, 104-105 at 8 against 74.
+Why: with few heads the Triton forward's M = H rows and its [H, C] fp32 accumulator in four warps are its bound, not
+the gathers. docs/dsa.md gives its speed against the Triton forward. Runs where `plan.kernel_plan` says (sm_90,
+8 / 16 / 32 heads, C in {256, 512}, R in {32, 64}) for the inputs that `loader.inputs_fit`.
 """
 
 from __future__ import annotations
@@ -28,13 +26,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as ws
+from pretrain.model.dsa.kernels.hopper.loader import (LOADER_REGS, LOADER_WARPS, MAXNREG, forward_epilogue,
+                                                      key_loader, token_setup)
 
-CONFIG = (64, 2)  # (BN selected keys per block: wgmma's M, NBUF stages); 176 KB of shared memory at C = 512
 CONSUMER_WARPS = 4
-MAXNREG = 168
-HEADS = (8, 16, 32)  # N of the MMAs; 64 heads take `sparse_mla_fwd_ws` (heads as M)
-ENABLED = True  # False: the Triton forward (`benchmarks/dsa_heads_sweep.py --ws off,on` times both)
 
 
 @gluon.jit
@@ -68,38 +63,29 @@ def _consumer(qlat_s, qrope_s, klat_s, krope_s, pt_s, ready, empty, nv, qk_scale
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()  # done with the stage and with P^T
         mbarrier.arrive(empty.index(st), count=1)
-    l_sum = gl.sum(l_i, 0)
-    l_safe = gl.where(l_sum > 0, l_sum, 1.0)
-    out = (acc / l_safe[None, :]).to(o_row.dtype.element_ty)
-    # stored along C (coalesced): the accumulator's layout holds each thread's values along H
-    OB: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [num_warps, 1], [0, 1])
-    out = gl.convert_layout(out, OB)
-    c = gl.arange(0, C, layout=gl.SliceLayout(1, OB))
-    h = gl.arange(0, H, layout=gl.SliceLayout(0, OB))
-    gl.store(o_row + h[None, :] * s_oh + c[:, None], out)
-    hl = gl.arange(0, H, layout=gl.SliceLayout(0, SL))
-    gl.store(lse_row + hl, gl.where(l_sum > 0, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")))
+    forward_epilogue(acc, m_i, gl.sum(l_i, 0), o_row, s_oh, lse_row, H, C, True, num_warps)
 
 
 @gluon.jit
 def fwd_kernel(q_ptr, kv_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, S, s_qb, s_qt, s_qh, s_kb, s_kt, s_ib, s_it,
                s_ob, s_ot, s_oh, qk_scale, H: gl.constexpr, C: gl.constexpr, R: gl.constexpr, BN: gl.constexpr,
                NBUF: gl.constexpr, num_warps: gl.constexpr):
-    t, bid, qlat_s, qrope_s, klat_s, krope_s, ready, empty, nv, idx_row = ws.token_setup(
+    t, bid, qlat_s, qrope_s, klat_s, krope_s, ready, empty, nv, idx_row = token_setup(
         q_ptr, idx_ptr, nv_ptr, S, s_qb, s_qt, s_qh, s_ib, s_it, H, C, R, BN, NBUF, num_warps)
     pt_s = gl.allocate_shared_memory(gl.bfloat16, [BN, H], gl.NVMMASharedLayout.get_default_for([BN, H], gl.bfloat16))
     gl.warp_specialize([
         (_consumer, (qlat_s, qrope_s, klat_s, krope_s, pt_s, ready, empty, nv, qk_scale,
                      o_ptr + bid * s_ob + t * s_ot, s_oh, lse_ptr + (bid * S + t) * H, H, C, BN, NBUF, num_warps)),
-        (ws.key_loader, (klat_s, krope_s, ready, empty, idx_row, kv_ptr + bid * s_kb, s_kt, nv, C, R, BN, NBUF)),
-    ], [ws.LOADER_WARPS], [ws.LOADER_REGS])
+        (key_loader, (klat_s, krope_s, ready, empty, idx_row, kv_ptr + bid * s_kb, s_kt, nv, C, R, BN, NBUF)),
+    ], [LOADER_WARPS], [LOADER_REGS])
 
 
-def forward(q, kv, indices, nvalid, scale_log2: float, c: int, r: int, config=None):
-    """(out [b, s, h, c] in q's dtype, lse [b, s, h] fp32) as `sparse_mla.sparse_mla_forward`, for the shapes
-    `supported` accepts; indices int32 [b, s, K] with each row's nvalid valid slots first."""
+def forward(q, kv, indices, nvalid, scale_log2: float, c: int, r: int, tiles=(64, 2)):
+    """(out [b, s, h, c] in q's dtype, lse [b, s, h] fp32) as `sparse_mla.sparse_mla_forward`, for the shapes the
+    plan gives this kernel; indices int32 [b, s, K] with each row's nvalid valid slots first; tiles = (BN keys per
+    block: wgmma's M, NBUF stages; 176 KB of shared memory at C = 512): `DSAKernelTuning.keys_m_tiles`."""
     b, s, h = q.shape[:3]
-    bn, nbuf = config or CONFIG
+    bn, nbuf = tiles
     out = torch.empty(b, s, h, c, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, s, h, dtype=torch.float32, device=q.device)
     fwd_kernel[(s, b)](q, kv, indices, nvalid, out, lse, s, q.stride(0), q.stride(1), q.stride(2), kv.stride(0),
@@ -107,9 +93,3 @@ def forward(q, kv, indices, nvalid, scale_log2: float, c: int, r: int, config=No
                        out.stride(2), scale_log2, H=h, C=c, R=r, BN=bn, NBUF=nbuf, num_warps=CONSUMER_WARPS,
                        maxnreg=MAXNREG)
     return out, lse
-
-
-def supported(q: torch.Tensor, kv: torch.Tensor, h: int, c: int, r: int, enabled=None) -> bool:
-    """Whether this kernel runs the forward: ENABLED (or `enabled`), h in HEADS, and the Hopper checks of
-    `sparse_mla_fwd_ws.supported` (CUDA sm_90, bf16, c in {256, 512}, r in {32, 64}, aligned kv rows)."""
-    return bool(ENABLED if enabled is None else enabled) and ws.supported(q, kv, h, c, r, enabled=True, heads=HEADS)

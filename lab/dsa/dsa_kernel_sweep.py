@@ -1,31 +1,32 @@
 """Tile sweeps, a backward breakdown and a quick accuracy check of the DSA Triton kernels at GLM-5
 shapes (one GPU).
 
-    python benchmarks/dsa_kernel_sweep.py --seq 8192 --out sweep.json
+    python lab/dsa/dsa_kernel_sweep.py --seq 8192 --out sweep.json
 
 Checks top-k (exact on the kernel's own scores) and sparse attention against the fp32 reference on
-the same bf16 inputs; times (BLOCK_N, num_warps, num_stages[, CC]) of the sparse attention forward
-and backward, the radix-select block, the indexer-loss pieces, and the backward by key-gradient
-mode. The chosen defaults live in `pretrain/model/dsa/kernels/` (`kernel_config`, `SELECT_BLOCK`,
-`SELECT_CAPACITY`).
+the same bf16 inputs; times (BLOCK_N, num_warps, num_stages[, CC]) of the Triton sparse attention forward
+and backward (`DSAKernelTuning.triton_tiles`), the radix-select block (`SelectTuning`), and the backward by
+key-gradient mode (`KeyGradient`). The chosen defaults are `DSAKernelTuning`'s and `kernel_config`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.dsa_kernels import C, D, H, SCALE, TOPK, inputs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys, index_scores, select_topk  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import radix_select as tsel  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
+from pretrain.model.dsa.kernels.tuning import DSAKernelTuning, KeyGradient, SelectTuning  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
 
@@ -75,64 +76,25 @@ def check_topk(s, topk, gen):
 
 
 def breakdown(res, gen, s=4096):
-    """Backward time by key-gradient mode (DKV of `_bwd_kernel`): fp32 atomics (the default), plain
-    stores of per-(token, slot) rows (the deterministic mode's kernel, without its reduction), the
-    key gradient computed but not written, and no key gradient at all; then the deterministic mode."""
+    """Backward time by key-gradient mode (`KeyGradient`): fp32 atomics in the fused kernel, the key gradient
+    computed but not written, and no key gradient at all; then the deterministic mode."""
     q, kv, qi, ki, w = inputs(s, gen)
     lo, hi = VisibleKeys(s, s, "cuda").ranges()
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     q, kv = q.requires_grad_(), kv.requires_grad_()
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
-    part = torch.empty(1, s, TOPK, D, device="cuda")
     fl = 2 * s * TOPK * H * (2 * D + C + C + D)
-    original = tsm.scatter_rows_deterministic
-    tsm.scatter_rows_deterministic = lambda launch, indices, dkv, n: launch(0, n, part)
-    try:
-        for mode, name in enumerate(["atomic", "store", "none", "compute_only"]):
-            tsm.DKV_MODE = mode
-            o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=(mode == 1))
-            ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
-            row = {"S": s, "dkv_mode": name, "bwd_ms": ms, "tflops_all_flops": fl / ms / 1e9}
-            res["bwd"].append(row)
-            print("breakdown", row, flush=True)
-    finally:
-        tsm.DKV_MODE = None
-        tsm.scatter_rows_deterministic = original
-    del part
+    for mode, name in ((KeyGradient.FUSED, "atomic"), (KeyGradient.TIMING_NONE, "none"),
+                       (KeyGradient.TIMING_UNWRITTEN, "compute_only")):
+        o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, False, DSAKernelTuning(key_gradient=mode))
+        ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
+        row = {"S": s, "dkv_mode": name, "bwd_ms": ms, "tflops_all_flops": fl / ms / 1e9}
+        res["bwd"].append(row)
+        print("breakdown", row, flush=True)
     o, _ = tsm.sparse_mla_attention(q, kv, idx, SCALE, C, deterministic=True)
     ms = timed(lambda: torch.autograd.grad(o, (q, kv), g, retain_graph=True), 3)
     res["bwd"].append({"S": s, "dkv_mode": "deterministic (full)", "bwd_ms": ms, "tflops_all_flops": fl / ms / 1e9})
     print("breakdown", res["bwd"][-1], flush=True)
-
-
-ORIGINAL_CONFIG = tsm.kernel_config
-
-
-def kl_breakdown(res, gen, s):
-    """Where the sparse indexer loss spends its time (its target comes from the attention backward)."""
-    from benchmarks.dsa_kernels import sparse_kl_triton
-    from pretrain.model.dsa.indexer_loss import kl_sum
-    from pretrain.model.dsa.kernels import indexer_kl as tkl
-
-    q, kv, qi, ki, w = inputs(s, gen)
-    lo, hi = VisibleKeys(s, s, "cuda").ranges()
-    idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
-    out, lse = tsm.sparse_mla_forward(q, kv, idx, SCALE, C)
-    g = torch.randn_like(out)
-    head_sums = torch.zeros(idx.shape, dtype=torch.float32, device="cuda")
-    tsm.sparse_mla_backward(q, kv, idx, lse, tsm.output_delta(g, out), g, SCALE, C, head_sums=head_sums)
-    qi, ki, w = qi.requires_grad_(), ki.requires_grad_(), w.requires_grad_()
-    res_kl = {"S": s}
-    res_kl["scores_at_fwd_ms"] = timed(lambda: tkl.index_scores_at(qi, ki, w, idx, 0, s), 3)
-    sc = tkl.index_scores_at(qi, ki, w, idx, 0, s)
-    gsc = torch.randn_like(sc)
-    res_kl["scores_at_bwd_ms"] = timed(lambda: torch.autograd.grad(sc, (qi, ki, w), gsc, retain_graph=True), 3)
-    p = head_sums / head_sums.sum(-1, keepdim=True)
-    logits = sc.detach().requires_grad_()
-    res_kl["torch_kl_fwdbwd_ms"] = timed(lambda: torch.autograd.grad(kl_sum(p, logits, idx >= 0), logits), 3)
-    res_kl["total_fwdbwd_ms"] = timed(lambda: sparse_kl_triton(qi.detach(), ki.detach(), w.detach(), idx, head_sums), 3)
-    res["kl"] = res_kl
-    print("kl", res_kl, flush=True)
 
 
 def main():
@@ -156,29 +118,29 @@ def main():
     idx = ttopk.indexer_topk(qi, ki, w, TOPK, lo, hi)
     fl = 2 * s * TOPK * H * (C + D)
     g = torch.randn(1, s, H, C, device="cuda", dtype=torch.bfloat16)
+    triton_only = DSAKernelTuning(gluon_forward=False, gluon_forward_keys_m=False, gluon_first_pass=False)
     for cfg in [(64, 8, 2), (64, 8, 1), (64, 8, 3), (32, 8, 2), (128, 8, 1), (64, 4, 2)]:
-        tsm.kernel_config = lambda h, c, backward=False, cfg=cfg: ORIGINAL_CONFIG(h, c, True) if backward else cfg
+        # the forward takes the first three entries; the backward keeps its default config
+        tuning = replace(triton_only, triton_tiles=cfg + (tsm.kernel_config(H, C, True)[3],))
         row = {"BN": cfg[0], "warps": cfg[1], "stages": cfg[2]}
         try:
-            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), 3)
+            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_forward(q, kv, idx, SCALE, C, tuning), 3)
             row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
         except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
             row["error"] = repr(e)[:200]
         res["fwd"].append(row)
         print("fwd", row, flush=True)
     qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
     for cfg in [(64, 8, 1, 64), (32, 8, 1, 64), (64, 8, 1, 128), (32, 8, 1, 32), (64, 4, 1, 64)]:
-        tsm.kernel_config = lambda h, c, backward=False, cfg=cfg: cfg if backward else ORIGINAL_CONFIG(h, c)
         row = {"BN": cfg[0], "warps": cfg[1], "stages": cfg[2], "CC": cfg[3]}
         try:
+            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C, False, replace(triton_only, triton_tiles=cfg))
             row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), 3)
             row["bwd_tflops"] = 2 * s * TOPK * H * (2 * D + C + C + D) / row["bwd_ms"] / 1e9
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         res["bwd"].append(row)
         print("bwd", row, flush=True)
-    tsm.kernel_config = ORIGINAL_CONFIG
     buf = torch.empty(1, s, s, device="cuda")
     lo32, hi32 = ttopk.visible_ranges(lo, hi)
     out = torch.empty(1, s, TOPK, device="cuda", dtype=torch.int32)
@@ -193,16 +155,14 @@ def main():
         print("scores", row, flush=True)
     res["select"] = []
     for block, warps in [(512, 4), (1024, 4), (2048, 4)]:
-        tsel.SELECT_BLOCK, tsel.SELECT_WARPS = block, warps
+        select = SelectTuning(block=block, warps=warps)
         row = {"BLOCK": block, "warps": warps}
         try:
-            row["select_ms"] = timed(lambda: tsel.select_rows(buf, lo32, hi32, 0, s, TOPK, out), 3)
+            row["select_ms"] = timed(lambda: tsel.select_rows(buf, lo32, hi32, 0, s, TOPK, out, tuning=select), 3)
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         res["select"].append(row)
         print("select", row, flush=True)
-    tsel.SELECT_BLOCK, tsel.SELECT_WARPS = 512, 4
-    kl_breakdown(res, gen, s)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

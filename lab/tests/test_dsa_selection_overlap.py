@@ -1,4 +1,4 @@
-"""benchmarks/dsa_selection_overlap.py: union sizes of neighbouring tokens' selections against Python sets, and the
+"""lab/dsa/dsa_selection_overlap.py: union sizes of neighbouring tokens' selections against Python sets, and the
 script end to end on the tiny DSA model (its bounds: reduction 1 for one token per block, at most T for T) with its
 refusals of bad arguments."""
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from benchmarks.dsa_selection_overlap import block_union_sizes, first_keys_share, main, overlap_stats
+from lab.dsa.dsa_selection_overlap import block_union_sizes, first_keys_share, main, overlap_stats
 
 
 def _random_indices(b, s, k, keys, seed):

@@ -1,7 +1,7 @@
 """The 64-head sparse MLA forward's two kernels side by side in one run on one GPU: the Triton forward
-(`sparse_mla._fwd_kernel`) and the warp-specialized Gluon forward (`sparse_mla_fwd_ws`, the default on Hopper).
+(`sparse_mla._fwd_kernel`) and the warp-specialized Gluon forward (`hopper.forward_heads_m`, the default on Hopper).
 
-    python benchmarks/dsa_fwd_probe.py --seqs 4096,16384,32768 --out fwd_probe.json
+    python lab/dsa/dsa_fwd_probe.py --seqs 4096,16384,32768 --out fwd_probe.json
 
 GLM-5's shapes: 64 heads, 576 = 512 + 64 key width, top-k 2048, batch 1; random inputs, the causal top-k of random
 scores. Per S: ms and TFLOP/s of each (the convention of `benchmarks/dsa_kernels.py`: 2 * S * k * h * (576 + 512)),
@@ -17,11 +17,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.dsa_kernels import save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as fwd_ws  # noqa: E402
+from pretrain.model.dsa.kernels.tuning import DSAKernelTuning  # noqa: E402
 
 
 def stage_configs(ap: argparse.ArgumentParser, text: str, flag: str) -> list:
@@ -68,31 +68,28 @@ def main(argv=None):
     for s in [int(x) for x in args.seqs.split(",")]:
         q, kv, idx = inputs(s, k, h, gen)
         fl = 2 * s * k * h * (576 + 512)
-        fwd = lambda: tsm.sparse_mla_forward(q, kv, idx, scale, 512)  # noqa: E731
-        original = fwd_ws.ENABLED, fwd_ws.CONFIG
-        try:
-            fwd_ws.ENABLED = False
-            ref_out, ref_lse = fwd()
-            ms = timed(fwd, args.reps)
-            rows = [{"S": s, "kernel": "triton", "config": list(tsm.kernel_config(h, 512)), "ms": ms,
-                     "tflops": fl / ms / 1e9}]
-            fwd_ws.ENABLED = True
-            for cfg in configs:
-                fwd_ws.CONFIG = tuple(cfg)
-                row = {"S": s, "kernel": "gluon", "config": list(cfg)}
-                try:
-                    out, lse = fwd()
-                    fin = torch.isfinite(ref_lse)
-                    row["out_diff"] = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
-                    row["lse_diff"] = (lse[fin] - ref_lse[fin]).abs().max().item()
-                    row["lse_inf_same"] = bool(torch.equal(torch.isfinite(lse), fin))
-                    row["ms"] = timed(fwd, args.reps)
-                    row["tflops"] = fl / row["ms"] / 1e9
-                except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
-                    row["error"] = repr(e)[:400]
-                rows.append(row)
-        finally:
-            fwd_ws.ENABLED, fwd_ws.CONFIG = original
+        def fwd(tuning):
+            return tsm.sparse_mla_forward(q, kv, idx, scale, 512, tuning)
+
+        triton_only = DSAKernelTuning(gluon_forward=False)
+        ref_out, ref_lse = fwd(triton_only)
+        ms = timed(lambda: fwd(triton_only), args.reps)
+        rows = [{"S": s, "kernel": "triton", "config": list(tsm.kernel_config(h, 512)), "ms": ms,
+                 "tflops": fl / ms / 1e9}]
+        for cfg in configs:
+            gluon = DSAKernelTuning(gluon_forward_tiles=tuple(cfg))
+            row = {"S": s, "kernel": "gluon", "config": list(cfg)}
+            try:
+                out, lse = fwd(gluon)
+                fin = torch.isfinite(ref_lse)
+                row["out_diff"] = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+                row["lse_diff"] = (lse[fin] - ref_lse[fin]).abs().max().item()
+                row["lse_inf_same"] = bool(torch.equal(torch.isfinite(lse), fin))
+                row["ms"] = timed(lambda: fwd(gluon), args.reps)
+                row["tflops"] = fl / row["ms"] / 1e9
+            except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+                row["error"] = repr(e)[:400]
+            rows.append(row)
         for row in rows:
             print(row, flush=True)
         res["rows"] += rows

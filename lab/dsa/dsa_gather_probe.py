@@ -1,6 +1,6 @@
 """Is the 16-head sparse MLA forward at the GPU's gather bandwidth? The forward against gather-only kernels, one run.
 
-    python benchmarks/dsa_gather_probe.py --seqs 16384,32768 --out gather_probe.json
+    python lab/dsa/dsa_gather_probe.py --seqs 16384,32768 --out gather_probe.json
 
 At 8-16 heads the forward costs the same per (query token, selected key) pair, about 0.24 ns on an H200, which is one
 gathered 576-value bf16 key row (1,152 bytes) per pair at about 4.7 TB/s (benchmarks/results/README.md, "Cost per
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402

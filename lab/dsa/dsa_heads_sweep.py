@@ -1,6 +1,6 @@
 """Sparse MLA attention kernels by heads per rank, and their tile configs, in one run on one GPU.
 
-    python benchmarks/dsa_heads_sweep.py --heads 8,16,32,64 --seqs 4096,16384,32768 --out heads.json
+    python lab/dsa/dsa_heads_sweep.py --heads 8,16,32,64 --seqs 4096,16384,32768 --out heads.json
 
 GLM-5 shapes except the head count: absorbed MLA keys of 576 = 512 latent + 64 rope dims, values
 512, top-k 2048 from the Triton indexer on random inputs, batch 1, causal. Per (heads, S) and
@@ -9,10 +9,10 @@ TFLOP/s in `benchmarks/dsa_kernels.py`'s convention (all S * k slots; forward
 2 * S * k * h * (576 + 512), backward 2.53x that), and the errors of output, dq and dkv against
 the fp32 PyTorch reference on the same bf16 inputs (S = 4096, default config only). glm5-proxy
 has 16 heads; GLM-5 has 64, i.e. 32 / 16 / 8 per rank at TP = 2 / 4 / 8. With --dkv-modes, the
-backward again by key-gradient path (`dkv_rows`), e.g.
+backward again by key-gradient path (`dkv_rows`, `DSAKernelTuning.key_gradient`), e.g.
 `--dkv-modes split,fused,none --dkv-configs 64x128x4x3,32x128x4x3`. With --key-partition-mib, the backward again
-with its keys walked in L2-sized partitions (`sparse_mla.KEY_PARTITION_BYTES`, one launch per partition; 0 = one
-pass; the default rows take `sparse_mla.partition_budget`'s: 96 MiB below 32 heads), e.g.
+with its keys walked in L2-sized partitions (`DSAKernelTuning.key_partition_bytes`, one launch per partition; 0 = one
+pass; the default rows take the plan's: 96 MiB below 32 heads), e.g.
 `--key-partition-mib 0,48,96` (`partition_rows`). With --atomics, the backward again by how the key gradients
 reach memory (`kernels.atomics`): `scalar` (Triton's `tl.atomic_add`, the default) and `vector` (16-byte
 reductions, sm_90+), e.g. `--atomics vector,scalar` (`atomic_rows`). With --ws, forward and backward again with
@@ -28,22 +28,29 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.dsa_kernels import C, D, SCALE, TOPK, inputs, save_json, tile_configs, timed  # noqa: E402
 from pretrain.model.dsa.indexer import VisibleKeys  # noqa: E402
 from pretrain.model.dsa.kernels import atomics  # noqa: E402
 from pretrain.model.dsa.kernels import indexer_topk as ttopk  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla as tsm  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla_bwd_ws as tsm_bwd_ws  # noqa: E402
 from pretrain.model.dsa.kernels import sparse_mla_dkv as tsm_dkv  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla_fwd_km as tsm_fwd_km  # noqa: E402
-from pretrain.model.dsa.kernels import sparse_mla_fwd_ws as tsm_fwd_ws  # noqa: E402
+from pretrain.model.dsa.kernels.hopper.loader import inputs_fit  # noqa: E402
+from pretrain.model.dsa.kernels.plan import TRITON, key_partitions  # noqa: E402
+from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning, KeyGradient  # noqa: E402
 from pretrain.model.dsa.sparse_mla import sparse_mla_attention as ref_attn  # noqa: E402
 
 
 def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+def backward_ms(q, kv, idx, g, reps, tuning):
+    """ms of the attention's backward under `tuning` (its forward run once outside the timing)."""
+    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C, False, tuning)
+    return timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
 
 
 def errors(q, kv, idx, g):
@@ -56,7 +63,8 @@ def errors(q, kv, idx, g):
     return {"out_rel": rel(out, rout), "dq_rel": rel(dq, rdq), "dkv_rel": rel(dkv, rdkv)}
 
 
-DKV_MODES = {"split": 5, "fused": 0, "none": 2, "compute_only": 3}  # name: the backward kernel's DKV
+DKV_MODES = {"split": KeyGradient.SEPARATE, "fused": KeyGradient.FUSED, "none": KeyGradient.TIMING_NONE,
+             "compute_only": KeyGradient.TIMING_UNWRITTEN}
 
 
 def dkv_rows(h, s, q, kv, idx, g, reps, modes, dkv_configs):
@@ -65,48 +73,32 @@ def dkv_rows(h, s, q, kv, idx, g, reps, modes, dkv_configs):
     but not written, none at all (what the rest of the backward costs)."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D) * 2.53
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    original = tsm_dkv.dkv_config
-    try:
-        for name in modes:
-            for cfg in [None] + (dkv_configs if name == "split" else []):
-                if cfg is not None:
-                    tsm_dkv.dkv_config = lambda hh, c, cfg=cfg: cfg
-                tsm.DKV_MODE = DKV_MODES[name]
-                o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-                ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-                rows.append({"heads": h, "S": s, "dkv_mode": name, "dkv_config": list(tsm_dkv.dkv_config(h, C)),
-                             "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
-                tsm_dkv.dkv_config = original
-                print(json.dumps(rows[-1]), flush=True)
-    finally:
-        tsm.DKV_MODE = None
-        tsm_dkv.dkv_config = original
+    for name in modes:
+        for cfg in [None] + (dkv_configs if name == "split" else []):
+            tuning = DSAKernelTuning(key_gradient=DKV_MODES[name], dkv_tiles=None if cfg is None else tuple(cfg))
+            ms = backward_ms(q, kv, idx, g, reps, tuning)
+            rows.append({"heads": h, "S": s, "dkv_mode": name, "dkv_config": list(tsm_dkv.dkv_config(h, C, cfg)),
+                         "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def partition_rows(h, s, q, kv, idx, g, reps, mibs):
     """Backward ms with the keys walked in partitions of at most `mib` MiB of kv + fp32 dkv rows (0: one launch
-    over all keys; the "default" rows take `sparse_mla.partition_budget`'s), the default key-gradient mode of `h`
-    heads."""
+    over all keys; the "default" rows take the plan's), the default key-gradient mode of `h` heads."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D) * 2.53
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    try:
-        for mib in mibs:
-            tsm.KEY_PARTITION_BYTES = int(mib * 2**20)  # 0: one pass
-            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-            ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            n = len(tsm.key_partitions(kv.shape[1], kv.shape[-1], tsm.KEY_PARTITION_BYTES))
-            rows.append({"heads": h, "S": s, "key_partition_mib": mib, "partitions": n, "bwd_ms": ms,
-                         "bwd_tflops": fl / ms / 1e9})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        tsm.KEY_PARTITION_BYTES = None
+    for mib in mibs:
+        tuning = DSAKernelTuning(key_partition_bytes=int(mib * 2**20))  # 0: one pass
+        ms = backward_ms(q, kv, idx, g, reps, tuning)
+        n = len(key_partitions(kv.shape[1], kv.shape[-1], tsm.attention_plan(q, kv, C, tuning).partition_bytes))
+        rows.append({"heads": h, "S": s, "key_partition_mib": mib, "partitions": n, "bwd_ms": ms,
+                     "bwd_tflops": fl / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-ATOMICS = {"vector": True, "scalar": False}  # name: atomics.VECTOR_ATOMICS
+ATOMICS = {"vector": True, "scalar": False}  # name: DSAKernelTuning.vector_atomics
 
 
 def atomic_rows(h, s, q, kv, idx, g, reps, names):
@@ -114,21 +106,17 @@ def atomic_rows(h, s, q, kv, idx, g, reps, names):
     key-gradient path and partitions of `h` heads."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D) * 2.53
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    try:
-        for name in names:
-            atomics.VECTOR_ATOMICS = ATOMICS[name]
-            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-            ms = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            mode = atomics.reduction_mode(kv.new_empty(0, dtype=torch.float32), C, D - C)  # as the backward's dkv
-            rows.append({"heads": h, "S": s, "atomics": name, "mode": mode, "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        atomics.VECTOR_ATOMICS = False
+    for name in names:
+        ms = backward_ms(q, kv, idx, g, reps, DSAKernelTuning(vector_atomics=ATOMICS[name]))
+        # as the backward's dkv
+        mode = atomics.reduction_mode(kv.new_empty(0, dtype=torch.float32), C, D - C, vector=ATOMICS[name])
+        rows.append({"heads": h, "S": s, "atomics": name, "mode": mode, "bwd_ms": ms, "bwd_tflops": fl / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-WS = {"on": True, "off": False}  # name: sparse_mla_fwd_ws / _fwd_km / _bwd_ws .ENABLED
+WS = {"on": DEFAULT_TUNING,
+      "off": DSAKernelTuning(gluon_forward=False, gluon_forward_keys_m=False, gluon_first_pass=False)}
 
 
 def ws_rows(h, s, q, kv, idx, g, reps, names):
@@ -137,20 +125,15 @@ def ws_rows(h, s, q, kv, idx, g, reps, names):
     nothing (`on` rows say whether they ran)."""
     rows = []
     fl = 2 * s * TOPK * h * (C + D)
-    qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    try:
-        for name in names:
-            tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = tsm_fwd_km.ENABLED = WS[name]
-            fwd = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
-            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-            bwd = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
-            ran = tsm_fwd_ws.supported(q, kv, h, C, D - C) or tsm_fwd_km.supported(q, kv, h, C, D - C)
-            rows.append({"heads": h, "S": s, "ws": name, "ran": ran,
-                         "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fl / fwd / 1e9,
-                         "bwd_tflops": fl * 2.53 / bwd / 1e9})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        tsm_fwd_ws.ENABLED = tsm_bwd_ws.ENABLED = tsm_fwd_km.ENABLED = True
+    for name in names:
+        tuning = WS[name]
+        fwd = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C, False, tuning), reps)
+        bwd = backward_ms(q, kv, idx, g, reps, tuning)
+        ran = inputs_fit(q, kv) and tsm.attention_plan(q, kv, C, tuning).forward != TRITON
+        rows.append({"heads": h, "S": s, "ws": name, "ran": ran,
+                     "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": fl / fwd / 1e9,
+                     "bwd_tflops": fl * 2.53 / bwd / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -162,25 +145,22 @@ def point(h, s, gen, reps, configs, modes=(), dkv_configs=(), mibs=(), atomic_na
     g = torch.randn(1, s, h, C, device="cuda", dtype=torch.bfloat16)
     fl = 2 * s * TOPK * h * (C + D)
     rows = []
-    original = tsm.kernel_config
     for cfg in [None] + configs:
-        if cfg is not None:  # one tuple for both passes: the forward reads its first three entries
-            tsm.kernel_config = lambda hh, c, backward=False, cfg=cfg: cfg if backward else cfg[:3]
+        # one tuple for both passes: the forward reads its first three entries
+        tiles = None if cfg is None else tuple(cfg)
+        tuning = DSAKernelTuning(triton_tiles=tiles)
         row = {"heads": h, "S": s, "config": "default" if cfg is None else list(cfg),
-               "fwd_config": list(tsm.kernel_config(h, C)), "bwd_config": list(tsm.kernel_config(h, C, True))}
+               "fwd_config": list(tsm.kernel_config(h, C, tiles=tiles)),
+               "bwd_config": list(tsm.kernel_config(h, C, True, tiles))}
         try:
-            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C), reps)
-            qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
-            o, _ = tsm.sparse_mla_attention(qg, kvg, idx, SCALE, C)
-            row["bwd_ms"] = timed(lambda: torch.autograd.grad(o, (qg, kvg), g, retain_graph=True), reps)
+            row["fwd_ms"] = timed(lambda: tsm.sparse_mla_attention(q, kv, idx, SCALE, C, False, tuning), reps)
+            row["bwd_ms"] = backward_ms(q, kv, idx, g, reps, tuning)
             row["fwd_tflops"] = fl / row["fwd_ms"] / 1e9
             row["bwd_tflops"] = fl * 2.53 / row["bwd_ms"] / 1e9
             if s == 4096 and cfg is None:
                 row.update(errors(q, kv, idx, g))
         except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
             row["error"] = repr(e)[:300]
-        finally:
-            tsm.kernel_config = original
         rows.append(row)
         print(json.dumps(row), flush=True)
     rows += dkv_rows(h, s, q, kv, idx, g, reps, modes, list(dkv_configs)) if modes else []
