@@ -13,6 +13,12 @@ next, for any data-parallel size, since the position is global. `dp_rank` / `dp_
 data-parallel rank and size (megatron's `parallel_state.get_data_parallel_rank()`), so the
 tensor-, pipeline- and context-parallel ranks of one replica read the same samples.
 
+Loading runs in `data.num_workers` worker processes (torch's DataLoader: each worker reads, packs
+and masks whole micro-batches, `prefetch_factor` of them ahead, into pinned memory on a GPU host); the
+batches come back in sampler order whatever the workers' timing, and the position counts only batches
+handed out, so a resume reads the same samples with any number of workers. `wait_seconds` is the time
+the trainer spent blocked on the next batch (the `data_wait_s` metric, `data_wait_metrics`).
+
 `state_dict()` stores the position with a fingerprint of the dataset (blend names and weights,
 long-document filters, documents and tokens per source, split, seed, seq_length, sample count).
 `load_state_dict()` refuses a checkpoint whose fingerprint differs, naming what changed: the
@@ -22,6 +28,7 @@ same `consumed_samples` in different data is a different sample.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy
@@ -68,7 +75,8 @@ class DataIterator:
     """Micro-batches (dicts of tensors, `packing.collate_batch`) for one data-parallel rank, resumable.
 
     `consumed_samples` advances by micro_batch_size * dp_size per batch handed out (not per batch a
-    loader worker has prefetched), so `state_dict()` is exact at any point.
+    loader worker has prefetched), so `state_dict()` is exact at any point. With `num_workers` > 0,
+    that many worker processes each prepare `prefetch_factor` batches ahead.
     """
 
     def __init__(
@@ -79,10 +87,15 @@ class DataIterator:
         dp_size: int = 1,
         consumed_samples: int = 0,
         num_workers: int = 0,
+        prefetch_factor: int = 2,
     ):
+        if num_workers < 0 or prefetch_factor < 1:
+            raise ValueError(f"need num_workers >= 0 and prefetch_factor >= 1; got num_workers={num_workers}, "
+                             f"prefetch_factor={prefetch_factor}")
         self.dataset = dataset
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        self.num_workers = num_workers
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.wait_seconds = 0.0  # blocked in __next__ since the last `take_wait_seconds`
         self.consumed_samples = consumed_samples
         self.fingerprint = dataset_fingerprint(dataset)
         self._batches: Optional[Iterator] = None
@@ -100,6 +113,7 @@ class DataIterator:
                 self.dataset,
                 batch_sampler=sampler,
                 num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor if self.num_workers else None,
                 collate_fn=collate_batch,
                 pin_memory=torch.cuda.is_available(),
                 persistent_workers=False,
@@ -108,9 +122,18 @@ class DataIterator:
                 generator=torch.Generator().manual_seed(0),
             )
             self._batches = iter(loader)
-        batch = next(self._batches)
+        start = time.perf_counter()
+        try:
+            batch = next(self._batches)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return batch
+
+    def take_wait_seconds(self) -> float:
+        """Seconds blocked waiting for batches since the last call (starting the loader included)."""
+        waited, self.wait_seconds = self.wait_seconds, 0.0
+        return waited
 
     def __len__(self) -> int:
         """Micro-batches left."""
@@ -133,6 +156,13 @@ class DataIterator:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self._batches = None  # drops prefetched batches of the old position
+
+
+def data_wait_metrics(iterators, step_time_s: float) -> Dict[str, float]:
+    """The step's data wait: `data_wait_s`, the seconds the trainer was blocked on the next micro-batch
+    (all of `iterators`, e.g. one per virtual-pipeline chunk), and `data_wait_frac`, its share of the step."""
+    waited = sum(it.take_wait_seconds() for it in iterators if it is not None)
+    return {"data_wait_s": waited, "data_wait_frac": waited / step_time_s if step_time_s > 0 else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ class Trainer:
         def iterators(dataset, consumed=0):
             if dataset is None:
                 return None
-            its = [DataIterator(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed) for _ in self.model]
+            its = [DataIterator(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed,
+                                num_workers=self.cfg.data.num_workers) for _ in self.model]
             return its if len(its) > 1 else its[0]
 
         self._make_iterators = iterators
@@ -274,6 +275,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- loop
     def train(self) -> Dict[str, float]:
+        from data_pipeline.sampler import data_wait_metrics
         from pretrain.training.profiler import ProfilerWindow
 
         t, c = self.cfg.train, self.cfg.checkpoint
@@ -289,6 +291,7 @@ class Trainer:
             with profiler.step(self.iteration + 1):
                 values = self.train_step()
             values.update(self.timer.stop())
+            values.update(data_wait_metrics(self._data_iterators(), values["step_time_s"]))
             self.iteration += 1
             if t.eval_interval and self.iteration % t.eval_interval == 0 and self.valid_ds is not None:
                 values["valid_loss"] = self.evaluate()

@@ -66,7 +66,8 @@ def grouped_key(name: str) -> str:
         return f"loss/{name[: -len('_loss')]}"
     if name.startswith(("indexer_loss/", "topk_recall")):  # DSA, per layer
         return f"dsa/{name}"
-    if name.startswith("tokens_per_sec") or name in ("tflops_per_gpu", "mfu", "step_time_s"):
+    if name.startswith("tokens_per_sec") or name in ("tflops_per_gpu", "mfu", "step_time_s", "data_wait_s",
+                                                     "data_wait_frac"):
         return f"throughput/{name}"
     if name.startswith("mem_"):
         return f"memory/{name[len('mem_'):]}"
@@ -98,6 +99,8 @@ def format_line(record: Dict[str, Any]) -> str:
             parts.append(f"{label} {value}")
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
+    if record.get("data_wait_frac") is not None:  # the step's share spent waiting for the next batch
+        parts.append(f"data wait {record['data_wait_frac']:.1%}")
     if record.get("mem_peak_gb") is not None:
         parts.append(f"mem {record['mem_peak_gb']:.2f}GiB")
     if record.get("skipped"):
