@@ -44,6 +44,7 @@ Selected by `model.moe_token_dispatcher_type: alltoall_dedup`.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List
 
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import all_to_all
 
 from pretrain.model.moe_dispatch import LocalTokenDispatcher, PermuteTokens, UnpermuteTokens
+from pretrain.notices import say_once
 
 DEDUP = "alltoall_dedup"  # our value of model.moe_token_dispatcher_type
 
@@ -64,16 +66,12 @@ def megatron_dispatcher_fields(name: str) -> Dict[str, object]:
     return {"moe_token_dispatcher_type": name, "moe_alltoall_dedup": False}
 
 
-_SAID = set()
+_log = logging.getLogger(__name__)
 
 
 def say_dispatcher(text: str) -> None:
-    """Print which MoE dispatcher runs, once per process, on global rank 0 (or without a process group)."""
-    if text in _SAID:
-        return
-    _SAID.add(text)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"MoE dispatch: {text}", flush=True)
+    """Say which MoE dispatcher runs, once per process (`pretrain.notices`: shown on global rank 0)."""
+    say_once(_log, "MoE dispatch: %s", text)
 
 
 def dedup_volume_ratio(num_experts: int, topk: int, ep: int) -> float:
