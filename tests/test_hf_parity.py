@@ -94,3 +94,27 @@ def test_packed_documents_match_each_document_alone(tmp_path, topk):
         # the documents matter: the same window without them differs
         plain = model(batch["tokens"], torch.arange(seq).expand(2, -1), None)
     assert relative_error(plain, out) > 1e-3
+
+
+def test_restarted_positions_without_isolation_match_transformers(tmp_path):
+    """data.reset_position_ids without reset_attention_mask: documents see each other, RoPE counts from each
+    document's start. Equal to transformers given the same position_ids (within isolated documents RoPE's
+    relative form makes restarted positions invisible, so this is the case that shows they take effect)."""
+    from data_pipeline.packing import collate_batch, pack_sample
+    from pretrain.training.step import with_documents
+
+    eod, seq = 1, 24
+    hf = write_hf_checkpoint(str(tmp_path), 6, layers=2, dense=1, mtp=False)
+    gen = torch.Generator().manual_seed(6)
+    texts = torch.randint(2, hf.config.vocab_size, (2, seq + 1), generator=gen)
+    texts[0, [6, 15]] = eod
+    texts[1, [10]] = eod
+    batch = with_documents(collate_batch([pack_sample(t, eod, -1, True, False, False) for t in texts]))
+    assert batch["position_ids"][0, 7] == 0 and batch["position_ids"][1, 11] == 0
+    _, model = load_hf_model(str(tmp_path))
+    with torch.no_grad():
+        ref = hf(batch["tokens"], position_ids=batch["position_ids"]).logits
+        out = model(batch["tokens"], batch["position_ids"], batch["document_layout"])
+        window = hf(batch["tokens"]).logits  # positions 0 .. seq - 1
+    assert relative_error(out, ref) <= 1e-5
+    assert relative_error(window, ref) > 1e-3  # the positions matter here
