@@ -20,6 +20,17 @@ backward: one training step with the optimizer's step skipped, Newton-Schulz alo
 on a side stream, launched just before the step), medians of `--steps` each; `hidden` is the share of Newton-Schulz
 time that running them together saved.
 Timings use wall clock around synchronized CUDA work (CPU runs, for a smoke test, also work).
+
+ZeRO-2 at many micro-batches per step (`optimizer.zero2_grad_reduce`), 2 GPUs, 32 micro-batches per rank:
+
+    python benchmarks/muon_step.py --nproc 2 --steps 4 --warmup 1 \
+        --variants muon_split,muon_zero2,muon_zero2_step,muon_zero2_scatter,muon_zero2_scatter_bf16 \
+        --out muon_step_dp2_zero2_mb32.json train.micro_batch_size=1 train.global_batch_size=64 data.seq_length=2048
+
+adds per variant: `vs_ddp` (tokens/s over `muon_split`'s, DDP + Muon), the optimizer's allocated state
+(momentum, moments, fp32 main weights: distinct storages) at the end, and for data-parallel runs
+`grad_comm_ms`: one micro-batch's gradient traffic alone (ZeRO-2: every bucket's reduce or
+reduce-scatter; DDP: the all-reduce of its buffers), to set against the step's time per micro-batch.
 """
 
 from __future__ import annotations
@@ -52,7 +63,12 @@ VARIANTS = {
                         "parallel.grad_reduce_in_fp32=false"],
     "muon_zero2_step": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
                         "optimizer.zero2_grad_reduce=step"],
+    "muon_zero2_scatter": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
+                           "optimizer.zero2_grad_reduce=microbatch_scatter"],
+    "muon_zero2_scatter_bf16": ["optimizer.optimizer=muon", "optimizer.muon_split=true", *ZERO2,
+                                "optimizer.zero2_grad_reduce=microbatch_scatter", "parallel.grad_reduce_in_fp32=false"],
 }
+BASELINE = "muon_split"  # DDP + Muon: the reference of `vs_ddp` when it is among the variants
 
 
 UNFUSED = {"muon_split_unfused"}  # Muon's momentum/staging and decay/update as torch ops, not the fused kernels
@@ -126,18 +142,24 @@ def run(config: str, name: str, extra, steps: int, warmup: int, overlap_probe: b
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     probe.remove()
     grads = probe.peak / 2**30
-    world = 1
+    grads_now = allocated_grad_bytes(trainer.model) / 2**30
+    opt_state = optimizer_state_bytes(trainer.optimizer) / 2**30
+    world, comm_ms = 1, 0.0
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         world = torch.distributed.get_world_size()
+        comm_ms = grad_comm_ms(trainer)
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        t = torch.tensor([*opt_ms, *step_ms, peak, grads], dtype=torch.float64, device=dev)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank
+        t = torch.tensor([*opt_ms, *step_ms, peak, grads, grads_now, opt_state, comm_ms], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest (fullest) rank
         t = t.tolist()
-        opt_ms, step_ms, peak, grads = t[:len(opt_ms)], t[len(opt_ms):-2], t[-2], t[-1]
+        opt_ms, step_ms = t[:len(opt_ms)], t[len(opt_ms):-5]
+        peak, grads, grads_now, opt_state, comm_ms = t[-5:]
     opt, step = statistics.median(opt_ms[warmup:]), statistics.median(step_ms[warmup:])
     result = {"variant": name, "world_size": world, "step_ms": step, "optimizer_step_ms": opt,
               "optimizer_share": opt / step, "peak_mem_gib": peak, "grad_storage_gib": grads,
-              "tokens_per_s": trainer.timer.tokens_per_step / step * 1e3}
+              "grad_allocated_gib": grads_now, "optimizer_state_gib": opt_state,
+              "micro_batches": trainer.cfg.train.global_batch_size // (trainer.cfg.train.micro_batch_size * world),
+              "grad_comm_ms": comm_ms, "tokens_per_s": trainer.timer.tokens_per_step / step * 1e3}
     if name.startswith("muon") and world == 1:
         result["newton_schulz"] = newton_schulz_bench(trainer)
         if overlap_probe:
@@ -147,6 +169,51 @@ def run(config: str, name: str, extra, steps: int, warmup: int, overlap_probe: b
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return result
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of distinct storages behind the optimizer's state tensors and fp32 main weights (those of
+    parameters another ZeRO-2 rank owns are freed to empty storage)."""
+    from pretrain.optim.roles import sub_optimizers
+
+    storages = {}
+    for sub in sub_optimizers(opt):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        tensors = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        for group in getattr(sub, "fp32_from_float16_groups", []):
+            tensors += list(group)
+        for t in tensors:
+            if t.untyped_storage().nbytes():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def grad_comm_ms(trainer, reps: int = 3) -> float:
+    """One micro-batch's gradient traffic alone, median of `reps`: every ZeRO-2 bucket's reduce (or
+    reduce-scatter) of zeros in its reduce dtype, or DDP's all-reduce of each gradient buffer. The
+    gradients themselves are untouched."""
+    samples = []
+    for _ in range(reps + 1):
+        _sync()
+        t0 = time.perf_counter()
+        for chunk in trainer.model:
+            if hasattr(chunk, "param_owner"):  # ZeRO-2
+                buckets = [b for b in chunk.buckets if b.group.size() > 1]
+                for b in buckets:
+                    b.comm = torch.zeros(b.numel, dtype=b.reduce_dtype, device=b.param_data.device)
+                    b.start_reduce()
+                for b in buckets:
+                    b.work.wait()
+                    b.work, b.comm = None, None
+            else:  # megatron DDP
+                for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+                    scratch = torch.zeros_like(buf.grad_data)
+                    torch.distributed.all_reduce(scratch, group=buf.data_parallel_group)
+        _sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples[1:])
 
 
 def _sync():
@@ -267,16 +334,20 @@ def main():
                     results.extend(json.load(f)["results"])
     record = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d"), "config": args.config,
               "overrides": args.overrides, "results": results}
+    base = next((r["tokens_per_s"] for r in results if r["variant"] == BASELINE), math.nan)
+    for r in results:
+        r["vs_ddp"] = r["tokens_per_s"] / base
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-    print(f"{'variant':<16}{'GPUs':>5}{'step ms':>10}{'opt ms':>9}{'share':>7}{'tok/s':>10}{'NS TFLOP/s':>11}"
-          f"{'peak GiB':>9}{'grad GiB':>9}")
+    print(f"{'variant':<24}{'GPUs':>5}{'mb':>4}{'step ms':>10}{'opt ms':>9}{'share':>7}{'tok/s':>10}{'vs DDP':>7}"
+          f"{'comm/mb ms':>11}{'NS TFLOP/s':>11}{'peak GiB':>9}{'grad peak':>10}{'grad now':>9}{'opt state':>10}")
     for r in results:
         ns = r.get("newton_schulz", {}).get("tflops", math.nan)
-        print(f"{r['variant']:<16}{r['world_size']:>5}{r['step_ms']:>10.1f}{r['optimizer_step_ms']:>9.1f}"
-              f"{r['optimizer_share']:>7.1%}{r['tokens_per_s']:>10.0f}{ns:>11.1f}{r['peak_mem_gib']:>9.2f}"
-              f"{r['grad_storage_gib']:>9.2f}")
+        print(f"{r['variant']:<24}{r['world_size']:>5}{r['micro_batches']:>4}{r['step_ms']:>10.1f}"
+              f"{r['optimizer_step_ms']:>9.1f}{r['optimizer_share']:>7.1%}{r['tokens_per_s']:>10.0f}{r['vs_ddp']:>7.3f}"
+              f"{r['grad_comm_ms']:>11.1f}{ns:>11.1f}{r['peak_mem_gib']:>9.2f}{r['grad_storage_gib']:>10.2f}"
+              f"{r['grad_allocated_gib']:>9.2f}{r['optimizer_state_gib']:>10.2f}")
     for r in results:
         if "overlap" in r:
             o = r["overlap"]
