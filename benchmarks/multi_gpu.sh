@@ -14,7 +14,7 @@
 # reshards it). `ref` is one GPU; `floor` is one GPU with micro-batch 2, the same arithmetic in another order: the
 # bf16 noise every layout is measured against. The table and its pass rule: benchmarks/multi_gpu_compare.py.
 # Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` times anything.
-# EXTRA adds overrides to every run. A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
+# EXTRA adds overrides to every run (EXTRA=model.moe_router_force_load_balancing=true: any mode with forced MoE balance). A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
 # megatron's CUDA-only distributed optimizer: hence Muon):
 #   MODEL=configs/models/glm5-tiny.yaml CUT= SEQ=64 \
 #   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" \

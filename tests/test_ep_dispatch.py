@@ -288,3 +288,17 @@ def test_gather_sum_kernel_skips_padding_in_the_interpreter():
     ref = torch.stack([sum((rows.double()[j] for j in s if j >= 0), torch.zeros(70, dtype=torch.float64))
                        for s in slots.tolist()])
     torch.testing.assert_close(gather_sum_triton(rows, slots, block_h=32).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_config_keys_reach_megatron():
+    """`alltoall_dedup` builds megatron's alltoall dispatcher plus our flag; forced balance is megatron's own field."""
+    from pretrain.model.builder import transformer_config
+    from tests.config_helpers import tiny
+
+    cfg = tiny("model.moe_token_dispatcher_type=alltoall_dedup", "model.moe_router_force_load_balancing=true")
+    tcfg = transformer_config(cfg.model, cfg.parallel)
+    assert (tcfg.moe_token_dispatcher_type, tcfg.moe_alltoall_dedup) == ("alltoall", True)
+    assert tcfg.moe_router_force_load_balancing is True
+    plain = transformer_config(tiny("model.moe_token_dispatcher_type=alltoall").model, cfg.parallel)
+    assert (plain.moe_token_dispatcher_type, plain.moe_alltoall_dedup, plain.moe_router_force_load_balancing) == (
+        "alltoall", False, False)
