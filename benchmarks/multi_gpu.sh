@@ -14,7 +14,8 @@
 # reshards it). `ref` is one GPU; `floor` is one GPU with micro-batch 2, the same arithmetic in another order: the
 # bf16 noise every layout is measured against. The table and its pass rule: benchmarks/multi_gpu_compare.py.
 # Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` times anything.
-# EXTRA adds overrides to every run (EXTRA=model.moe_router_force_load_balancing=true: any mode with forced MoE balance). A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
+# EXTRA adds overrides to every run (EXTRA=model.moe_router_force_load_balancing=true: any mode with forced MoE
+# balance). A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
 # megatron's CUDA-only distributed optimizer: hence Muon):
 #   MODEL=configs/models/glm5-tiny.yaml CUT= SEQ=64 \
 #   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" \
@@ -121,7 +122,8 @@ ep_dispatch)
     # glm5-proxy's own settings (Muon, micro-batch 4 at 4K), 8 micro-batches per data-parallel rank; each EP=2 run
     # against the 1-GPU run with the same routing: the trained router, and forced balance (random router logits,
     # benchmarks only) that separates routing imbalance from communication.
-    common=("${extra[@]}" train.train_iters=8 train.eval_interval=null optimizer.lr_warmup_iters=2 logging.log_interval=1)
+    common=("${extra[@]}" train.train_iters=8 train.eval_interval=null optimizer.lr_warmup_iters=2
+            logging.log_interval=1)
     balanced=(model.moe_router_force_load_balancing=true)
     ep2=(train.global_batch_size=64 parallel.expert_model_parallel_size=2)
     launch gpu1 0 train.global_batch_size=32
