@@ -77,3 +77,14 @@ def test_a_failed_run_on_node_1_does_not_wait(tmp_path, monkeypatch, code):
     monkeypatch.setattr(runner, "_launch", lambda *a: code)
     with pytest.raises(runner.StageFailed, match="failed on node 1"):
         runner.run_plan(plan, "torchrun", log=lambda _: None, node_rank=1)
+
+
+def test_a_preempted_stage_stops_the_plan_with_exit_code_75(tmp_path, monkeypatch):
+    from pretrain.curriculum.__main__ import main
+
+    path = write_plan(tmp_path, [stage("a"), stage("b")])
+    monkeypatch.setattr(runner, "_launch", lambda *a: 75)  # the stage's ranks saved and exited on a signal
+    assert main(["--plan", path, "--launcher", "inline", "--skip-data-check"]) == 75
+    plan = load_plan(path)
+    assert runner.finished_iterations(plan.stages[0]) is None and "preempted" in (
+        plan.stages[0].directory / runner.FAILED_FILE).read_text()

@@ -5,7 +5,8 @@
 
 `KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
-same command again to resume), 2 a bad plan (one line, before anything runs).
+same command again to resume), 2 a bad plan (one line, before anything runs), 75 a stage was stopped
+by a signal after saving a checkpoint (run the same command again; launch/curriculum.sbatch requeues).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import argparse
 import sys
 
 from pretrain.curriculum.plan import PlanError, check_plan_data, load_plan
-from pretrain.curriculum.runner import LAUNCHERS, StageFailed, run_plan
+from pretrain.curriculum.runner import LAUNCHERS, StageFailed, StagePreempted, run_plan
+from pretrain.training.preemption import PREEMPTED_EXIT_CODE
 from pretrain.notices import configure_logging
 
 
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
     except PlanError as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
+    except StagePreempted as err:
+        print(f"curriculum stopped: {err}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except StageFailed as err:
         print(f"curriculum stopped: {err}", file=sys.stderr)
         return 1

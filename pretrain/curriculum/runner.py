@@ -36,6 +36,7 @@ from pretrain.atomic_io import atomic_write_text
 from pretrain.config import save_config
 from pretrain.curriculum.plan import Plan, PlanError, Stage
 from pretrain.training import checkpoint_files
+from pretrain.training.preemption import PREEMPTED_EXIT_CODE
 
 Launcher = Literal["torchrun", "srun", "inline"]
 LAUNCHERS = ("torchrun", "srun", "inline")
@@ -49,6 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class StageFailed(RuntimeError):
     """A stage's training run did not finish; running the plan again resumes it."""
+
+
+class StagePreempted(StageFailed):
+    """A stage's run stopped on a signal after saving a checkpoint (exit code 75): run the plan again."""
 
 
 def plan_record(plan: Plan) -> Dict[str, object]:
@@ -133,12 +138,20 @@ def _verdict(stage: Stage, node_rank: int, code: int) -> None:
                                   f"{stage.directory}) within {VERDICT_TIMEOUT_S:.0f} s after the run ended")
             time.sleep(0.2)
         if failed.is_file():
-            raise StageFailed(json.loads(failed.read_text())["reason"])
+            reason = json.loads(failed.read_text())["reason"]
+            raise (StagePreempted if code == PREEMPTED_EXIT_CODE else StageFailed)(reason)
+        if code == PREEMPTED_EXIT_CODE:
+            raise StagePreempted(f"stage {stage.name} was preempted on node {node_rank}; run the plan again")
         if code != 0:
             raise StageFailed(f"stage {stage.name} failed on node {node_rank} (exit code {code}); run the plan again "
                               f"to resume it from {stage.checkpoints}")
         return
     reason = None
+    if code == PREEMPTED_EXIT_CODE:
+        reason = (f"stage {stage.name} was preempted (a signal; exit code {code}) after saving a checkpoint; run the "
+                  f"plan again to resume it from {stage.checkpoints}")
+        atomic_write_text(failed, json.dumps({"reason": reason}) + "\n")
+        raise StagePreempted(reason)
     if code != 0:
         reason = (f"stage {stage.name} failed (exit code {code}); run the plan again to resume it from "
                   f"{stage.checkpoints}")
