@@ -168,3 +168,54 @@ def test_plan_is_linear_in_the_sequence():
     plan = attention_plan(layout, query_blocks(s // 4, 4, 1, s))
     assert sum(q1 - q0 for q0, q1, _, _ in plan.pieces[0]) == s // 4
     assert math.prod(layout.shape) * 4 < 2**21  # 1 MiB
+
+
+def fake_varlen(with_window: bool):
+    """FlashAttention varlen's contract in float64 (bottom-right causal per segment), with the newer keyword
+    signature (scale, window_size, enable_gqa) or the 2.10 one (is_causal only)."""
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, enable_gqa=False, causal=True):
+        assert q.dim() == 3 and q.is_contiguous() and k.is_contiguous() and cu_q.dtype == torch.int32
+        assert causal and (enable_gqa or k.shape[1] == q.shape[1])
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+        for i in range(cu_q.numel() - 1):
+            q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+            assert q1 - q0 <= max_q and k1 - k0 <= max_k and k1 - k0 >= q1 - q0
+            rep = q.shape[1] // k.shape[1]
+            kk, vv = (t[k0:k1].double().repeat_interleave(rep, dim=1) for t in (k, v))
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), kk) * scale
+            i_ = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > i_, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+        return out.to(q.dtype)
+
+    if with_window:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa, window_size == (-1, 0))
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("with_window", [True, False])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_varlen_packing_against_the_dense_mask(monkeypatch, with_window, cp):
+    """The varlen path's packing (queries as they lie, keys tiled or gathered per piece, offsets, GQA, scale,
+    output layout) checked on CPU through a float64 stand-in for `varlen_attn` with its documented contract."""
+    from pretrain.model import document_attention
+
+    monkeypatch.setattr(document_attention, "_varlen", lambda: fake_varlen(with_window))
+    s, b, heads, groups, d = 48, 2, 4, 2, 16
+    batch = batch_of(windows(b, s, 5, seed=7))
+    layout = document_layout(batch["cu_seqlens"], batch["position_ids"], b, s)
+    q, k, v = torch.randn(s, b, heads, d), torch.randn(s, b, groups, d), torch.randn(s, b, groups, d)
+    scale = 0.3  # not d^-1/2: the 2.10 signature has no scale argument
+    ref = naive(q, k, v, scale, dense_masks(batch))
+    for rank in range(cp):
+        plan = attention_plan(layout, query_blocks(s // cp, cp, rank, s))
+        out = document_attention.varlen_attention(split_sequence(q, 0, cp, rank), k, v, plan, scale)
+        want = ref[local_positions(s // cp, cp, rank)]
+        assert out.shape == want.shape and ((out - want).abs().max() / want.abs().max()).item() < 1e-5, rank
