@@ -13,7 +13,7 @@
 # 8 x 4,096 tokens, every run started from one checkpoint (`init`, one step on one GPU; `checkpoint.pretrained`
 # reshards it). `ref` is one GPU; `floor` is one GPU with micro-batch 2, the same arithmetic in another order: the
 # bf16 noise every layout is measured against. The table and its pass rule: benchmarks/multi_gpu_compare.py.
-# Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` times anything.
+# Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` and `ep_dispatch` time anything.
 # EXTRA adds overrides to every run (EXTRA=model.moe_router_force_load_balancing=true: any mode with forced MoE
 # balance). A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
 # megatron's CUDA-only distributed optimizer: hence Muon):

@@ -36,7 +36,8 @@ rank's norms, router and experts (ETP=1: whole on every rank) see half the token
 * seq_aux_loss: token counts are summed over the TP x CP group, each rank's loss covers its own
   tokens' probabilities, and the routers' TP sum adds the halves: exact, no special case.
 
-EP=2 (TP=1, so DP=2): rank r gets sample r; its loss is the mean over its own 16 tokens, so the
+EP=2 (TP=1, so DP=2; with megatron's all-gather dispatcher, and again with our per-rank all-to-all
+`alltoall_dedup`): rank r gets sample r; its loss is the mean over its own 16 tokens, so the
 reference loss (mean over 32 tokens) is the average of the two ranks' losses, and
 
 * dense (non-expert) parameters: grad_r = d loss_r / dW, so the average over the DP ranks (DDP's
@@ -96,7 +97,7 @@ def reference(batch) -> dict:
 
 @pytest.fixture(scope="module")
 def parallel_runs(batch, reference) -> List[dict]:
-    return run_ranks(rank_parallel, 2, ["tp2", "ep2"], batch, reference["state"], env=RANK_ENV)
+    return run_ranks(rank_parallel, 2, ["tp2", "ep2", "ep2_dedup"], batch, reference["state"], env=RANK_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +222,15 @@ def test_ep2_megatron_ddp_matches_single_rank(ep2, reference):
     """Through megatron's DDP + finalize_model_grads: every gradient is the reference's."""
     worst = compare_grads(reference, ep2["ddp"], reduce=False)
     print(f"\nEP=2 through megatron DDP: worst relative max-abs error {worst:.2e}")
+
+
+def test_ep2_dedup_matches_single_rank(parallel_runs, reference):
+    """EP=2 with the per-rank dispatch (`model.moe_token_dispatcher_type=alltoall_dedup`,
+    pretrain/model/ep_dispatch.py): the same rules as EP=2 above, locally and through megatron's DDP."""
+    for rank, r in enumerate(parallel_runs):
+        local = r["ep2_dedup"]["local"]
+        assert (local["coords"]["ep_size"], local["coords"]["dp_size"]) == (2, 2)
+        assert rel_err(local["loss"], reference["loss"][rank : rank + 1]) <= TOL
+    worst = compare_grads(reference, [r["ep2_dedup"]["local"] for r in parallel_runs], reduce=True)
+    worst_ddp = compare_grads(reference, [r["ep2_dedup"]["ddp"] for r in parallel_runs], reduce=False)
+    print(f"\nEP=2 alltoall_dedup: worst relative max-abs error {worst:.2e} (local), {worst_ddp:.2e} (megatron DDP)")
