@@ -102,14 +102,16 @@ def _flat_buffer(model):
     return model
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("repoint", ["bfloat16", "flat_buffer", "wrapped_detached"])
-def test_weights_stay_when_parameters_are_repointed_after_exclusion(repoint):
+def test_weights_stay_when_parameters_are_repointed_after_exclusion(repoint, device):
     """Excluded at build time, then given new storage (Float16Module's bf16 cast, ZeRO-2's flat buffer) or used
     through detached aliases: the saved weights (64 KiB and more) stay, every activation above min_bytes goes."""
     model = _model(layers=2, width=64)
     off = ActivationOffloader(min_bytes=4096)
     off.exclude_parameters(model)
-    x = torch.randn(2, 64, 64)
+    x = torch.randn(2, 64, 64, device=device)
+    model.to(device)  # on a GPU host the offloader copies through pinned host buffers on its side streams
     if repoint == "bfloat16":
         model, x = model.bfloat16(), x.bfloat16()
     elif repoint == "flat_buffer":
