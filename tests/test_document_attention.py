@@ -79,7 +79,7 @@ def test_documents_match_the_dense_mask(cp, heads, groups, dk, dv):
 
 def test_forward_takes_the_layout_and_gradients_match():
     s, b, h, d = 40, 2, 2, 16
-    batch = batch_of(windows(b, s, 4, seed=1))
+    batch = batch_of(windows(b, s, 4, seed=1), reset_positions=False)  # megatron's MLA / GQA take no restarts
     layout = document_layout(batch["cu_seqlens"], batch["position_ids"], b, s)
     q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     out = make(h, d, d)(q, k, v, layout)
@@ -94,7 +94,7 @@ def test_forward_takes_the_layout_and_gradients_match():
 
 def test_sliding_window_within_documents():
     s, b, h, d, window = 40, 1, 2, 8, (5, 0)
-    batch = batch_of(windows(b, s, 3, seed=2))
+    batch = batch_of(windows(b, s, 3, seed=2), reset_positions=False)
     layout = document_layout(batch["cu_seqlens"], batch["position_ids"], b, s)
     q, k, v = (torch.randn(s, b, h, d) for _ in range(3))
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
@@ -102,6 +102,16 @@ def test_sliding_window_within_documents():
     out = make(h, d, d, window)(q, k, v, layout)
     ref = naive(q, k, v, d**-0.5, masked)
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+def test_megatron_attention_refuses_restarted_positions():
+    """Where megatron's MLA / GQA applied RoPE by window positions, a layout that restarts them is refused."""
+    s, h, d = 16, 2, 8
+    batch = batch_of(windows(1, s, 2, seed=5))
+    layout = document_layout(batch["cu_seqlens"], batch["position_ids"], 1, s)
+    q, k, v = (torch.randn(s, 1, h, d) for _ in range(3))
+    with pytest.raises(ValueError, match="data.reset_position_ids"):
+        make(h, d, d)(q, k, v, layout)
 
 
 def test_layout_positions_and_starts_against_the_sample():
