@@ -26,7 +26,9 @@ write the same files at once.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
@@ -46,6 +48,8 @@ from data_pipeline.long_context import (
 )
 from data_pipeline.packing import pack_sample
 from pretrain.compat import rank_zero_without_process_group
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -222,8 +226,14 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
     # empty one); the split string, and so every other split's document range, is unchanged.
     config.split_matrix = [None if n == 0 else rng for n, rng in zip(sizes, config.split_matrix)]
     builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
+    # On a cache miss megatron builds the sample indices on rank 0 while the other ranks wait in a
+    # barrier, which parallel.distributed_timeout_minutes bounds: say so, and how long it took.
+    log.info("dataset indices: building or reading %s (rank 0 builds on a cache miss; the other ranks wait up to "
+             "parallel.distributed_timeout_minutes)", config.path_to_cache)
+    began = time.monotonic()
     with rank_zero_without_process_group():
         train, valid, test = builder.build()
+    log.info("dataset indices ready in %.1f s", time.monotonic() - began)
     return train, valid, test
 
 
