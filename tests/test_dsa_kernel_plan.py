@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from pretrain.model.dsa.kernels.plan import kernel_plan, key_partitions, log_once
+from pretrain.model.dsa.kernels.plan import kernel_plan, key_partitions
 from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning, KeyGradient
 
 MIB96 = 96 << 20
@@ -91,9 +91,18 @@ def test_bad_tuning_is_refused():
         DEFAULT_TUNING.vector_atomics = True  # frozen
 
 
-def test_plan_line_is_logged_once(caplog):
-    line = "DSA kernels: a line only this test gives"
-    with caplog.at_level(logging.INFO, logger="pretrain.model.dsa.kernels.plan"):
-        log_once(line)
-        log_once(line)
-    assert [r.getMessage() for r in caplog.records].count(line) == 1
+def test_backend_says_its_plan_once(caplog):
+    """The Triton backend's plan for the inputs it is given, at INFO, once however many layers ask (CPU tensors: the
+    interpreter's plan; no kernel runs here)."""
+    import torch
+
+    from pretrain.model.dsa.backend import TritonBackend
+    from pretrain.notices import forget_said
+
+    forget_said()
+    q, kv = torch.zeros(1, 4, 64, 576), torch.zeros(1, 4, 576)
+    line = "DSA kernels: 64 heads/rank cpu -> forward=triton, backward=triton, dkv=separate"
+    with caplog.at_level(logging.INFO, logger="pretrain.model.dsa.backend"):
+        for _ in range(3):
+            assert TritonBackend().plan(q, kv, 512).describe() == line
+    assert [r.getMessage() for r in caplog.records] == [line]

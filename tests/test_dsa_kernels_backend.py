@@ -120,8 +120,10 @@ def test_backend_choice(kern, monkeypatch):
     assert isinstance(pick("auto", "cpu"), backend.ReferenceBackend)
     with pytest.raises(ValueError, match="must be one of"):
         pick("cuda", "cuda")
-    # auto on CUDA without triton: the reference, and one warning per process saying it is slower (no other test
-    # picks a backend for CUDA without triton)
+    # auto on CUDA without triton: the reference, and one warning per process saying it is slower
+    from pretrain.notices import forget_said
+
+    forget_said()
     monkeypatch.setattr(backend, "triton_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

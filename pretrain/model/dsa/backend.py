@@ -27,6 +27,7 @@ forward=gluon-keys-as-M, backward=triton, dkv=fused, partitioned(96 MiB)".
 
 from __future__ import annotations
 
+import logging
 import typing
 import warnings
 from typing import Callable, Optional
@@ -37,10 +38,11 @@ from pretrain.model.dsa.indexer import VisibleKeys, indexer_topk
 from pretrain.model.dsa.indexer_fp8 import selection_inputs
 from pretrain.model.dsa.indexer_loss import apply_kl, sparse_kl_plan
 from pretrain.model.dsa.kernels import interpreting, triton_available
-from pretrain.model.dsa.kernels.plan import log_once
 from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning
 from pretrain.config.schema import ModelConfig
-from pretrain.model.notices import warn_once
+from pretrain.model.notices import say_once, warn_once
+
+log = logging.getLogger(__name__)
 from pretrain.model.dsa.sparse_mla import output_delta, sparse_mla_attention, sparse_mla_backward, sparse_mla_forward
 
 BACKENDS = typing.get_args(typing.get_type_hints(ModelConfig)["dsa_kernel_backend"])  # the config field's choices
@@ -77,7 +79,7 @@ class ReferenceBackend:
 
     @staticmethod
     def _say_plan(q_abs) -> None:
-        log_once(f"DSA kernels: {q_abs.shape[2]} heads/rank {q_abs.device.type} -> reference (PyTorch) backend")
+        say_once(log, f"DSA kernels: {q_abs.shape[2]} heads/rank {q_abs.device.type} -> reference (PyTorch) backend")
 
     def attention_backward(self, q_abs, kv, indices, lse, grad_out, out, scale: float, v_dim: int, chunk: int,
                            head_sums=None):
@@ -124,7 +126,7 @@ class TritonBackend:
         from pretrain.model.dsa.kernels.sparse_mla import attention_plan
 
         plan = attention_plan(q_abs, kv, v_dim, self.tuning, self.deterministic, self.key_partition_bytes)
-        log_once(plan.describe())
+        say_once(log, plan.describe())
         return plan
 
     def topk(self, q, k, w, topk: int, keys: VisibleKeys, chunk: int, with_lse: bool = False):

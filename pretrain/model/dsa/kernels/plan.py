@@ -1,4 +1,4 @@
-"""Which DSA attention kernels run, decided in one place (`kernel_plan`), and said once in the log.
+"""Which DSA attention kernels run, decided in one place (`kernel_plan`); the DSA backend says it once in the log.
 
 Given the heads per rank, the absorbed head dims (latent C, rope R), the number of keys, the GPU's compute
 capability and a `DSAKernelTuning`, the plan names
@@ -17,14 +17,10 @@ kv rows (`hopper.inputs_fit`), else the Triton kernels run. docs/dsa.md lists th
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from pretrain.model.dsa.kernels.tuning import DEFAULT_TUNING, DSAKernelTuning, KeyGradient
-
-log = logging.getLogger(__name__)
 
 GLUON_HEADS_AS_M = "gluon-heads-as-M"
 GLUON_KEYS_AS_M = "gluon-keys-as-M"
@@ -115,11 +111,5 @@ def key_partitions(t: int, d: int, budget=None) -> List[Tuple[int, int]]:
     return [(i * per, min(t, (i + 1) * per)) for i in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
-def log_once(line: str) -> None:
-    """`line` at INFO, the first time it is given in this process (a plan is said once per run, not per layer)."""
-    log.info(line)
-
-
 __all__ = ["GLUON", "GLUON_HEADS_AS_M", "GLUON_KEYS_AS_M", "KernelPlan", "TRITON", "hopper_shapes", "kernel_plan",
-           "key_partitions", "log_once"]
+           "key_partitions"]

@@ -25,7 +25,6 @@ for the inputs that `loader.inputs_fit`; `sparse_mla` takes the Triton first pas
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
