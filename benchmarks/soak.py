@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     run_dir = Path(args.run_dir or out.with_suffix(""))
     data = ([f"data.data_path=[{args.data}]", f"data.tokenizer={args.tokenizer}", "data.mock=false"] if args.data
-            else ["data.mock=true", "data.data_path=[]"])
+            else ["data.mock=true", "data.data_path=[]", "data.tokenizer=null"])
     cfg = load_config(args.config, [
         f"train.train_iters={args.steps}", f"train.eval_interval={'null' if args.no_eval else args.interval}",
         f"checkpoint.save={run_dir / 'checkpoints'}", f"checkpoint.save_interval={args.interval}",
