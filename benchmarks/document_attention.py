@@ -101,8 +101,8 @@ def gpu_cost(s: int, cp: int, args) -> dict:
     plan = attention_plan(layout, query_blocks(s // cp, cp, 0, s))
     grad = torch.randn(s // cp, 1, h * d, device="cuda", dtype=torch.bfloat16)
 
-    def piece(q_, k_, v_, lower_right):
-        return attn.attend(q_, k_, v_, None, AttnMaskType.causal, lower_right=lower_right)
+    def piece(q_, k_, v_, lower_right, mask=None):
+        return attn.attend(q_, k_, v_, mask, AttnMaskType.causal, lower_right=lower_right)
 
     def causal():
         out = attn.attend(q, k, v, None, AttnMaskType.causal) if cp == 1 else attn.attend_cp_causal(q, k, v, cp, 0)

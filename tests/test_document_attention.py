@@ -162,8 +162,8 @@ def test_varlen_path_on_gpu(cp):
         masked = attn.attend(mine, k, v, masks[:, rows].unsqueeze(1)).float()
         bound = 2 * (masked - exact).abs().max().item()
 
-        def piece(q_, k_, v_, lower_right):
-            return attn.attend(q_, k_, v_, None, AttnMaskType.causal, lower_right=lower_right)
+        def piece(q_, k_, v_, lower_right, mask=None):
+            return attn.attend(q_, k_, v_, mask, AttnMaskType.causal, lower_right=lower_right)
 
         for method in ("varlen", "split"):
             out = document_attention(mine, k, v, plan, d**-0.5, piece, method=method).float()

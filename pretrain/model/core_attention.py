@@ -131,8 +131,8 @@ class SDPACoreAttention(MegatronModule):
         """Causal attention within documents (`pretrain.model.document_attention`): query [s, b, np, hk] at the
         plan's global positions, key / value [t, b, ng, *] in global order -> [s, b, np * hv]; no mask tensor."""
 
-        def piece(q, k, v, lower_right: bool):
-            return self.attend(q, k, v, None, AttnMaskType.causal, lower_right=lower_right)
+        def piece(q, k, v, lower_right: bool, mask=None):
+            return self.attend(q, k, v, mask, AttnMaskType.causal, lower_right=lower_right)
 
         return document_attention(query, key, value, plan, self.softmax_scale, piece, window=self.window_size,
                                   dropout_p=self.dropout_p if self.training else 0.0)

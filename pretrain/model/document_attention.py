@@ -17,8 +17,9 @@ nothing of size S x S (or [s / cp, S] under context parallelism) is ever formed.
   <= 256, no dropout, no sliding window and no deterministic mode.
 - "split": one `scaled_dot_product_attention` call per piece: plain causal (cuDNN on Hopper) when the piece
   starts at its document's start, bottom-right causal (`causal_lower_right`: flash or memory-efficient) when it
-  continues one from an earlier context-parallel chunk. Exact on every device and dtype; the CPU tests run it.
-  Its cost is one launch per piece (per document and query chunk).
+  continues one from an earlier context-parallel chunk. Runs of short documents (each under `SHORT` tokens) go
+  as one call of at most `GROUP` tokens with a small block-diagonal causal mask ([GROUP, GROUP] at most), so a
+  window of many tiny documents does not cost a launch each. Exact on every device and dtype; the CPU tests run it.
 
 The choice ("varlen" where it applies, else "split") is logged once per process. Candidates not taken: SDPA on
 nested jagged tensors reaches the same flash varlen kernel but only for square (top-left) causal segments, so
@@ -77,13 +78,50 @@ def choose_method(query: torch.Tensor, value: torch.Tensor, window, dropout_p: f
     return "split"
 
 
+SHORT, GROUP = 512, 2048  # "split": documents under SHORT tokens are attended together, up to GROUP tokens a call
+
+
+def _groups(pieces):
+    """Consecutive pieces in calls: a run of square pieces (whole documents from their start) of one query chunk,
+    each under SHORT tokens and GROUP in all, or one piece alone."""
+    group = []
+    for piece in pieces:
+        q0, q1, k0, k1 = piece
+        short = k1 - k0 == q1 - q0 and q1 - q0 < SHORT
+        if group and short and k0 == group[-1][3] and q1 - group[0][0] <= GROUP:  # keys contiguous (one chunk)
+            group.append(piece)
+            continue
+        if group:
+            yield group
+        group = [piece]
+        if not short:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _block_causal(group, device) -> torch.Tensor:
+    """[1, 1, L, L] bool, True = masked, for a run of whole documents laid end to end (L = their total)."""
+    lengths = torch.tensor([q1 - q0 for q0, q1, _, _ in group])
+    doc = torch.repeat_interleave(torch.arange(len(group)), lengths).to(device)
+    n = doc.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    return ~(causal & (doc[:, None] == doc[None, :])).view(1, 1, n, n)
+
+
 def split_attention(query, key, value, plan: AttentionPlan, attend: Callable) -> torch.Tensor:
-    """query [s, b, hq, d], key [t, b, hk, d], value [t, b, hk, dv] -> [s, b, hq * dv], one `attend(q, k, v,
-    lower_right)` call per piece (`SDPACoreAttention.attend` semantics)."""
+    """query [s, b, hq, d], key [t, b, hk, d], value [t, b, hk, dv] -> [s, b, hq * dv] through calls of
+    `attend(q, k, v, lower_right, mask)` (`SDPACoreAttention.attend` semantics; mask True = masked): one per
+    piece, or one per run of short documents (`_groups`)."""
     rows = []
     for r, pieces in enumerate(plan.pieces):
-        parts = [attend(query[q0:q1, r:r + 1], key[k0:k1, r:r + 1], value[k0:k1, r:r + 1], k1 - k0 != q1 - q0)
-                 for q0, q1, k0, k1 in pieces]
+        parts = []
+        for group in _groups(pieces):
+            q0, k0, q1, k1 = group[0][0], group[0][2], group[-1][1], group[-1][3]
+            mask = _block_causal(group, query.device) if len(group) > 1 else None
+            parts.append(attend(query[q0:q1, r:r + 1], key[k0:k1, r:r + 1], value[k0:k1, r:r + 1],
+                                k1 - k0 != q1 - q0, mask))
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
