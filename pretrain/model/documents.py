@@ -12,6 +12,10 @@ The model receives them as one int32 tensor, the *document layout*, over the who
     layout[b, 0, g] = start(g)      (0 everywhere when documents may attend to each other)
     layout[b, 1, g] = g - position_ids[b, g]     (0 everywhere when positions run 0 .. S-1)
 
+RoPE depends only on the distance between a query and a key, so within isolated documents restarted positions
+change nothing but rounding; they change the result where documents see each other (`reset_position_ids` without
+`reset_attention_mask`), which is what tests/test_hf_parity.py checks against transformers.
+
 It travels in megatron's `attention_mask` argument (a tensor there, so megatron's activation checkpointing
 keeps it), from `pretrain.training.step` to every attention layer; a [b, 2, S] int32 tensor is never one of
 megatron's masks (those are bool or float [b|1, 1, s, s]). Under context parallelism it is not split: each rank
