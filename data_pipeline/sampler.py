@@ -115,6 +115,7 @@ class DataIterator:
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor if self.num_workers else None,
                 collate_fn=collate_batch,
+                worker_init_fn=ignore_stop_signals if self.num_workers else None,
                 pin_memory=torch.cuda.is_available(),
                 persistent_workers=False,
                 # The loader draws its base seed from this generator, not the global RNG, so starting
@@ -156,6 +157,15 @@ class DataIterator:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self._batches = None  # drops prefetched batches of the old position
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGUSR1: Slurm signals every process of a job step on preemption,
+    and the trainer must still read batches until it has checkpointed (workers exit with the trainer)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def data_wait_metrics(iterators, step_time_s: float) -> Dict[str, float]:

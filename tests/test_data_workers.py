@@ -95,3 +95,20 @@ def test_data_wait_is_the_time_blocked_on_the_next_batch(train_ds, monkeypatch):
     waited = data_wait_metrics([it, None], step_time_s=1.0)
     assert 4 * 0.05 <= waited["data_wait_s"] < 4 * 0.05 + 2.0 and waited["data_wait_frac"] == waited["data_wait_s"]
     assert data_wait_metrics([it], step_time_s=1.0)["data_wait_s"] == 0.0  # taken: the next step starts at 0
+
+
+def test_workers_outlive_a_preemption_signal(train_ds):
+    """Slurm's SIGTERM (or --signal USR1) reaches every process of the step; the trainer still needs its
+    batches until it has saved, so the loader's workers ignore both."""
+    import os
+    import signal
+
+    it = DataIterator(train_ds, MICRO, num_workers=2)
+    stream = [next(DataIterator(train_ds, MICRO, consumed_samples=i * MICRO)) for i in range(6)]
+    assert _equal(next(it), stream[0])
+    for worker in it._batches._workers:
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    for i in range(1, 6):
+        assert _equal(next(it), stream[i]), i
