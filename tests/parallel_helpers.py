@@ -40,6 +40,8 @@ LAYOUTS = {
     "ep2": ["parallel.expert_model_parallel_size=2"],
     # the per-rank EP dispatch (pretrain/model/ep_dispatch.py) in the whole model
     "ep2_dedup": ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall_dedup"],
+    "tp2ep2_dedup": ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                     "parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall_dedup"],
 }
 
 

@@ -37,7 +37,7 @@ rank's norms, router and experts (ETP=1: whole on every rank) see half the token
   tokens' probabilities, and the routers' TP sum adds the halves: exact, no special case.
 
 EP=2 (TP=1, so DP=2; with megatron's all-gather dispatcher, and again with our per-rank all-to-all
-`alltoall_dedup`): rank r gets sample r; its loss is the mean over its own 16 tokens, so the
+`alltoall_dedup`, which is also run as TP=2 + SP x EP=2 on the same 2 ranks under the TP=2 rules): rank r gets sample r; its loss is the mean over its own 16 tokens, so the
 reference loss (mean over 32 tokens) is the average of the two ranks' losses, and
 
 * dense (non-expert) parameters: grad_r = d loss_r / dW, so the average over the DP ranks (DDP's
@@ -97,7 +97,8 @@ def reference(batch) -> dict:
 
 @pytest.fixture(scope="module")
 def parallel_runs(batch, reference) -> List[dict]:
-    return run_ranks(rank_parallel, 2, ["tp2", "ep2", "ep2_dedup"], batch, reference["state"], env=RANK_ENV)
+    return run_ranks(rank_parallel, 2, ["tp2", "ep2", "ep2_dedup", "tp2ep2_dedup"], batch, reference["state"],
+                     env=RANK_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -224,13 +225,16 @@ def test_ep2_megatron_ddp_matches_single_rank(ep2, reference):
     print(f"\nEP=2 through megatron DDP: worst relative max-abs error {worst:.2e}")
 
 
-def test_ep2_dedup_matches_single_rank(parallel_runs, reference):
-    """EP=2 with the per-rank dispatch (`model.moe_token_dispatcher_type=alltoall_dedup`,
-    pretrain/model/ep_dispatch.py): the same rules as EP=2 above, locally and through megatron's DDP."""
+@pytest.mark.parametrize("layout", ["ep2_dedup", "tp2ep2_dedup"])
+def test_dedup_dispatch_matches_single_rank(parallel_runs, reference, layout):
+    """The per-rank EP dispatch (`model.moe_token_dispatcher_type=alltoall_dedup`, pretrain/model/ep_dispatch.py):
+    EP=2 (DP=2, the EP=2 rules above) and TP=2 + SP x EP=2 on the same 2 ranks (DP=1: each rank's experts see both
+    ranks' sequence halves; the TP=2 rules above), locally and through megatron's DDP."""
     for rank, r in enumerate(parallel_runs):
-        local = r["ep2_dedup"]["local"]
-        assert (local["coords"]["ep_size"], local["coords"]["dp_size"]) == (2, 2)
-        assert rel_err(local["loss"], reference["loss"][rank : rank + 1]) <= TOL
-    worst = compare_grads(reference, [r["ep2_dedup"]["local"] for r in parallel_runs], reduce=True)
-    worst_ddp = compare_grads(reference, [r["ep2_dedup"]["ddp"] for r in parallel_runs], reduce=False)
-    print(f"\nEP=2 alltoall_dedup: worst relative max-abs error {worst:.2e} (local), {worst_ddp:.2e} (megatron DDP)")
+        local = r[layout]["local"]
+        assert local["coords"]["ep_size"] == 2 and local["coords"]["tp_size"] == (2 if layout.startswith("tp2") else 1)
+        want = reference["loss"] if layout.startswith("tp2") else reference["loss"][rank : rank + 1]
+        assert rel_err(local["loss"], want) <= TOL
+    worst = compare_grads(reference, [r[layout]["local"] for r in parallel_runs], reduce=True)
+    worst_ddp = compare_grads(reference, [r[layout]["ddp"] for r in parallel_runs], reduce=False)
+    print(f"\n{layout}: worst relative max-abs error {worst:.2e} (local), {worst_ddp:.2e} (megatron DDP)")
