@@ -37,8 +37,9 @@ rank's norms, router and experts (ETP=1: whole on every rank) see half the token
   tokens' probabilities, and the routers' TP sum adds the halves: exact, no special case.
 
 EP=2 (TP=1, so DP=2; with megatron's all-gather dispatcher, and again with our per-rank all-to-all
-`alltoall_dedup`, which is also run as TP=2 + SP x EP=2 on the same 2 ranks under the TP=2 rules): rank r gets sample r; its loss is the mean over its own 16 tokens, so the
-reference loss (mean over 32 tokens) is the average of the two ranks' losses, and
+`alltoall_dedup`, which also runs as TP=2 + SP x EP=2 on the same 2 ranks under the TP=2 rules): rank r gets
+sample r; its loss is the mean over its own 16 tokens, so the reference loss (mean over 32 tokens) is the average
+of the two ranks' losses, and
 
 * dense (non-expert) parameters: grad_r = d loss_r / dW, so the average over the DP ranks (DDP's
   sum with scaling 1/DP) is d(mean_r loss_r)/dW = the reference; neither rank's own grad is;
