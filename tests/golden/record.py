@@ -1,4 +1,8 @@
-"""Record the golden loss sequences (`python -m tests.golden.record`); see tests/test_golden.py."""
+"""Record this CPU kind's golden loss sequences (`python -m tests.golden.record`); see tests/test_golden.py.
+
+Each CPU kind (`cpu_fingerprint`) keeps its own recording in losses.json, so the test is bit for bit on
+every kind recorded; recording here replaces this kind's entry and keeps the others.
+"""
 
 from __future__ import annotations
 
@@ -55,13 +59,28 @@ def run_variant(name: str, run_dir: Path) -> dict:
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
 
 
-def main() -> None:
-    out = {"cpu": cpu_fingerprint()}
+def load_goldens() -> dict:
+    """{cpu fingerprint: {variant: {"loss": [...], "grad_norm": [...]}}}, one recording per CPU kind."""
+    return json.loads(GOLDEN.read_text())["by_cpu"] if GOLDEN.exists() else {}
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.golden.record", description=__doc__)
+    parser.add_argument("--drop-other-cpus", action="store_true",
+                        help="forget the other CPU kinds' recordings (after a change meant to alter numerics, for "
+                             "those that cannot be re-recorded on their own CPU now)")
+    args = parser.parse_args(argv)
+    goldens = {} if args.drop_other_cpus else load_goldens()
+    fingerprint = cpu_fingerprint()
+    goldens[fingerprint] = {}
     for name in VARIANTS:
         with tempfile.TemporaryDirectory() as tmp:
-            out[name] = run_variant(name, Path(tmp))
-        print(name, out[name]["loss"][0], "->", out[name]["loss"][-1], flush=True)
-    GOLDEN.write_text(json.dumps(out, indent=1) + "\n")
+            goldens[fingerprint][name] = run_variant(name, Path(tmp))
+        print(name, goldens[fingerprint][name]["loss"][0], "->", goldens[fingerprint][name]["loss"][-1], flush=True)
+    GOLDEN.write_text(json.dumps({"by_cpu": goldens}, indent=1) + "\n")
+    print(f"recorded {fingerprint} in {GOLDEN} (recordings of {len(goldens)} CPU kinds)")
 
 
 if __name__ == "__main__":
