@@ -36,15 +36,13 @@ from typing import Callable, Optional
 import torch
 
 from pretrain.model.documents import AttentionPlan
+from pretrain.notices import say_once
 
 _log = logging.getLogger(__name__)
-_LOGGED = set()
 
 
 def _say_once(method: str, why: str) -> None:
-    if method not in _LOGGED:
-        _LOGGED.add(method)
-        _log.info("document attention: %s (%s)", method, why)
+    say_once(_log, "document attention: %s (%s)", method, why)
 
 
 def _varlen():
