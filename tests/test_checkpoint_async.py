@@ -75,6 +75,23 @@ def test_crash_during_async_save_resumes_the_previous_checkpoint(stdlib_data, tm
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]
 
 
+def test_each_rank_fsyncs_only_the_files_it_wrote(tmp_path):
+    """Rank 0 must not touch another rank's files (a rank's state file may still be a .tmp being renamed)."""
+    from pretrain.training.checkpoint_files import rank_files
+
+    (tmp_path / "rank_state").mkdir()
+    names = ["__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp", "common.pt", "metadata.json",
+             ".metadata", "config.yaml", "rank_state/rank_00000.pt", "rank_state/rank_00001.tmp",
+             "rank_state/rank_00010.pt"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    mine = {r: sorted(p.relative_to(tmp_path).as_posix() for p in rank_files(tmp_path, r)) for r in (0, 1, 10)}
+    assert mine[0] == [".metadata", "__0_0.distcp", "common.pt", "config.yaml", "metadata.json",
+                       "rank_state/rank_00000.pt"]
+    assert mine[1] == ["__1_0.distcp", "__1_1.distcp", "rank_state/rank_00001.tmp"]
+    assert mine[10] == ["__10_0.distcp", "rank_state/rank_00010.pt"]
+
+
 def test_async_worker_applies_the_writer_patch():
     """megatron's persistent worker is a fresh interpreter: a request it unpickles applies our writer patch."""
     code = (

@@ -70,7 +70,7 @@ def _files(step_dir: Path) -> Iterable[Path]:
 
 
 _RANK_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch_dist's shard files: __<rank>_<n>.distcp
-_RANK_STATE_RE = re.compile(r"^rank_(\d+)\.pt$")  # rank_state/rank_<rank>.pt
+_RANK_STATE_RE = re.compile(r"^rank_(\d+)\.")  # rank_state/rank_<rank>.pt (and its .tmp while it is written)
 
 
 def rank_files(step_dir: PathLike, rank: int) -> List[Path]:
@@ -78,7 +78,8 @@ def rank_files(step_dir: PathLike, rank: int) -> List[Path]:
     file no rank's name marks (common state, metadata, config)."""
     mine = []
     for path in _files(Path(step_dir)):
-        owner = _RANK_SHARD_RE.match(path.name) or _RANK_STATE_RE.match(path.name)
+        owner = _RANK_SHARD_RE.match(path.name) or (_RANK_STATE_RE.match(path.name)
+                                                     if path.parent.name == "rank_state" else None)
         if (int(owner.group(1)) if owner else 0) == rank:
             mine.append(path)
     return mine
