@@ -3,8 +3,9 @@
 The reference is always a run that does not shard: one rank (megatron's DDP, Muon updating every
 parameter) from the same initial checkpoint and global batches.
 
-* DP=2 (reducing once per step) and DP=4 (per micro-batch) with ZeRO-2 end with the reference's
-  parameters after 10 steps (1e-6), as do TP=2 x DP=2, PP=2 x DP=2 and EP=2 x DP=4 (experts sharded
+* DP=2 (reducing once per step, or per micro-batch by reduce-scatter) and DP=4 (per micro-batch) with
+  ZeRO-2 end with the reference's parameters after 10 steps (1e-6) and see its last step's reduced
+  gradients (1e-5), as do TP=2 x DP=2, PP=2 x DP=2 and EP=2 x DP=4 (experts sharded
   over the expert-data-parallel group);
 * every trainable parameter has exactly one owner; a rank keeps fp32 gradients only for what it owns
   (about 1/dp of the model) and non-owned parameters hold no gradient and no optimizer state;
@@ -52,11 +53,16 @@ def train_ranks(rank, world_size, overrides):
 
     trainer = Trainer(load_config(TINY, overrides))
     loaded = _state_summary(trainer)  # what a resumed run starts from
-    grad_bytes = []
+    grad_bytes, last_grads = [], {}
     original = trainer.optimizer.step
 
     def step():  # every gradient has arrived and been reduced: the most gradient memory of the step
         grad_bytes.append(allocated_grad_bytes(trainer.model))
+        last_grads.clear()  # the reduced gradients the optimizer sees (this rank's owned ones with ZeRO-2)
+        for c in trainer.model:
+            owns = getattr(c, "owns", lambda p: True)
+            last_grads.update({n: p.main_grad.detach().clone() for n, p in c.module.named_parameters()
+                               if p.requires_grad and owns(p)})
         return original()
 
     trainer.optimizer.step = step
@@ -65,7 +71,7 @@ def train_ranks(rank, world_size, overrides):
            "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
            "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
            "trainable": sorted(n for c in unwrap_model(trainer.model) for n, p in c.named_parameters() if p.requires_grad),
-           "grad_bytes": max(grad_bytes),
+           "grad_bytes": max(grad_bytes), "last_grads": last_grads,
            "trainable_elements": sum(p.numel() for c in unwrap_model(trainer.model) for p in c.parameters() if p.requires_grad)}
     chunk = trainer.model[0]
     if hasattr(chunk, "param_owner"):
@@ -96,6 +102,7 @@ def zero_runs(stdlib_data, tmp_path_factory):
     runs = {"single": run_ranks(train_ranks, 1, tiny_overrides(stdlib_data, root / "single", *start))}
     layouts = {
         "dp2_step": (2, ["optimizer.zero2_grad_reduce=step"]),
+        "dp2_scatter": (2, ["optimizer.zero2_grad_reduce=microbatch_scatter"]),
         "dp4": (4, []),
         "tp2_dp2": (4, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
         "pp2_dp2": (4, ["parallel.pipeline_model_parallel_size=2"]),
@@ -111,7 +118,7 @@ def _tp_shards(ranks):
     return sorted((r for r in ranks if r["dp"] == 0), key=lambda r: r["tp"])
 
 
-@pytest.mark.parametrize("layout", ["dp2_step", "dp4", "tp2_dp2", "pp2_dp2", "ep2_dp4"])
+@pytest.mark.parametrize("layout", ["dp2_step", "dp2_scatter", "dp4", "tp2_dp2", "pp2_dp2", "ep2_dp4"])
 def test_zero2_matches_single_rank_after_10_steps(zero_runs, layout):
     root, runs = zero_runs
     ref, got = read_metrics(root / "single"), read_metrics(root / layout)
@@ -125,10 +132,16 @@ def test_zero2_matches_single_rank_after_10_steps(zero_runs, layout):
     def close(got, want, what):
         assert (got - want).abs().max() <= 1e-6 * max(1.0, want.abs().max().item()), what
 
-    if layout in ("dp2_step", "dp4"):  # every rank ends with the single-rank parameters
+    if layout in ("dp2_step", "dp2_scatter", "dp4"):  # every rank ends with the single-rank parameters
+        seen = set()
         for r in runs[layout]:
             for n, want in single.items():
                 close(r["params"][n], want, (layout, n))
+            for n, g in r["last_grads"].items():  # the last step's reduced gradients, each from its owner
+                want = runs["single"][0]["last_grads"][n]
+                assert (g - want).abs().max() <= 1e-5 * max(1e-3, want.abs().max().item()), (layout, n)
+                seen.add(n)
+        assert seen == set(runs["single"][0]["trainable"]), layout
     if layout == "tp2_dp2":  # the TP shards put together are the single-rank parameters
         shards = _tp_shards(runs[layout])
         for n, want in single.items():
@@ -146,7 +159,7 @@ def test_every_parameter_has_one_owner_and_gradients_are_sharded(zero_runs):
     _, runs = zero_runs
     single = runs["single"][0]
     assert single["grad_bytes"] >= 4 * single["trainable_elements"]  # DDP: a full-size buffer (the walk sees it)
-    for layout in ("dp2_step", "dp4"):
+    for layout in ("dp2_step", "dp2_scatter", "dp4"):
         ranks = runs[layout]
         dp = len(ranks)
         names = [set(r["owned_names"]) for r in ranks]
@@ -161,15 +174,17 @@ def test_every_parameter_has_one_owner_and_gradients_are_sharded(zero_runs):
             assert r["grad_bytes"] <= 4 * (total / dp + r["largest"]), layout
             assert r["foreign_grads"] == 0
             assert r["state_elements"] <= 2 * r["owned_params"]  # momentum or AdamW moments, owned only
-            if layout == "dp4":  # per micro-batch: a bounded number of buckets in flight
+            if layout in ("dp4", "dp2_scatter"):  # per micro-batch: a bounded number of buckets in flight
                 assert r["peak_transient"] <= 3 * r["bucket_elements"]
             else:  # per step: every non-owned gradient until the last micro-batch, then freed
                 assert r["peak_transient"] == r["total"] - r["owned_params"]
 
 
-def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, tmp_path):
+@pytest.mark.parametrize("reduce", ["microbatch", "microbatch_scatter"])
+def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, tmp_path, reduce):
     """With the embedding tables small next to the layers, the owned share is close to 1/dp."""
     over = tiny_overrides(stdlib_data, tmp_path, "train.train_iters=1", "train.eval_interval=null", *MUON, *ZERO,
+                          f"optimizer.zero2_grad_reduce={reduce}",
                           "optimizer.lr_warmup_iters=0",
                           "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]",
                           "train.micro_batch_size=1", "train.global_batch_size=4")
