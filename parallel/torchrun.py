@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from pretrain.training.preemption import PREEMPTED_EXIT_CODE
+from pretrain.exit_signals import PREEMPTED_EXIT_CODE
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # The signals torchrun's agent still handles itself (its default list minus the forwarded ones).

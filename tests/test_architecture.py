@@ -23,7 +23,7 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pretrain", "parallel", "data_pipeline", "benchmarks")
 LAYERS: List[Tuple[str, ...]] = [
-    ("pretrain.atomic_io", "pretrain.config", "pretrain.compat", "pretrain.notices"),
+    ("pretrain.atomic_io", "pretrain.config", "pretrain.compat", "pretrain.notices", "pretrain.exit_signals"),
     ("parallel", "data_pipeline"),
     ("pretrain.model",),
     ("pretrain.optim",),

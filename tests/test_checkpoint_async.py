@@ -115,7 +115,7 @@ def test_async_save_on_gpu_resumes_like_a_synchronous_run(tmp_path):
     asynchronous checkpoint continues the synchronous run's losses."""
     train = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml",
              "train.eval_interval=null", "optimizer.lr_warmup_iters=1", "checkpoint.save_interval=2"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
     def run(run_dir, ckpt, iters, *extra):
         proc = subprocess.run(train + [f"train.train_iters={iters}", f"logging.run_dir={run_dir}",

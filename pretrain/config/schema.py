@@ -235,8 +235,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron's for AdamW; ZeRO-2, pretrain/optim/zero2_*.py, with muon)."""
     zero2_grad_reduce: Literal["microbatch", "step", "microbatch_scatter"] = "microbatch"
-    """Ours, Muon ZeRO-2: reduce to owners per micro-batch (1/dp grad memory), once per step (DDP's traffic), or
-    per micro-batch as reduce-scatters of buckets shared by all owners (1/dp grad memory; pretrain/optim/zero2_scatter.py)."""
+    """Ours, Muon ZeRO-2: per micro-batch to owners, once per step (full grads), or per micro-batch scattered."""
     muon_momentum: float = 0.95
     """Muon momentum (GLM-4.5 settings, kept by GLM-5)."""
     muon_use_nesterov: bool = True

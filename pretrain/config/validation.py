@@ -374,7 +374,7 @@ def check_train(t: TrainConfig) -> None:
         f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
         f"({t.micro_batch_size}); set train.global_batch_size to a multiple of {t.micro_batch_size}",
     )
-    from pretrain.training.preemption import EXIT_SIGNAL_CHOICES  # the one list of signals a run can stop on
+    from pretrain.exit_signals import EXIT_SIGNAL_CHOICES  # the one list of signals a run can stop on
 
     unknown = [s for s in t.exit_signals if s not in EXIT_SIGNAL_CHOICES]
     require(not unknown, f"train.exit_signals has {unknown}; use signal names among {', '.join(EXIT_SIGNAL_CHOICES)}, "

@@ -34,8 +34,6 @@ try:  # Triton ships with CUDA builds of torch; the CPU path needs none
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from pretrain.model.notices import warn_once
@@ -184,26 +182,3 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
         return output
-
-
-class GLM5MoELayer(MoELayer):
-    """megatron's MoELayer whose all-to-all dispatcher is `LocalTokenDispatcher` (same behaviour with
-    EP or TP > 1, the sync-free gather path when every expert is local), or with
-    `moe_token_dispatcher_type: alltoall_dedup` the per-rank dispatch of `pretrain.model.ep_dispatch`."""
-
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
-        if pg_collection is None:
-            pg_collection = get_default_pg_collection()
-        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        old = self.token_dispatcher
-        if type(old) is MoEAlltoAllTokenDispatcher:
-            from pretrain.model import ep_dispatch  # it builds on this module's classes
-
-            dedup = getattr(config, "moe_alltoall_dedup", False)
-            cls = ep_dispatch.DedupTokenDispatcher if dedup else LocalTokenDispatcher
-            self.token_dispatcher = cls(self.num_local_experts, self.local_expert_indices,
-                                        config=self.config, pg_collection=pg_collection)
-            if old.shared_experts is not None:
-                self.token_dispatcher.set_shared_experts(old.shared_experts)
-            if old.ep_size > 1 and not dedup:
-                ep_dispatch.say_dispatcher(f"megatron's alltoall, one row per (token, expert) pair over EP={old.ep_size}")

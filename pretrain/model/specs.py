@@ -51,7 +51,7 @@ from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.dsa import DSACoreAttention, DSAMLASelfAttention
 from pretrain.model.latent_attention import LatentCoreAttention, LatentMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
-from pretrain.model.moe_dispatch import GLM5MoELayer
+from pretrain.model.moe_layer import GLM5MoELayer
 
 
 class _TorchBackend(LocalSpecProvider):

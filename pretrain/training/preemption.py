@@ -16,8 +16,7 @@ from __future__ import annotations
 import signal
 from typing import Dict, Optional, Sequence
 
-PREEMPTED_EXIT_CODE = 75
-EXIT_SIGNAL_CHOICES = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
+from pretrain.exit_signals import PREEMPTED_EXIT_CODE
 
 
 class Preempted(RuntimeError):
