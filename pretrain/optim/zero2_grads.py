@@ -45,7 +45,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
-from pretrain.optim.zero2_scatter import ScatterBucket, scatter_windows, window_owners
+from pretrain.optim.zero2_scatter import ScatterBucket, flatten_parameters, scatter_windows, window_owners
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # megatron-core's DDP default bucket size
 
@@ -88,12 +88,7 @@ class _Bucket:
         for p in params:
             self.offsets[p] = (start, start + p.numel())
             start += p.numel()
-        # The parameters live in one flat tensor so the owner's broadcast needs no copies.
-        self.param_data = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
-        for p in params:
-            s, e = self.offsets[p]
-            self.param_data[s:e].copy_(p.data.reshape(-1))
-            p.data = self.param_data[s:e].view_as(p)
+        self.param_data = flatten_parameters(params, self.offsets, self.numel)
         self.grad: Optional[torch.Tensor] = None
         if self.is_owner:
             self.grad = torch.zeros(self.numel, dtype=torch.float32, device=params[0].device)

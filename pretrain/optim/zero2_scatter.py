@@ -48,6 +48,18 @@ def window_owners(costs: Sequence[float], sizes: Sequence[int], world: int, load
     return owners
 
 
+def flatten_parameters(params: Sequence[torch.nn.Parameter], offsets: Dict[torch.nn.Parameter, Tuple[int, int]],
+                       numel: int) -> torch.Tensor:
+    """One flat tensor of `numel` elements holding every parameter at its `offsets` (zeros elsewhere), each parameter
+    re-pointed to its slice: the bucket's broadcast / all-gather then moves the weights without copies."""
+    flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+    for p in params:
+        s, e = offsets[p]
+        flat[s:e].copy_(p.data.reshape(-1))
+        p.data = flat[s:e].view_as(p)
+    return flat
+
+
 class ScatterBucket:
     """A flat bucket whose d equal segments belong to the d ranks of `group` (see the module docstring).
 
@@ -79,11 +91,7 @@ class ScatterBucket:
         self.owned_numel = counts[self.rank]
         self.is_owner = self.owned_numel > 0
         device = params[0].device
-        self.param_data = torch.zeros(self.numel, dtype=params[0].dtype, device=device)
-        for p in params:
-            s, e = self.offsets[p]
-            self.param_data[s:e].copy_(p.data.reshape(-1))
-            p.data = self.param_data[s:e].view_as(p)
+        self.param_data = flatten_parameters(params, self.offsets, self.numel)
         self.grad: Optional[torch.Tensor] = None
         if self.is_owner:
             self.grad = torch.zeros(self.owned_numel, dtype=torch.float32, device=device)
