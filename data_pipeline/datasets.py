@@ -73,7 +73,11 @@ class DocumentGPTDataset(GPTDataset):
         if indexed_indices is not None and min_length > 0:
             indexed_indices = select_long_documents(indexed_indices, indexed_dataset.sequence_lengths, min_length)
         self.min_document_length = min_length
+        began = time.monotonic()
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        # Progress of a long index build (a blend of many files on a cache miss): one line per file and split.
+        log.info("dataset indices: %s %s ready (%d samples) in %.1f s", dataset_path or "mock",
+                 index_split.name, len(self), time.monotonic() - began)
         if self._pad_token_id is None:  # a tokenizer without pad: megatron's "no pad" id, never a real token
             self._pad_token_id = _PAD_TOKEN_ID
 
@@ -221,6 +225,7 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
         reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss,
         create_attention_mask=d.create_attention_mask,
+        num_dataset_builder_threads=d.num_dataset_builder_threads,
     )
     # A split nobody asked samples of is not built (megatron would build it, and loops forever on an
     # empty one); the split string, and so every other split's document range, is unchanged.
@@ -228,8 +233,10 @@ def build_datasets(cfg, tokenizer, train_samples: int, valid_samples: int, test_
     builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
     # On a cache miss megatron builds the sample indices on rank 0 while the other ranks wait in a
     # barrier, which parallel.distributed_timeout_minutes bounds: say so, and how long it took.
-    log.info("dataset indices: building or reading %s (rank 0 builds on a cache miss; the other ranks wait up to "
-             "parallel.distributed_timeout_minutes)", config.path_to_cache)
+    files = len(blend[0]) if blend else 1
+    log.info("dataset indices: building or reading %d file(s) x %d split(s) in %s (rank 0 builds on a cache miss "
+             "with data.num_dataset_builder_threads=%d; the other ranks wait up to parallel.distributed_timeout_minutes)",
+             files, sum(n > 0 for n in sizes), config.path_to_cache, d.num_dataset_builder_threads)
     began = time.monotonic()
     with rank_zero_without_process_group():
         train, valid, test = builder.build()

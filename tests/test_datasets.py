@@ -6,6 +6,7 @@ say where they came from (source, document), so every check reads the tokens the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from typing import Dict, List, Sequence
@@ -103,6 +104,26 @@ def test_blend_follows_its_weights(tmp_path, sources):
         for k, w in enumerate(weights):
             assert abs(counts[k] - w * n) <= 4 * np.sqrt(n * w * (1 - w)) + 1, (n, counts)
         assert np.abs(counts - np.array(weights) * n).max() <= 2  # in fact within rounding
+
+
+def test_threaded_index_build_matches_the_serial_one_and_logs_each_file(tmp_path, sources, caplog):
+    """data.num_dataset_builder_threads reaches megatron's builder (several files at once on a cache miss) and
+    gives the serial build's samples; rank 0 logs each file and split as it is ready (progress of a long build)."""
+    blend = [x for w, name in zip([0.2, 0.3, 0.5], "abc") for x in (str(w), sources[name])]
+    serial, _, _ = build(make_cfg(tmp_path / "serial", blend, split="9,1,0"), 400, 40)
+    with caplog.at_level(logging.INFO, logger="data_pipeline.datasets"):
+        threaded, valid, _ = build(make_cfg(tmp_path / "threads", blend, split="9,1,0", num_dataset_builder_threads=3),
+                                   400, 40)
+    assert len(threaded) == len(serial) and valid is not None
+    assert threaded.config.num_dataset_builder_threads == 3  # what megatron's builder read
+    for i in range(0, len(serial), 7):
+        assert torch.equal(threaded[i]["tokens"], serial[i]["tokens"])
+    ready = [r.getMessage() for r in caplog.records if " ready (" in r.getMessage()]
+    for name in "abc":
+        for split in ("train", "valid"):
+            assert any(sources[name] in m and f" {split} ready" in m for m in ready), (name, split, ready)
+    assert any("3 file(s) x 2 split(s)" in r.getMessage() and "num_dataset_builder_threads=3" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_unweighted_blend_is_weighted_by_tokens(tmp_path, sources):

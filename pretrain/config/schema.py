@@ -286,6 +286,8 @@ class DataConfig:
     """megatron's dense [b, 1, s, s] mask: refused (true); documents reach attention as cu_seqlens, O(s)."""
     min_document_length: List[int] = field(default_factory=list)
     """Ours: per blend entry, skip documents shorter than this (0: keep all); []: no filter."""
+    num_dataset_builder_threads: int = 1
+    """megatron: threads rank 0 builds a blend's per-file sample indices with on a cache miss (others wait)."""
     data_cache_path: Optional[str] = None
     """megatron's dataset index cache; null: <logging.run_dir>/data_cache."""
     mock: bool = False

@@ -321,6 +321,7 @@ def check_data(d: DataConfig) -> None:
         "attention as cu_seqlens, O(s), with data.reset_attention_mask=true); set data.create_attention_mask=false",
     )
     _at_least(d, "data", ["num_workers"], 0)
+    _at_least(d, "data", ["num_dataset_builder_threads"], 1)
     try:
         parts = [float(s) for s in d.split.replace("/", ",").split(",")]
     except ValueError:
