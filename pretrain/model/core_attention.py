@@ -20,15 +20,20 @@ all-gathered over the CP group into global order, and attention is causal in glo
 packed documents: within each query's document, through the same document pieces). Without
 documents no mask tensor is built (`attend_cp_causal`): the rank's two query chunks, at global
 rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagonal aligned to the
-last key (`torch.nn.attention.bias.causal_lower_right`), which SDPA's flash and memory-efficient
-kernels take without a mask and with their causal block skipping. An explicit [s / cp, s] mask
+last key. Each chunk is a non-causal block over keys [0, k c) and a plain causal square over its own
+keys, merged by their log-sum-exps (`pretrain.model.blockwise_attention`: cuDNN on CUDA, the kernels of a
+single causal call), since SDPA sends a bottom-right causal bias (`torch.nn.attention.bias.causal_lower_right`)
+only to its flash and memory-efficient kernels, 1.55-1.72x an even split of one causal cuDNN call
+(benchmarks/results/cp_attention_h200). Where no kernel returns the log-sum-exp (fp32 on CUDA, attention
+dropout) the chunks go as bottom-right causal SDPA calls, said once in the log. An explicit [s / cp, s] mask
 (at 128K and CP = 2, 8 GB per layer) leaves SDPA only its kernels that read a mask, which skip no
 block (CP = 2 at 32K trained at 0.31 of one GPU that way: docs/parallelism.md).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +49,13 @@ from parallel.context_parallel import (
     gather_sequence,
     local_positions,
 )
+from pretrain.model.blockwise_attention import Rows, blockwise_attention, bottom_right_rows, choose_kernel
 from pretrain.model.document_attention import document_attention
 from pretrain.model.documents import AttentionPlan, attention_plan, is_document_layout, query_blocks
 from pretrain.model.sliding_window import combine, sliding_window_mask
+from pretrain.notices import say_once
+
+_log = logging.getLogger(__name__)
 
 
 # cuDNN first on GPU: on Hopper it is the fastest SDPA kernel at MLA's head dims (qk 256, v 256).
@@ -119,19 +128,48 @@ class SDPACoreAttention(MegatronModule):
 
     def attend_cp_causal(self, query, key, value, cp_size: int, cp_rank: int) -> torch.Tensor:
         """Causal attention of this CP rank's queries (its two chunks, `parallel.context_parallel`) to the
-        whole sequence's keys in global order, one lower-right-aligned causal call per chunk."""
+        whole sequence's keys in global order: per chunk a non-causal block over the keys before it and a causal
+        square over its own, merged by log-sum-exp (`attend_blocks`); else one bottom-right causal call per chunk."""
         c = query.shape[0] // 2
+        chunks = chunk_ids(cp_size, cp_rank)
+        rows = [bottom_right_rows(i * c, (i + 1) * c, 0, (chunk + 1) * c) for i, chunk in enumerate(chunks)]
+        out = self.attend_blocks(query, key, value, rows, "context-parallel attention")
+        if out is not None:
+            return out
         outs = []
-        for i, chunk in enumerate(chunk_ids(cp_size, cp_rank)):
+        for i, chunk in enumerate(chunks):
             end = (chunk + 1) * c  # the chunk's last global row sees keys 0 .. end - 1
             outs.append(self.attend(query[i * c:(i + 1) * c], key[:end], value[:end], None, lower_right=True))
         return torch.cat(outs, dim=0)
+
+    def attend_blocks(self, query, key, value, rows: Sequence[Rows], what: str) -> Optional[torch.Tensor]:
+        """query [s, b, np, hk], key / value [t, b, ng, *] -> [s, b, np * hv] through
+        `pretrain.model.blockwise_attention` (query rows against key blocks, merged by log-sum-exp), or None where
+        no kernel returns the log-sum-exp here (said once: the caller takes bottom-right causal SDPA calls)."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        kernel, why = choose_kernel(q, k, v, dropout_p)
+        if self.window_size is not None:
+            kernel, why = None, "sliding window"
+        if kernel is None:
+            say_once(_log, "%s: bottom-right causal SDPA calls, the slower flash / memory-efficient kernels (%s)", what,
+                     why)
+            return None
+        say_once(_log, "%s: a non-causal block and a causal square per query chunk, merged by log-sum-exp (%s)",
+                 what, kernel.name)
+        out = blockwise_attention(q, k, v, rows, self.softmax_scale, kernel)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def attend_documents(self, query, key, value, plan: AttentionPlan) -> torch.Tensor:
         """Causal attention within documents (`pretrain.model.document_attention`): query [s, b, np, hk] at the
         plan's global positions, key / value [t, b, ng, *] in global order -> [s, b, np * hv]; no mask tensor."""
 
         def piece(q, k, v, lower_right: bool, mask=None):
+            if lower_right:  # a document continued from an earlier context-parallel chunk
+                rows = (bottom_right_rows(0, q.shape[0], 0, k.shape[0]),)
+                out = self.attend_blocks(q, k, v, rows, "document attention under context parallelism")
+                if out is not None:
+                    return out
             return self.attend(q, k, v, mask, AttnMaskType.causal, lower_right=lower_right)
 
         return document_attention(query, key, value, plan, self.softmax_scale, piece, window=self.window_size,
@@ -139,7 +177,7 @@ class SDPACoreAttention(MegatronModule):
 
     def attend(self, query, key, value, attention_mask, mask_type=None, lower_right: bool = False) -> torch.Tensor:
         """query [sq, b, np, hk], key [sk, b, ng, hk], value [sk, b, ng, hv], mask True = masked -> [sq, b, np * hv].
-        `lower_right`: causal with query i seeing keys <= i + sk - sq (no mask tensor; `attend_cp_causal`)."""
+        `lower_right`: causal with query i seeing keys <= i + sk - sq (no mask tensor; where `attend_blocks` cannot)."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         attn_mask = None
         is_causal = False

@@ -16,8 +16,14 @@ nothing of size S x S (or [s / cp, S] under context parallelism) is ever formed.
   below a whole-window causal call's. Taken on CUDA for bf16 / fp16 with equal query/key and value head dims
   <= 256, no dropout, no sliding window and no deterministic mode.
 - "split": one `scaled_dot_product_attention` call per piece: plain causal (cuDNN on Hopper) when the piece
-  starts at its document's start, bottom-right causal (`causal_lower_right`: flash or memory-efficient) when it
-  continues one from an earlier context-parallel chunk. Runs of short documents (each under `SHORT` tokens) go
+  starts at its document's start. A piece that continues a document from an earlier context-parallel chunk (at
+  most one per chunk: the document holding the chunk's first row) is bottom-right causal; it goes as a non-causal
+  block over its document's keys before the chunk, [k0, k1 - (q1 - q0)), and a causal square over its own rows,
+  merged by log-sum-exp (`pretrain.model.blockwise_attention`, through the caller's `attend`). That block holds
+  only keys of the query's document, contiguous, so it needs no mask and attends no pair it does not use: the
+  cheapest exact form (a block over the whole chunk prefix would need a document mask, which leaves SDPA its
+  slowest kernels and attends every other document's keys for nothing). Where no kernel returns the log-sum-exp,
+  the piece is one bottom-right causal call (`causal_lower_right`: flash or memory-efficient), said once. Runs of short documents (each under `SHORT` tokens) go
   as one call of at most `GROUP` tokens with a small block-diagonal causal mask ([GROUP, GROUP] at most), so a
   window of many tiny documents does not cost a launch each. Exact on every device and dtype; the CPU tests run it.
 
