@@ -311,6 +311,12 @@ def check_optimizer(o: OptimizerConfig) -> None:
     _fraction(o, "optimizer", "adam_beta1", "adam_beta2", "muon_momentum")
     _positive(o, "optimizer", "adam_eps", "muon_num_ns_steps", "muon_scale_rms")
     _positive(o, "optimizer", "lr_decay_iters", optional=True)
+    # Read only by Muon's ZeRO-2 (pretrain/optim/zero2_*.py): anywhere else the key would be silently ignored.
+    require(
+        o.zero2_grad_reduce == "microbatch" or (o.optimizer == "muon" and o.use_distributed_optimizer),
+        f"optimizer.zero2_grad_reduce={o.zero2_grad_reduce!r} applies to Muon's ZeRO-2 only; set optimizer.optimizer=muon "
+        "and optimizer.use_distributed_optimizer=true, or leave it at \"microbatch\"",
+    )
 
 
 def check_data(d: DataConfig) -> None:
