@@ -315,6 +315,7 @@ class StepTime:
     total: float
     tokens_per_s_per_gpu: float
     mfu: float
+    host: float = 0.0  # the host's kernel launches and gaps not hidden behind GPU work (additive, like the above)
     notes: Tuple[str, ...] = field(default=())  # assumptions taken for this layout (e.g. a missing calibration point)
 
     def components(self) -> Dict[str, float]:
