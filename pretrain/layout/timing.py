@@ -1,0 +1,369 @@
+"""Time of one training step of a layout, from FLOPs and a calibration measured on the GPU kind (issue 45).
+
+Per micro-batch, on the slowest pipeline stage's rank (T = micro_batch_size x seq tokens per pipeline):
+
+    G   = sum over op classes c of  F_c x T_c / rate_c          compute, F_c from pretrain.training.flops
+          + per-token overheads (norms/RoPE/residuals, router, permutes, embedding: seconds per element, measured
+            in a profiled step) + gradient accumulation (per parameter) + recompute (the recomputed classes'
+            forward share) + offload + exposed TP/CP/EP communication
+    t_mb = max(G, H) + Y                                         H: the host's kernel launches for the rank's layers,
+                                                                 Y: host gaps per micro-batch (both per layer, from
+                                                                 micro-batch 1 against 4 on one GPU)
+    step = m x t_mb(slowest stage) + (pp - 1) / vpp x mean stage t_mb   (1F1B / interleaved bubble)
+           + p2p + exposed DP gradient reduce + optimizer step
+
+T_c is the tokens a rank computes for class c: T / (tp x cp) for GEMMs split by TP (experts too, since EP x ETP
+is carved out of the same ranks), T / cp for the DSA indexer (replicated under TP). rate_c is the achieved model
+FLOP/s of that class on the GPU kind: attention from a table over (seq, heads per rank), the others constants
+from a profiled glm5-proxy step; a GEMM whose rows per call fall below `gemm.small_m_knee_rows` runs
+proportionally slower (an assumption). Communication (ring formulas; `bw` per GPU per direction):
+
+    all-gather / reduce-scatter of B bytes over n ranks: B (n - 1) / n / bw + latency; all-reduce twice that
+    TP + SP: 4 collectives of T/cp x hidden bf16 per layer forward and 4 backward (backward partly hidden)
+    CP: all-gather of the 576-wide latent (+ indexer keys) per layer, reduce-scatter of its gradient
+    EP: 4 all-to-alls per MoE layer (dispatch, combine, forward and backward) of the rows sent off-rank:
+        alltoall T_r x topk x (ep - 1) / ep; alltoall_dedup T_r x (ep - 1) x (1 - C(E - E/ep, k) / C(E, k))
+    DP: DDP all-reduce (ZeRO-2: reduce-scatter per micro-batch + bf16 all-gather of parameters) of the rank's
+        gradients; exposed beyond `dp.overlap_fraction_of_backward` of the overlapping backward.
+
+A group's bandwidth is NVLink's when its ranks share a node and InfiniBand's otherwise, with megatron's rank
+order tp-cp-ep-dp-pp (a group of size n and stride s stays inside a node when n x s <= gpus_per_node).
+MFU = pretrain.training.flops' FLOPs of the step / time / GPUs / flops.peak_flops(device): the trainer's MFU.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from pretrain.layout.calibration import Calibration, load_calibration
+from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
+from pretrain.training.flops import peak_flops, training_flops_per_token
+
+__all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_flops"]
+
+BF16, FP32 = 2, 4
+LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
+DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "chunks", "selective_modules": ("core_attn",),
+                   "zero2_grad_reduce": "microbatch", "dsa_kernels": "current"}
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def _flops_model(dims: ModelDims) -> SimpleNamespace:
+    """The attributes pretrain.training.flops reads, from the planner's dims."""
+    return SimpleNamespace(
+        num_layers=dims.num_layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
+        multi_latent_attention=True, qk_head_dim=dims.qk_head_dim, qk_pos_emb_head_dim=dims.qk_pos_emb_head_dim,
+        q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, v_head_dim=dims.v_head_dim,
+        kv_channels=None, num_query_groups=None, window_size=None, ffn_hidden_size=dims.ffn_hidden,
+        num_moe_experts=dims.num_experts or None, moe_layer_freq=list(dims.moe_pattern),
+        moe_router_topk=dims.topk, moe_ffn_hidden_size=dims.expert_ffn_hidden,
+        moe_shared_expert_intermediate_size=dims.shared_expert_ffn_hidden, vocab_size=dims.vocab,
+        mtp_num_layers=dims.mtp_depths, experimental_attention_variant="dsa" if dims.dsa_indexer_heads else None,
+        dsa_indexer_n_heads=dims.dsa_indexer_heads, dsa_indexer_head_dim=dims.dsa_indexer_head_dim,
+        dsa_indexer_topk=dims.dsa_indexer_topk)
+
+
+def flops_per_token(dims: ModelDims, seq: int) -> Dict[str, object]:
+    """flops.py's training FLOPs per token as the trainer counts them (DSA modes from the dims)."""
+    return training_flops_per_token(_flops_model(dims), seq, dsa_sparse=dims.dsa_sparse_attention,
+                                    dsa_indexer=dims.dsa_indexer_loss)
+
+
+@lru_cache(maxsize=256)
+def _per_layer(dims: ModelDims, seq: int) -> Tuple[Dict[str, float], Dict[str, float], float]:
+    """(per decoder layer FLOPs/token by class, per-head FLOPs/token {output_head, mtp_eh_proj}, total)."""
+    f = flops_per_token(dims, seq)
+    c: Dict[str, float] = f["components"]
+    d = dims.mtp_depths
+    slots = dims.num_layers + d
+    moe_slots = dims.moe_layers + (d if dims.mtp_layer_is_moe else 0)
+    dense_slots = dims.dense_layers + (0 if dims.mtp_layer_is_moe else d)
+    layer = {k: c.get(k, 0.0) / slots for k in ("attention_proj", "attention_core", "attention_sparse", "dsa_indexer")}
+    layer.update({k: c.get(k, 0.0) / max(moe_slots, 1) for k in ("routed_experts", "shared_expert", "router")})
+    layer["dense_mlp"] = c.get("dense_mlp", 0.0) / max(dense_slots, 1)
+    head = {"output_head": c["output_head"] / (1 + d), "mtp_eh_proj": c.get("mtp_eh_proj", 0.0) / max(d, 1)}
+    return layer, head, f["total"]
+
+
+@lru_cache(maxsize=64)
+def newton_schulz_flops(dims: ModelDims, steps: int = 5) -> float:
+    """Newton-Schulz FLOPs of one Muon step over the model's matrices (4 m^2 n + 2 m^3 per iteration, m <= n):
+    attention projections split per head (optimizer.muon_split), experts and FFNs whole, embedding/output/router
+    on AdamW."""
+    h, H = dims.hidden, dims.heads
+    ns = lambda a, b: steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3)
+    q_in = dims.q_lora_rank or h
+    attn = (ns(h, dims.q_lora_rank) if dims.q_lora_rank else 0) + H * ns(q_in, dims.qk_head)
+    attn += ns(h, dims.kv_lora_rank + dims.qk_pos_emb_head_dim) + H * ns(dims.kv_lora_rank, dims.qk_head_dim + dims.v_head_dim)
+    attn += H * ns(dims.v_head_dim, h)
+    if dims.dsa_indexer_heads:
+        attn += ns(q_in, dims.dsa_indexer_heads * dims.dsa_indexer_head_dim) + ns(h, dims.dsa_indexer_head_dim)
+    swiglu = lambda f: ns(h, 2 * f) + ns(f, h)
+    moe = dims.num_experts * swiglu(dims.expert_ffn_hidden) + (swiglu(dims.shared_expert_ffn_hidden)
+                                                               if dims.shared_expert_ffn_hidden else 0)
+    per_layer = [attn + (moe if m else swiglu(dims.ffn_hidden)) for m in dims.moe_pattern]
+    mtp = dims.mtp_layers * (attn + (moe if dims.mtp_layer_is_moe else swiglu(dims.ffn_hidden)) + ns(h, 2 * h))
+    return float(sum(per_layer) + mtp)
+
+
+# ------------------------------------------------------------------------------------------------ placement
+def _group_bw(cluster: Cluster, calib: Calibration, size: int, stride: int) -> Tuple[float, bool]:
+    """(bus bandwidth, inside one node) of a group of `size` ranks `stride` apart (megatron's rank order)."""
+    intra = size * stride <= cluster.gpus_per_node
+    if intra:
+        return cluster.intra_node_bw * calib["collective.busbw_fraction_intra"], True
+    return cluster.inter_node_bw * calib["collective.busbw_fraction_inter"], False
+
+
+def _ring(nbytes: float, n: int, bw: float, latency: float, allreduce: bool = False) -> float:
+    """Ring all-gather / reduce-scatter (all-reduce: twice) of `nbytes` (the whole tensor) over n ranks."""
+    if n <= 1:
+        return 0.0
+    return (2 if allreduce else 1) * nbytes * (n - 1) / n / bw + latency
+
+
+def _offrank_rows(tokens: float, dims: ModelDims, ep: int, dispatcher: str) -> float:
+    """Rows a rank sends to other EP ranks per all-to-all, uniform routing."""
+    if ep <= 1 or not dims.num_experts:
+        return 0.0
+    k, e = dims.topk, dims.num_experts
+    if dispatcher == "alltoall_dedup":
+        local = e // ep
+        p_none = math.comb(e - local, k) / math.comb(e, k) if e - local >= k else 0.0
+        return tokens * (ep - 1) * (1 - p_none)
+    return tokens * k * (ep - 1) / ep
+
+
+def _indexer_s_per_token(calib: Calibration, seq: int, notes: List[str]) -> float:
+    """DSA index scores + top-k + sparse KL, seconds per query token at `seq` (GLM-5's 32 indexer heads): linear in
+    seq (each query scores its seq / 2 causal keys), least squares over the measured points, extrapolated."""
+    pts = [(p["seq"], p["s_per_token"]) for p in calib["dsa.indexer_topk_kl"]]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / max(sum((x - mx) ** 2 for x, _ in pts), 1e-30)
+    if not min(x for x, _ in pts) <= seq <= max(x for x, _ in pts):
+        notes.append(f"dsa.indexer_topk_kl extrapolated linearly in seq to {seq}")
+    return max(my + slope * (seq - mx), 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ one stage
+def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration, variant: Mapping,
+                layers: float, moe_layers: float, mtp: int, first: bool, last: bool, notes: List[str]) -> Dict[str, float]:
+    """Seconds per micro-batch (forward + backward) of one pipeline stage's rank, by component."""
+    S, tp, cp, ep = work.seq_length, layout.tp, layout.cp, layout.ep
+    T = layout.micro_batch_size * S
+    t_rank = T / (tp * cp)  # tokens of the split GEMMs / sequence-parallel elementwise work
+    t_elem = t_rank if (layout.sequence_parallel or tp == 1) else T / cp
+    layer_f, head_f, _ = _per_layer(dims, S)
+    knee = calib["gemm.small_m_knee_rows"]
+    share = calib["recompute.forward_share"]
+    slot = layers + mtp  # decoder layers run on this rank per micro-batch (MTP depths included)
+    moe_slots = moe_layers + (mtp if dims.mtp_layer_is_moe else 0)
+    dense_slots = slot - moe_slots
+
+    def small_m(rows: float) -> float:
+        return min(1.0, rows / knee)
+
+    parts: Dict[str, float] = {}
+    gemm_m = small_m(t_rank)
+    parts["attention_proj"] = slot * layer_f["attention_proj"] * t_rank / (calib["rate.attention_proj"] * gemm_m)
+    heads = dims.heads / tp
+    if dims.dsa_sparse_attention:
+        rate, note = calib.lookup("dsa.sparse_attention", "flops_per_s", S, heads=heads)
+        parts["attention_core"] = slot * layer_f["attention_sparse"] * t_rank / rate
+    else:
+        # cuDNN's rate barely depends on heads per rank (H200, 32K: 372 TFLOP/s at 64 heads, 397 at 16): by seq only
+        rate, note = calib.lookup("attention.dense", "flops_per_s", S)
+        core = slot * layer_f["attention_core"] * t_rank / rate
+        if work.documents:
+            ratio, n2 = calib.lookup("documents.attention_ratio", "value", S)
+            core *= min(1.0, ratio)
+            notes.append(n2) if n2 else None
+        parts["attention_core"] = core
+    notes.append(note) if note else None
+    if cp > 1:
+        table = "cp.mask_over_ideal" if variant["cp_attention"] == "mask" else "cp.chunks_over_ideal"
+        factor, n3 = calib.lookup(table, "value", S, cp=cp)
+        parts["attention_core"] *= factor
+        notes.append(n3) if n3 else None
+    if dims.dsa_indexer_loss or dims.dsa_sparse_attention:
+        # replicated under TP (every TP rank scores all its sequence's queries)
+        parts["dsa_indexer"] = slot * _indexer_s_per_token(calib, S, notes) * (T / cp) * dims.dsa_indexer_heads / 32
+    if dims.dsa_sparse_attention and variant.get("dsa_kernels") == "2026-11-24":
+        # the DSA core as profiled in the model on 2026-11-24 (before the kernel work of 11-25..27): today's
+        # estimate scaled by that profile's time at 16K, 16 heads over today's estimate there
+        keys = lambda s: s / 2 if s <= dims.dsa_indexer_topk else dims.dsa_indexer_topk * (1 - dims.dsa_indexer_topk / (2 * s))
+        per_key = 3 * 16 * (2 * (dims.kv_lora_rank + dims.qk_pos_emb_head_dim) + 2 * dims.kv_lora_rank)
+        now16 = per_key * keys(16384) / calib.lookup("dsa.sparse_attention", "flops_per_s", 16384, heads=16)[0]
+        now16 += _indexer_s_per_token(calib, 16384, []) * dims.dsa_indexer_heads / 32
+        factor = calib["dsa.core_s_per_token_layer_2026_11_24"] / now16
+        parts["attention_core"] *= factor
+        parts["dsa_indexer"] *= factor
+    if moe_slots:
+        rows_per_expert = t_rank * dims.topk * ep / dims.num_experts
+        parts["routed_experts"] = moe_slots * layer_f["routed_experts"] * t_rank / (
+            calib["rate.routed_experts"] * small_m(rows_per_expert))
+        parts["shared_expert"] = moe_slots * layer_f["shared_expert"] * t_rank / (calib["rate.shared_expert"] * gemm_m)
+        parts["router"] = moe_slots * t_elem * dims.num_experts * calib["overhead.router_s_per_token_layer_expert"]
+        parts["dispatch"] = moe_slots * t_elem * dims.topk * dims.hidden * calib["overhead.dispatch_s_per_row_hidden"]
+    if dense_slots:
+        parts["dense_mlp"] = dense_slots * layer_f["dense_mlp"] * t_rank / (calib["rate.dense_mlp"] * gemm_m)
+    parts["glue"] = slot * t_elem * dims.hidden * calib["overhead.glue_s_per_token_layer_hidden"]
+    embeds = (1 if first else 0) + (mtp if last else 0)
+    parts["embedding"] = embeds * t_elem * dims.hidden * calib["overhead.embedding_s_per_token_hidden"]
+    if last:
+        backend = layout.output_loss_backend
+        rate, _ = calib.lookup("output_loss", "flops_per_s", None, hidden=dims.hidden)
+        pts = [p for p in calib["output_loss"] if p["backend"] == backend]
+        if pts:
+            best = min(pts, key=lambda p: abs(math.log(p["hidden"] * p["vocab"]) - math.log(dims.hidden * dims.vocab)))
+            rate = best["flops_per_s"]
+        parts["output_head"] = (1 + mtp) * head_f["output_head"] * t_rank / rate
+        parts["mtp_eh_proj"] = mtp * head_f["mtp_eh_proj"] * t_rank / calib["rate.mtp_eh_proj"]
+
+    fwd = sum(t * share.get(k, share["attention_proj"]) for k, t in parts.items() if k not in ("output_head",))
+    fwd += parts.get("output_head", 0.0) * 0.97  # the fused loss computes its gradient in the forward (profile)
+    total_compute = sum(parts.values())
+    recompute = 0.0
+    layer_parts = ("attention_proj", "attention_core", "dsa_indexer", "routed_experts", "shared_expert", "router",
+                   "dispatch", "dense_mlp", "glue")
+    if layout.recompute == "full":
+        recompute = sum(parts.get(k, 0.0) * share.get(k, share["attention_proj"]) for k in layer_parts)
+    elif layout.recompute == "selective":
+        mods = set(variant["selective_modules"])
+        keys = (["attention_core"] if "core_attn" in mods else []) + (
+            ["routed_experts", "router", "dispatch"] if "moe" in mods else [])
+        recompute = sum(parts.get(k, 0.0) * share.get(k, share["attention_proj"]) for k in keys)
+    offload = 0.0
+    if layout.activation_offload and layout.recompute != "full":  # with full recompute: one input per layer,
+        # measured free (long_context_h100: 7,006 vs 7,026 tokens/s at 32K)
+        frac = calib["offload.time_fraction"]["dsa" if dims.dsa_sparse_attention else "dense"]
+        offload = frac * (total_compute + recompute)
+
+    # --- communication exposed inside the micro-batch
+    lat = calib["collective.latency_s"]
+    comm_tp = comm_cp = comm_ep = tp_serial = 0.0
+    if tp > 1:
+        bw, _ = _group_bw(cluster, calib, tp, 1)
+        act = T / cp * dims.hidden * BF16
+        one = _ring(act, tp, bw, lat, allreduce=not layout.sequence_parallel)
+        n_fwd = 4 if layout.sequence_parallel else 2
+        comm_tp = (slot + 1) * n_fwd * one * (1 + (1 - calib["tp.exposed_fraction_backward"]))
+        # what TP=2 costs beyond its collectives' volume, on the GPU's critical path (fitted, calibration entry)
+        tp_serial = slot * calib["tp.overhead_s_per_layer_microbatch"] * (tp - 1)
+        comm_tp += tp_serial
+    if cp > 1:
+        bw, _ = _group_bw(cluster, calib, cp, tp)
+        width = LATENT_WIDTH + (dims.dsa_indexer_head_dim if (dims.dsa_indexer_loss or dims.dsa_sparse_attention) else 0)
+        gathered = layout.micro_batch_size * S * width * BF16
+        comm_cp = slot * 2 * _ring(gathered, cp, bw, lat)
+    if ep > 1 and moe_slots:
+        rows = _offrank_rows(t_rank, dims, ep, variant["ep_dispatcher"])
+        intra = ep * layout.etp <= cluster.gpus_per_node
+        bw = calib["a2a.intra_node_bytes_per_s"] if intra else cluster.inter_node_bw * calib["a2a.inter_node_fraction"]
+        comm_ep = moe_slots * 4 * (rows * dims.hidden * BF16 / bw + lat)
+        if ep > 2:
+            notes.append(f"all-to-all bandwidth measured at EP=2, used at EP={ep}")
+    gpu = total_compute + recompute + offload + comm_tp - tp_serial + comm_cp + comm_ep
+    host = slot * calib["host.launch_s_per_layer_microbatch"]
+    if layout.recompute == "full":  # the recomputed forward launches its kernels again
+        host *= 1 + share["glue"]
+    if ep > 1 and moe_slots:  # megatron's all-to-all dispatcher: host work per MoE layer (fitted, calibration entry)
+        host += moe_slots * calib["ep.host_s_per_moe_layer_microbatch"]
+    gaps = slot * calib["host.sync_s_per_layer_microbatch"] + tp_serial
+    launch_bound = max(0.0, host - gpu)
+    return {"fwd": fwd, "bwd": total_compute - fwd, "recompute": recompute + offload, "tp": comm_tp, "cp": comm_cp,
+            "ep": comm_ep, "host": launch_bound + gaps - tp_serial, "total": gpu + launch_bound + gaps,
+            "bwd_window": (total_compute - fwd) + recompute}
+
+
+# ------------------------------------------------------------------------------------------------ the step
+def _stages(dims: ModelDims, layout: Layout) -> List[Tuple[float, float, int, bool, bool]]:
+    """(decoder layers, MoE layers, MTP depths, first, last) per pipeline stage: layers split evenly (megatron's
+    default), the embedding on the first stage, MTP and the output heads on the last."""
+    pp = layout.pp
+    per = dims.num_layers / pp
+    out = []
+    for s in range(pp):
+        lo, hi = round(s * per), round((s + 1) * per)
+        out.append((hi - lo, sum(dims.moe_pattern[lo:hi]), dims.mtp_depths if s == pp - 1 else 0, s == 0, s == pp - 1))
+    return out
+
+
+def _rank_params(dims: ModelDims, layout: Layout) -> Tuple[float, float]:
+    """(dense, expert) parameters one rank holds (the slowest stage taken as 1/pp of the model)."""
+    experts = (dims.moe_layers + (dims.mtp_layers if dims.mtp_layer_is_moe else 0)) * dims.num_experts * dims.expert_params
+    dense = dims.total_params - experts
+    return dense / (layout.tp * layout.pp), experts / (layout.ep * layout.etp * layout.pp)
+
+
+def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration,
+              variant: Optional[Mapping] = None) -> StepTime:
+    """Seconds of one optimizer step of `work` under `layout` on `cluster` (module docstring), by component.
+
+    `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
+    ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("chunks", or "mask": the explicit
+    CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective").
+    """
+    v = dict(DEFAULT_VARIANT, **(variant or {}))
+    v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
+    notes: List[str] = []
+    stages = [_stage_time(dims, layout, work, cluster, calib, v, *st, notes=notes) for st in _stages(dims, layout)]
+    m = layout.num_microbatches
+    crit = max(stages, key=lambda st: st["total"])
+    mean = sum(st["total"] for st in stages) / len(stages)
+    bubble = (layout.pp - 1) / layout.vpp * mean
+    if layout.pp > 1:
+        bw, _ = _group_bw(cluster, calib, layout.pp, layout.tp * layout.cp * layout.dp)
+        act = layout.micro_batch_size * work.seq_length / (layout.tp * layout.cp) * dims.hidden * BF16
+        p2p = 2 * layout.vpp * (act / bw + calib["collective.latency_s"]) * calib["p2p.exposed_fraction"]
+        bubble += m * p2p
+
+    # --- gradients: accumulation per micro-batch, the DP reduce, the optimizer
+    dense_p, expert_p = _rank_params(dims, layout)
+    params = dense_p + expert_p
+    accum = m * params * calib["overhead.grad_accum_s_per_param_microbatch"]
+    lat = calib["collective.latency_s"]
+    edp = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+    dp_bw, _ = _group_bw(cluster, calib, layout.dp, layout.tp * layout.cp)
+    edp_bw, _ = _group_bw(cluster, calib, edp, layout.ep * layout.etp)
+    gbytes = FP32  # parallel.grad_reduce_in_fp32 (the configs' default)
+    window = calib["dp.overlap_fraction_of_backward"] * crit["bwd_window"]
+    if layout.zero == "zero2" and layout.optimizer == "muon":
+        per_mb = _ring(dense_p * gbytes, layout.dp, dp_bw, lat) + _ring(expert_p * gbytes, edp, edp_bw, lat)
+        gather = _ring(dense_p * BF16, layout.dp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+        if v["zero2_grad_reduce"] == "step":  # one reduce-scatter after the last micro-batch
+            dp_exposed = max(0.0, per_mb - window) + gather
+        else:
+            dp_exposed = m * max(0.0, per_mb - window) + gather
+        shard_dense, shard_expert = layout.dp, edp
+    else:
+        reduce = (_ring(dense_p * gbytes, layout.dp, dp_bw, lat, allreduce=True)
+                  + _ring(expert_p * gbytes, edp, edp_bw, lat, allreduce=True))
+        dp_exposed = max(0.0, reduce - window)
+        shard_dense = shard_expert = 1
+        if layout.zero == "zero2":  # AdamW: megatron's distributed optimizer gathers the updated bf16 weights
+            dp_exposed += _ring(dense_p * BF16, layout.dp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+            shard_dense, shard_expert = layout.dp, edp
+    owned = dense_p / shard_dense + expert_p / shard_expert
+    if layout.optimizer == "muon":
+        ns = newton_schulz_flops(dims) * owned / max(dims.total_params, 1)
+        optimizer = ns / calib["muon.newton_schulz_flops_per_s"] + owned * calib["muon.other_s_per_param"]
+    else:
+        optimizer = owned * calib["adamw.s_per_param"]
+
+    fixed = calib["step.fixed_s"]
+    total = m * crit["total"] + bubble + accum + dp_exposed + optimizer + fixed
+    tokens = work.tokens_per_step
+    gpus = layout.gpus
+    _, _, flops_tok = _per_layer(dims, work.seq_length)
+    peak = peak_flops(calib.device_name) or cluster.peak_bf16_flops
+    return StepTime(
+        compute_fwd=m * crit["fwd"], compute_bwd=m * crit["bwd"] + accum, host=m * crit["host"] + fixed,
+        recompute=m * crit["recompute"], tp_comm=m * crit["tp"], cp_comm=m * crit["cp"], ep_a2a=m * crit["ep"],
+        pp_bubble=bubble, dp_comm_exposed=dp_exposed, optimizer=optimizer, total=total,
+        tokens_per_s_per_gpu=tokens / total / gpus, mfu=flops_tok * tokens / total / gpus / peak,
+        notes=tuple(dict.fromkeys(notes)))
