@@ -13,7 +13,10 @@ with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attenti
 packed documents as the data pipeline gives them (cu_seqlens and restarting position ids, which the training
 step turns into the O(S) document layout; a loss mask with holes, so the CP ranks hold different numbers of loss
 tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, window positions), and the MTP
-layer (2 depths, rolled labels crossing chunk boundaries). CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
+layer (2 depths, rolled labels crossing chunk boundaries). The dense core attention alone (all-gather, query chunks
+as non-causal blocks plus causal squares merged by log-sum-exp, reduce-scatter; GQA shapes, without and with
+packed documents) runs in the same spawns at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of
+q, k and v at 1e-5. CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
 batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
@@ -68,6 +71,7 @@ LAYOUTS = {
     "ep2_cp2": ["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=2"],
 }
 RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse")]
+CORE_CHECKS = {("cp2", "mla"), ("cp4", "packed")}  # runs after which the core attention check runs on those ranks
 
 
 def config(case: str, layout: str = None):
@@ -154,6 +158,49 @@ def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
             "state": state, "cp": ps.get_context_parallel_world_size()}
 
 
+def core_inputs(documents: bool) -> tuple:
+    """(q, k, v, upstream gradient, attention_mask) of the core attention check: GQA shapes over the whole
+    sequence, fp32; with `documents` the O(S) layout of documents crossing the CP=4 chunks of 4 tokens."""
+    from pretrain.model.documents import document_layout
+
+    gen = torch.Generator().manual_seed(SEED + 7)
+    heads, groups, dk, dv = 4, 2, 16, 24
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((SEQ, BATCH, heads, dk), (SEQ, BATCH, groups, dk),
+                                                                (SEQ, BATCH, groups, dv)))
+    grad = torch.randn(SEQ, BATCH, heads * dv, generator=gen)
+    layout = None
+    if documents:
+        starts = [[0, 5, 19, 20], [0, 11, 30]]
+        cu = torch.tensor([r * SEQ + x for r, row in enumerate(starts) for x in row] + [BATCH * SEQ], dtype=torch.int32)
+        layout = document_layout(cu, None, BATCH, SEQ)
+    return q, k, v, grad, layout
+
+
+def core_attention_check(cp: int) -> dict:
+    """This CP rank's output and gradients of its own q, k, v rows through `SDPACoreAttention.forward` (the gather,
+    the merged blocks, the gather's reduce-scatter); `cp` 1 is the reference, in one process."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from parallel.context_parallel import cp_size_and_rank, split_sequence
+    from pretrain.model.core_attention import SDPACoreAttention
+
+    config = SimpleNamespace(context_parallel_size=cp, attention_dropout=0.0, kv_channels=16, num_attention_heads=4,
+                             experimental_attention_variant=None)
+    attn = SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=16, v_channels=24, softmax_scale=0.25)
+    size, rank = cp_size_and_rank(attn.cp_group)
+    assert size == cp
+    out = {}
+    for documents in (False, True):
+        *qkv, grad, layout = core_inputs(documents)
+        mine = [split_sequence(t, 0, cp, rank).clone().requires_grad_() for t in qkv]
+        result = attn(*mine, layout)
+        result.backward(split_sequence(grad, 0, cp, rank))
+        out[documents] = [result.detach()] + [t.grad for t in mine]
+    return out
+
+
 def rank_models(rank: int, world_size: int, runs: List[tuple], ref_states: dict) -> dict:
     """(layout, case) runs in turn on these ranks; layout None is the single-rank reference."""
     from parallel import activation_offload
@@ -169,6 +216,8 @@ def rank_models(rank: int, world_size: int, runs: List[tuple], ref_states: dict)
             out[(layout, case)] = model_step(cfg, make_batch(case), ref_states.get(case))
             offloader = activation_offload.process_offloader()
             out[(layout, case)]["offloaded"] = offloader.offloaded_bytes if offloader else 0
+            if (layout, case) in CORE_CHECKS:
+                out[(layout, case)]["core"] = core_attention_check(cfg.parallel.context_parallel_size)
         return out
     finally:
         activation_offload.reset_activation_offload()
@@ -310,6 +359,22 @@ def test_cp2_matches_single_rank(cp2, reference, case):
         assert all(r["offloaded"] > 0 for r in cp2[case]) and reference[case]["offloaded"] > 0
     worst = check_against_reference(reference[case], cp2[case])
     print(f"\nCP=2 {case}: worst relative max-abs gradient error {worst:.2e}")
+
+
+@pytest.mark.parametrize("layout, case", sorted(CORE_CHECKS))
+def test_core_attention_matches_cp1(request, layout, case):
+    """CP = 2 and 4 against CP = 1 (plain causal SDPA, per-document SDPA calls): each rank's output rows and the
+    gradients of its q, k, v rows, without and with documents."""
+    from parallel.context_parallel import split_sequence
+
+    ranks = request.getfixturevalue("cp2")[case] if layout == "cp2" else request.getfixturevalue("four_ranks")[layout]
+    cp = len(ranks)
+    reference = core_attention_check(1)
+    for documents, want in reference.items():
+        for rank, res in enumerate(ranks):
+            for name, got, full in zip(("out", "dq", "dk", "dv"), res["core"][documents], want):
+                err = rel_err(got, split_sequence(full, 0, cp, rank))
+                assert err <= TOL, f"CP={cp} rank {rank} documents={documents} {name}: {err:.2e}"
 
 
 @pytest.mark.parametrize("layout, case", RUNS_4)
