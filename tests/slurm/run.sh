@@ -13,6 +13,8 @@
 #    holds a requeued job about 2 minutes before it is eligible again: most of this case's time.)
 # 3. launch/curriculum.sh --slurm runs configs/curriculum/tiny.yaml as one job; every stage finishes.
 # The daemons are stopped at the end, pass or fail. Work files: $SLURM_TEST_DIR (default: a temp dir).
+# Every wait is bounded: a job that never ends fails the test with the logs of every job (the whole
+# test gives up after $SLURM_TEST_LIMIT seconds, default 2400).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -26,10 +28,21 @@ job_state() { scontrol show job "$1" | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p';
 latest_step() { [[ -f "$1/latest" ]] && "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["iteration"])' "$1/latest" || echo 0; }
 show_logs() { for f in "$WORK"/*.out; do echo "--- $f"; tail -n 30 "$f"; done; }
 
+wait_job() {  # sbatch --wait, bounded: wait_job SECONDS sbatch-args...
+    local limit=$1; shift
+    timeout "$limit" sbatch --parsable --wait "$@" || { local rc=$?; [[ $rc == 124 ]] && echo "FAIL: a job did not end within ${limit}s" >&2; return $rc; }
+}
+
 slurm_install
-trap 'status=$?; [[ $status == 0 ]] || show_logs; slurm_stop; exit $status' EXIT
+watchdog=""
+trap 'status=$?; [[ -z $watchdog ]] || kill "$watchdog" 2>/dev/null || true; [[ $status == 0 ]] || { show_logs; squeue 2>/dev/null; }
+      slurm_stop; exit $status' EXIT
+trap 'exit 124' TERM
 slurm_start "$WORK/cluster"
 started=$(date +%s)
+( sleep "${SLURM_TEST_LIMIT:-2400}" </dev/null >/dev/null 2>&1; echo "FAIL: the Slurm test did not finish within ${SLURM_TEST_LIMIT:-2400}s" >&2
+  kill -TERM $$ ) &
+watchdog=$!
 
 # ---- 1. sbatch launch/slurm.sbatch, scancel mid-run, resubmit, resume --------------------------------
 iters=30
@@ -53,7 +66,7 @@ done
 saved=$(latest_step "$ckpt")
 (( saved >= 3 && saved < iters )) || fail "job $first saved step $saved; expected a checkpoint before the end ($iters)"
 echo "job $first cancelled with its newest checkpoint at step $saved; submitting again"
-second=$(sbatch --parsable --wait --output="$WORK/%x-%j.out" launch/slurm.sbatch "${train[@]}") \
+second=$(wait_job 900 --output="$WORK/%x-%j.out" launch/slurm.sbatch "${train[@]}") \
     || fail "the resubmitted job failed"
 log=$WORK/glm5-pretrain-$second.out
 grep -q "resumed from $ckpt at iteration $saved" "$log" || fail "job $second did not resume from step $saved"
@@ -98,7 +111,7 @@ echo "ok: job $job saved at step $stopped on SIGUSR1, was requeued and finished 
 
 # ---- 3. the tiny curriculum as one Slurm job -------------------------------------------------------
 plan_dir=$WORK/plan
-SBATCH_ARGS="--wait --output=$WORK/%x-%j.out" bash launch/curriculum.sh --slurm --plan configs/curriculum/tiny.yaml \
+SBATCH_ARGS="--wait --output=$WORK/%x-%j.out" timeout 1200 bash launch/curriculum.sh --slurm --plan configs/curriculum/tiny.yaml \
     "run_dir=$plan_dir" >"$WORK/submit.log" 2>&1 || { cat "$WORK/submit.log"; fail "the curriculum job failed"; }
 job=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' "$WORK/submit.log")
 [[ $(job_state "$job") == COMPLETED ]] || fail "curriculum job $job is $(job_state "$job")"
