@@ -12,6 +12,14 @@ Per sequence length S (batch 1, causal), GLM-5 attention shapes: 64 heads, absor
     multi-head shapes (q/k 256, v 256, 64 heads);
 (c) the reference path (`pretrain.model.dsa`: `indexer` / `sparse_mla` / `indexer_loss`, PyTorch).
 
+With `--tp N`, run under `torchrun --nproc-per-node N`: the lightning indexer (projection of q_I, k_I, w with RoPE,
+then top-k with the selection's log sum exp, as the DSA layer runs it) per rank at TP = 1 (every rank all rows) and
+at TP = N (each rank its share of the rows, `pretrain.model.dsa.indexer_split`), with glm5-proxy's indexer dims
+(16 x 128, hidden 2048, q LoRA 768) and GLM-5's (32 x 128, hidden 6144, q LoRA 2048); the slowest rank counts; the
+all-gather of the selections is timed on its own:
+
+    torchrun --nproc-per-node 2 benchmarks/dsa_kernels.py --tp 2 --seqs 32768,131072 --out indexer_tp2.json
+
 Times are medians of CUDA-event-timed repeats after warm-up; fresh random inputs per length.
 TFLOP/s of sparse attention use the convention 2 * S * k * heads * (576 + 512) forward and
 2 * S * k * heads * (2 * 576 + 3 * 512 - 512 + 576) = 2.53x that backward (QK recompute, dP, dQ,
@@ -212,6 +220,85 @@ def reference(s, q, kv, qi, ki, w, reps):
     return res
 
 
+INDEXER_DIMS = {"glm5-proxy": (2048, 768, 16, 128), "glm5": (6144, 2048, 32, 128)}  # hidden, q LoRA, H_I, d_I
+
+
+def indexer_tp(s: int, dims, reps: int) -> dict:
+    """The indexer's projection + top-k per rank at TP = 1 and at TP = world size (rows split), in ms, and the
+    selections' all-gather; the maximum over ranks of each."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from pretrain.model.dsa.indexer import LightningIndexer, pack_indices
+    from pretrain.model.dsa.indexer_split import RowSplit
+    from pretrain.model.rope import mla_rope
+
+    hidden, q_lora, heads, head_dim = dims
+    init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+    cfg = SimpleNamespace(dsa_indexer_n_heads=heads, dsa_indexer_head_dim=head_dim, q_lora_rank=q_lora,
+                          hidden_size=hidden, use_cpu_initialization=False, params_dtype=torch.bfloat16,
+                          perform_initialization=True, init_method=init, qk_pos_emb_head_dim=R,
+                          dsa_indexer_hadamard=False, dsa_indexer_loss_coeff=1.0)
+    gen = torch.Generator(device="cuda").manual_seed(s)  # the same inputs and weights on every rank
+    torch.manual_seed(s)
+    indexer = LightningIndexer(cfg)
+    x = torch.randn(s, 1, hidden, device="cuda", generator=gen).bfloat16()
+    qr = torch.randn(s, 1, q_lora, device="cuda", generator=gen).bfloat16()
+    inv = 1e6 ** -(torch.arange(0, R, 2, device="cuda").float() / R)  # megatron's rope freqs [s, 1, 1, R]
+    angles = torch.arange(s, device="cuda").float()[:, None] * inv[None]
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    full_rope = mla_rope(freqs)
+
+    def rope(t, rows=None):
+        return full_rope(t) if rows is None else mla_rope(freqs.index_select(0, rows))(t)
+
+    keys = VisibleKeys(s, s, "cuda")
+    split = RowSplit.create(s, dist.group.WORLD, "cuda")
+    mine = keys if split is None else keys.subset(split.rows)
+
+    @torch.no_grad()
+    def run(sp, visible):
+        q, k, w = indexer.project(x, qr, rope, sp)
+        return BACKEND.topk(q, k, w, TOPK, visible, 0, with_lse=True)
+
+    res = {"tp1_ms": timed(lambda: run(None, keys), reps), "split_ms": timed(lambda: run(split, mine), reps)}
+    if split is not None:
+        kept = pack_indices(run(split, mine)[0], s)
+        res["gather_ms"] = timed(lambda: split.gather(kept), reps)
+    times = torch.tensor([res[k] for k in sorted(res)], device="cuda")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank
+    res = dict(zip(sorted(res), times.tolist()))
+    res["split_over_tp1"] = res["split_ms"] / res["tp1_ms"]
+    return res
+
+
+def main_tp(args) -> None:
+    """--tp: `indexer_tp` at every length and dims (see the module docstring)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if dist.get_world_size() != args.tp:
+        raise SystemExit(f"--tp {args.tp} needs torchrun --nproc-per-node {args.tp}, got {dist.get_world_size()} ranks")
+    rows = []
+    for s in (int(x) for x in args.seqs.split(",")):
+        for name, dims in INDEXER_DIMS.items():
+            entry = {"S": s, "dims": name, "tp": args.tp, **indexer_tp(s, dims, args.reps)}
+            torch.cuda.empty_cache()
+            rows.append(entry)
+            if rank == 0:
+                print(json.dumps(entry), flush=True)
+    if rank == 0:
+        save_json({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, args.out)
+        print(f"| S | indexer dims | TP=1 ms | TP={args.tp} ms per rank | ratio | index all-gather ms |")
+        print("|" + " --- |" * 6)
+        for e in rows:
+            print(f"| {e['S']} | {e['dims']} | {e['tp1_ms']:.2f} | {e['split_ms']:.2f} | {e['split_over_tp1']:.3f} | "
+                  f"{e.get('gather_ms', float('nan')):.2f} |")
+    dist.destroy_process_group()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", default="4096,8192,16384,32768,65536,131072")
@@ -230,8 +317,13 @@ def main(argv=None):
     ap.add_argument("--kl-configs", default="",
                     help="also time the sparse indexer loss's kernel at these (BN x warps x stages x slots-as-M) configs, "
                          "e.g. 64x4x2x1,128x4x2x0 (DSAKernelTuning.kl_tiles), in the same run: 'kl_ms_by_config'")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="under torchrun with this many ranks: only the indexer (projection + top-k) per rank at TP=1 "
+                         "and with its rows split over the ranks (see the module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.tp:
+        return main_tp(args)
     kl_configs = tile_configs(args.kl_configs)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
         ap.error("--key-partition-mib must be >= 0")

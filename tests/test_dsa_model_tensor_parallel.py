@@ -1,4 +1,11 @@
-"""DSA under TP=2, with and without sequence parallelism, against a single-rank run (spawned gloo ranks)."""
+"""DSA under TP=2, with and without sequence parallelism, against a single-rank run (spawned gloo ranks).
+
+Each TP rank's indexer scores and trains on half of the query rows (`pretrain.model.dsa.indexer_split`): the LM loss,
+every layer's indexer KL and every gradient equal the single-rank run's (fp32, 1e-5), in the sparse mode (sparse
+attention, sparse KL formed in backward), the warm-up (dense attention, dense KL) and dense attention with the
+sparse KL, with and without packed documents (which cross the ranks' row pieces), and each rank's index scores
+cover exactly half of the rows the single rank scores. One spawn of 1 rank and one of 2 run every case.
+"""
 
 # Regression: sparse attention under TP=2 without sequence parallelism once lost the other ranks'
 # share of the KV latent's gradient (megatron-core 0.16.1's `_reduce` returns a non-contiguous input
@@ -24,16 +31,24 @@ SPARSE_MODE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=
                "model.dsa_indexer_use_sparse_loss=true"]
 WARMUP_MODE = ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_coeff=0.5",
                "model.dsa_indexer_use_sparse_loss=false"]
+DENSE_SPARSE_KL = ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_coeff=0.5",
+                   "model.dsa_indexer_use_sparse_loss=true"]
+NO_MTP = ["model.mtp_num_layers=0"]  # the document cases: the decoder layers are what they test
 NO_MOE = ["model.num_moe_experts=null"]  # megatron's MoE layer trains with TP > 1 only under SP
 TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"]
 TP_CASES = {
-    # name: (model overrides of reference and parallel run, parallel layout)
+    # name: (model overrides of reference and parallel run, parallel layout); "docs" cases pack documents
     "sparse_tp2_sp": (SPARSE_MODE, TP2_SP),
     "sparse_tp2": (SPARSE_MODE + NO_MOE, TP2),
     "warmup_tp2_sp": (WARMUP_MODE, TP2_SP),
     "warmup_tp2": (WARMUP_MODE + NO_MOE, TP2),
+    "sparse_docs_tp2_sp": (SPARSE_MODE + NO_MTP, TP2_SP),
+    "warmup_docs_tp2_sp": (WARMUP_MODE + NO_MTP, TP2_SP),
+    "dense_sparse_kl_docs_tp2_sp": (DENSE_SPARSE_KL + NO_MTP, TP2_SP),
 }
+# documents per batch row (starts): they cross the 4-row pieces a TP=2 rank scores (rows 0-3 and 12-15 on rank 0)
+DOC_STARTS = [[0, 3, 9], [0, 6, 13]]
 TP_PARAMS = list(TP_CASES)
 
 
@@ -45,14 +60,47 @@ def _tp_config(case: str, parallel: bool):
     return load_config(TINY, BASE_OVERRIDES + model + (layout if parallel else []))
 
 
-def _tp_step(model, batch: torch.Tensor):
+def _documents(case: str, b: int, s: int):
+    """(position ids, attention_mask argument): packed documents' layout with restarting positions, or none."""
+    if "docs" not in case:
+        return positions(b, s), None
+    from pretrain.model.documents import document_layout
+
+    cu = torch.tensor([row * s + st for row, starts in enumerate(DOC_STARTS) for st in starts] + [b * s])
+    pos = torch.stack([torch.cat([torch.arange(e - a) for a, e in zip(st, st[1:] + [s])]) for st in DOC_STARTS])
+    return pos, document_layout(cu, pos, b, s)
+
+
+def _count_scored_rows(counts: dict) -> None:
+    """Count the query rows given to the index-score functions (the top-k's and the KL's) in `counts`."""
+    import pretrain.model.dsa.indexer as indexer
+    import pretrain.model.dsa.indexer_loss as indexer_loss
+
+    def counting(fn, key):
+        def wrapped(q, *args, **kwargs):
+            counts[key] = counts.get(key, 0) + q.shape[0] * q.shape[1]
+            return fn(q, *args, **kwargs)
+
+        wrapped.counted = fn
+        return wrapped
+
+    for module, name in ((indexer, "index_scores"), (indexer_loss, "index_scores"),
+                         (indexer_loss, "index_scores_at")):
+        fn = getattr(module, name)
+        setattr(module, name, counting(getattr(fn, "counted", fn), name))
+
+
+def _tp_step(model, batch: torch.Tensor, case: str):
     inputs, labels = batch[:, :-1], batch[:, 1:]
+    pos, mask = _documents(case, *inputs.shape)
     DSAMetrics.clear()
-    loss = model(inputs, positions(*inputs.shape), attention_mask=None, labels=labels)
+    counts = {}
+    _count_scored_rows(counts)
+    loss = model(inputs, pos, attention_mask=mask, labels=labels)
     loss.mean().backward()
     recorded = {layer: total / count for layer, (total, count) in DSAMetrics.values.get("indexer_loss", {}).items()}
     DSAMetrics.clear()
-    return loss.detach(), recorded
+    return loss.detach(), recorded, dict(counts)
 
 
 def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torch.Tensor) -> dict:
@@ -79,8 +127,9 @@ def rank_dsa_reference(rank: int, world_size: int, cases: List[str], batch: torc
                     if name.endswith("expert_bias"):
                         buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
             state = state_of(model)
-            loss, recorded = _tp_step(model, batch)
-            out[case] = {"state": state, "loss": loss, "indexer_loss": recorded, "grads": grads_of(model)}
+            loss, recorded, counts = _tp_step(model, batch, case)
+            out[case] = {"state": state, "loss": loss, "indexer_loss": recorded, "grads": grads_of(model),
+                         "scored_rows": counts}
         return out
     finally:
         destroy_parallel()
@@ -106,9 +155,9 @@ def rank_dsa_parallel(rank: int, world_size: int, cases: List[str], batch: torch
                 assert set(tensors) == set(ref_state), set(tensors) ^ set(ref_state)
                 for name, t in tensors.items():
                     t.copy_(shard_like(name, ref_state[name], meta.get(name, param_meta(t)), coords))
-            loss, recorded = _tp_step(model, batch)
+            loss, recorded, counts = _tp_step(model, batch, case)
             out[case] = {"coords": coords, "meta": meta, "loss": loss, "indexer_loss": recorded,
-                         "grads": grads_of(model), "sp": cfg.parallel.sequence_parallel}
+                         "grads": grads_of(model), "sp": cfg.parallel.sequence_parallel, "scored_rows": counts}
         return out
     finally:
         destroy_parallel()
@@ -138,21 +187,29 @@ def test_tp2_dsa_matches_single_rank(tp_runs, case):
         assert 0 < int(_tp_config(case, False).model.dsa_indexer_topk) < SEQ
     # The reference is meaningful: indexer losses on every decoder layer and the MTP layer, and
     # non-zero gradients on the indexer and the MLA latent / rope-key weights.
-    layers = _tp_config(case, False).model.num_layers
-    assert sorted(ref["indexer_loss"]) == list(range(1, layers + 2))
+    model_cfg = _tp_config(case, False).model
+    layers = model_cfg.num_layers + (1 if model_cfg.mtp_num_layers else 0)
+    assert sorted(ref["indexer_loss"]) == list(range(1, layers + 1))
     must_have = [n for n in ref["grads"] if is_indexer(n) or "linear_kv_down_proj" in n or "kv_layernorm" in n]
-    assert len(must_have) >= 3 * 7
+    assert len(must_have) >= layers * 7
     for name in must_have:
         assert ref["grads"][name] is not None and ref["grads"][name].abs().max() > 0, name
 
+    # The indexer's work falls as 1/TP: each rank scores half of the query rows (top-k, KL), none twice.
+    assert ref["scored_rows"].get("index_scores", 0) > 0
+    for r in results:
+        assert {k: 2 * v for k, v in r["scored_rows"].items()} == ref["scored_rows"], (r["scored_rows"],
+                                                                                      ref["scored_rows"])
     for r in results:
         assert rel_err(r["loss"], ref["loss"]) <= TOL
         assert sorted(r["indexer_loss"]) == sorted(ref["indexer_loss"])
         for layer, value in ref["indexer_loss"].items():
             assert rel_err(r["indexer_loss"][layer], value) <= TOL, (layer, r["indexer_loss"][layer], value)
-        # replicated indexer: every rank holds the whole single-rank gradient
+        # replicated indexer weights, trained on half of the rows per rank: every rank holds the whole
+        # single-rank gradient (summed over the TP group by the loss itself, not by a sequence-parallel tag)
         for name in must_have:
             if is_indexer(name):
+                assert not r["meta"][name]["sequence_parallel"], name
                 assert rel_err(r["grads"][name], ref["grads"][name]) <= TOL, name
         # the latent / rope-key projection is TP-sharded: the local gradient is the reference shard
         for name in must_have:

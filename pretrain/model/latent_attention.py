@@ -178,7 +178,12 @@ class LatentMLASelfAttention(MLASelfAttention):
 
                 fused = mla_rope(freqs, mscale)
 
-        def rope(t: torch.Tensor) -> torch.Tensor:
+        def rope(t: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """`rows` (int64): t holds only these of the s rows (the DSA indexer's share of them under TP)."""
+            if rows is not None:
+                f = freqs.index_select(0, rows)
+                return mla_rope(f, mscale)(t) if fused is not None else apply_rotary_pos_emb(
+                    t, f, config=cfg, mscale=mscale, cp_group=cp)
             if fused is not None:
                 return fused(t)
             return apply_rotary_pos_emb(t, freqs, config=cfg, mscale=mscale, cp_group=cp)

@@ -97,10 +97,10 @@ class ReferenceBackend:
                               normalize=normalize, grad_scale=grad_scale)
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
-                  lse=None):
-        """(mean sparse KL, recall) of that plan, its gradient formed in forward; `params`: see
+                  lse=None, split=None):
+        """(mean sparse KL, recall) of that plan, its gradient formed in forward; `params`, `split`: see
         `indexer_loss.apply_kl`."""
-        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params)
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params, split)
 
 
 class TritonBackend:
@@ -184,9 +184,9 @@ class TritonBackend:
                                       tuning)
 
     def sparse_kl(self, q, k, w, indices, target: Callable, chunk: int, max_rows: Optional[int] = None, params=(),
-                  lse=None):
+                  lse=None, split=None):
         """As the reference's."""
-        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params)
+        return apply_kl(q, k, w, self.sparse_kl_plan(indices, target, chunk, max_rows, lse), params, split)
 
 
 def _reference(key_partition_bytes, indexer_fp8: bool) -> ReferenceBackend:

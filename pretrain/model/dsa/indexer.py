@@ -59,19 +59,22 @@ class LightningIndexer(nn.Module):
         # gradient (megatron's DDP waits for a gradient from every trainable parameter).
         self.requires_grad_(bool(getattr(config, "dsa_indexer_loss_coeff", 0.0)))
 
-    def project(self, x: torch.Tensor, qr: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor]):
+    def project(self, x: torch.Tensor, qr: torch.Tensor, rope: Callable[[torch.Tensor], torch.Tensor],
+                split=None):
         """x [s, b, hidden], qr [s, b, q_lora_rank] (both detached by the caller) ->
-        q_I [b, s, H_I, d_I], k_I [b, s, d_I] with RoPE applied, w [b, s, H_I] fp32 (with H_I^-1/2).
+        q_I [b, n, H_I, d_I], k_I [b, s, d_I] with RoPE applied, w [b, n, H_I] fp32 (with H_I^-1/2): n = s, or
+        with `split` (`indexer_split.RowSplit`) the TP rank's query rows only (keys: all s).
 
         `rope(t)` rotates the first rope dims of t [s, b, heads, d] (interleaved pairs, megatron's
         MLA layout)."""
         s, b = x.shape[0], x.shape[1]
-        q = self.linear_wq_b(qr).view(s, b, self.n_heads, self.head_dim)
+        xq, qr = (x, qr) if split is None else (split.take(x, 0), split.take(qr, 0))
+        q = self.linear_wq_b(qr).view(qr.shape[0], b, self.n_heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
-        q, k = rope(q), rope(k)
+        q, k = (rope(q) if split is None else split.rope(rope, q)), rope(k)
         if self.hadamard:
             q, k = hadamard_transform(q), hadamard_transform(k)
-        w = upcast(self.linear_weights_proj(x)) * self.n_heads**-0.5
+        w = upcast(self.linear_weights_proj(xq)) * self.n_heads**-0.5
         return q.permute(1, 0, 2, 3), k[:, :, 0].transpose(0, 1), w.transpose(0, 1)
 
 
@@ -105,6 +108,16 @@ class VisibleKeys:
         # global positions of this rank's tokens (`parallel.context_parallel.local_positions`).
         self.query_positions = (torch.arange(s, device=device) + (t - s) if query_positions is None
                                 else query_positions.to(device))
+
+    def subset(self, rows: torch.Tensor) -> "VisibleKeys":
+        """The same keys for the query rows `rows` (int64 [n], ascending) only: row i of the result is row
+        rows[i] of this one (the TP rank's rows of the indexer, `indexer_split`)."""
+        rows = rows.to(self.device)
+        mask = self.attention_mask
+        if mask is not None:
+            mask = mask.index_select(2, rows)
+        return VisibleKeys(rows.numel(), self.t, self.device, attention_mask=mask, segment_ids=self.segment_ids,
+                           query_positions=self.query_positions.index_select(0, rows))
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         """[b | 1, r1 - r0, t] bool, True = visible."""

@@ -65,13 +65,39 @@ def normalize_heads(probs_sum: torch.Tensor, tp_group) -> torch.Tensor:
     return normalized_rows(sum_over_tp(probs_sum, tp_group))
 
 
-def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=None) -> Callable:
-    """Target rows of dense attention: query [b, s, h, d], key [b, T, h, d] (detached)."""
+def split_target(split, keys: VisibleKeys, head_sums: Callable) -> Callable:
+    """A target over the TP rank's rows of `split` (`indexer_split.RowSplit`): `head_sums(rank, rows, visible)`
+    gives this rank's heads' probabilities summed over heads at the query rows `rows` (int64) of `rank`, whose
+    visible keys are `visible`; for each block of rows every rank forms them at every rank's rows and a
+    reduce-scatter sums them over the TP group at each rank's own rows, which are then L1-normalized."""
+    ranks = [split.rows_of(j) for j in range(split.size)]
+    keys_of = [keys.subset(r) for r in ranks]
+
+    def rows(r0: int, r1: int, _mine) -> torch.Tensor:
+        parts = [head_sums(j, ranks[j][r0:r1], keys_of[j].rows(r0, r1)).contiguous() for j in range(split.size)]
+        out = torch.empty_like(parts[split.rank])
+        dist.reduce_scatter(out, parts, group=split.group)
+        return normalized_rows(out)
+
+    return rows
+
+
+def _dense_head_sums(query, key, scale: float, rows, visible) -> torch.Tensor:
+    """sum_h softmax of dense attention at the query rows `rows` (slice or int64 index) -> [b, c, T]."""
+    q = query[:, rows] if isinstance(rows, slice) else query.index_select(1, rows)
+    scores = torch.einsum("bchd,bthd->bhct", upcast(q), upcast(key)) * scale
+    return scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).sum(1)
+
+
+def dense_target(query: torch.Tensor, key: torch.Tensor, scale: float, tp_group=None, split=None,
+                 keys: Optional[VisibleKeys] = None) -> Callable:
+    """Target rows of dense attention: query [b, s, h, d], key [b, T, h, d] (detached). With `split` the rows
+    are the TP rank's (`split_target`; `keys`: the visible keys of all s rows)."""
+    if split is not None:
+        return split_target(split, keys, lambda j, rows, visible: _dense_head_sums(query, key, scale, rows, visible))
 
     def rows(r0: int, r1: int, visible: torch.Tensor) -> torch.Tensor:
-        scores = torch.einsum("bchd,bthd->bhct", upcast(query[:, r0:r1]), upcast(key)) * scale
-        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-        return normalize_heads(probs.sum(1), tp_group)
+        return normalize_heads(_dense_head_sums(query, key, scale, slice(r0, r1), visible), tp_group)
 
     return rows
 
@@ -89,16 +115,22 @@ def sparse_target(q_absorbed: torch.Tensor, kv: torch.Tensor, scale: float, tp_g
 
 
 def dense_target_selected(query: torch.Tensor, key: torch.Tensor, scale: float, keys: VisibleKeys,
-                          tp_group=None) -> Callable:
+                          tp_group=None, split=None, indices: Optional[torch.Tensor] = None) -> Callable:
     """Sparse-KL target rows of dense attention: the head-summed dense probabilities at the selected
-    keys, renormalized over them. query [b, s, h, d], key [b, T, h, d] (detached)."""
+    keys, renormalized over them. query [b, s, h, d], key [b, T, h, d] (detached). With `split` the rows
+    are the TP rank's (`split_target`), and `indices` [b, s, K] every rank's selection."""
 
-    def rows(r0: int, r1: int, indices: torch.Tensor) -> torch.Tensor:
-        visible = keys.rows(r0, r1)
-        scores = torch.einsum("bchd,bthd->bhct", upcast(query[:, r0:r1]), upcast(key)) * scale
-        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).sum(1)
-        at = probs.expand(indices.shape[0], -1, -1).gather(-1, indices.clamp(min=0).long())
-        return normalize_heads(at.masked_fill(indices < 0, 0.0), tp_group)
+    def at_selected(rows, visible, idx):
+        probs = _dense_head_sums(query, key, scale, rows, visible)
+        at = probs.expand(idx.shape[0], -1, -1).gather(-1, idx.clamp(min=0).long())
+        return at.masked_fill(idx < 0, 0.0)
+
+    if split is not None:
+        return split_target(split, keys, lambda j, rows, visible: at_selected(rows, visible,
+                                                                             indices.index_select(1, rows)))
+
+    def rows(r0: int, r1: int, idx: torch.Tensor) -> torch.Tensor:
+        return normalize_heads(at_selected(slice(r0, r1), keys.rows(r0, r1), idx), tp_group)
 
     return rows
 
@@ -119,28 +151,41 @@ class _IndexerKL(torch.autograd.Function):
     is linear in its scale: scaling the kept gradients in backward equals backpropagating it."""
 
     @staticmethod
-    def forward(ctx, plan, through, *inputs):
+    def forward(ctx, plan, through, split, *inputs):
         if through is None:
             loss, grads, recall = plan(*inputs)
         else:
             loss, grads, recall = plan(*(t.detach() for t in through))
             grads = grads_through(through, inputs, grads)
+        if split is not None:  # this TP rank's rows: its part of the mean, summed over the ranks
+            loss, recall, *grads = sum_split(split, (loss, recall, *grads))
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(recall)
         return loss, recall
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_recall):
-        return (None, None, *(g * grad_loss for g in ctx.saved_tensors))
+        return (None, None, None, *(g * grad_loss for g in ctx.saved_tensors))
 
 
-def apply_kl(q, k, w, plan, params=()):
+def sum_split(split, partials) -> list:
+    """Losses or gradients over one TP rank's rows, each a mean over them -> the mean over every rank's rows
+    (times the rank's share of the rows, then summed over the TP group; `indexer_split`)."""
+    return split.sum_over_ranks([t * split.share for t in partials])
+
+
+def apply_kl(q, k, w, plan, params=(), split=None):
     """(loss, recall) of `plan(q, k, w) -> (loss, (dq, dk, dw), recall)`, its gradient computed in forward
-    (`_IndexerKL`); given the indexer's weights `params`, it goes on through (q, k, w)'s graph at once."""
+    (`_IndexerKL`); given the indexer's weights `params`, it goes on through (q, k, w)'s graph at once.
+    `split` (`indexer_split.RowSplit`): q and w hold the TP rank's query rows only; the loss, the recall and the
+    weights' gradients are summed over the TP group (it needs `params`)."""
     params = tuple(params)
     if params:
-        return _IndexerKL.apply(plan, (q, k, w), *params)
-    return _IndexerKL.apply(plan, None, q, k, w)
+        return _IndexerKL.apply(plan, (q, k, w), split, *params)
+    if split is not None:
+        raise ValueError("an indexer loss over a TP rank's rows needs the indexer's weights (params) to sum "
+                         "their gradients over the ranks")
+    return _IndexerKL.apply(plan, None, None, q, k, w)
 
 
 def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torch.Tensor]:
@@ -168,9 +213,10 @@ def _run_chunks(q, k, w, chunk: int, rows_fn) -> Tuple[torch.Tensor, tuple, torc
     return total / n, (dq, (dk / n).to(k.dtype), dw), recall / n
 
 
-def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int, params=()):
+def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, chunk: int, params=(), split=None):
     """Dense-mode loss: q [b, s, H_I, d_I], k [b, T, d_I], w [b, s, H_I] -> (mean KL, top-k recall).
-    `params`: the indexer's weights, for the gradient to reach them from forward (`_IndexerKL`)."""
+    `params`: the indexer's weights, for the gradient to reach them from forward (`_IndexerKL`); `split`: q, w,
+    `keys` and `target` cover the TP rank's rows (`apply_kl`)."""
 
     def rows(r0, r1, qc, kc, wc):
         visible = keys.rows(r0, r1).expand(qc.shape[0], -1, -1)
@@ -180,7 +226,7 @@ def indexer_kl_dense(q, k, w, keys: VisibleKeys, target: Callable, topk: int, ch
         recall = (p.gather(-1, idx.clamp(min=0)) * (idx >= 0)).sum()
         return kl_sum(p, logits, visible), recall
 
-    return apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params)
+    return apply_kl(q, k, w, lambda q_, k_, w_: _run_chunks(q_, k_, w_, chunk, rows), params, split)
 
 
 def _scores_at_reference(qc, kc, wc, idx):
@@ -214,9 +260,9 @@ def sparse_kl_plan(indices: torch.Tensor, target: Callable, chunk: int,
 
 
 def indexer_kl_sparse(q, k, w, indices: torch.Tensor, target: Callable, chunk: int,
-                      scores_at: Callable = _scores_at_reference, params=()):
-    """Sparse-mode loss (`sparse_kl_plan`) -> (mean KL, recall = 1); `params`: as `indexer_kl_dense`'s."""
-    return apply_kl(q, k, w, sparse_kl_plan(indices, target, chunk, scores_at), params)
+                      scores_at: Callable = _scores_at_reference, params=(), split=None):
+    """Sparse-mode loss (`sparse_kl_plan`) -> (mean KL, recall = 1); `params`, `split`: as `indexer_kl_dense`'s."""
+    return apply_kl(q, k, w, sparse_kl_plan(indices, target, chunk, scores_at), params, split)
 
 
 @dataclasses.dataclass
@@ -224,13 +270,16 @@ class DeferredKL:
     """What `kl_from_attention_backward` needs in backward: `project(x, qr)` -> (q_I, k_I, w) attached to
     the indexer's weights, `plan(indices, target, lse, normalize=, grad_scale=)` -> a plan for `apply_kl` (lse: the
     selection's, or None; the other two as `sparse_kl_plan`'s),
-    the loss coefficient, the layer's metrics slot and the TP group whose heads the target sums."""
+    the loss coefficient, the layer's metrics slot and the TP group whose heads the target sums; `split`
+    (`indexer_split.RowSplit`): `project` gives the TP rank's query rows and the loss covers those (the
+    indices are every rank's, the lse the rank's)."""
 
     project: Callable
     plan: Callable
     coeff: float
     layer: int
     tp_group: object = None
+    split: object = None
 
 
 def target_rows(p: torch.Tensor) -> Callable:
@@ -252,8 +301,11 @@ class _KLFromAttentionBackward(torch.autograd.Function):
             raise RuntimeError("the sparse indexer loss got no target: pass its channel to sparse_mla_core")
         x, qr, indices, lse = ctx.saved_tensors
         indices = unpack_indices(indices)
-        spec = ctx.spec
-        p = sum_over_tp(head_sums.float().contiguous(), spec.tp_group)  # ours alone: summed in place
+        spec, split = ctx.spec, ctx.spec.split
+        if split is None:
+            p = sum_over_tp(head_sums.float().contiguous(), spec.tp_group)  # ours alone: summed in place
+        else:  # every rank's heads at this rank's rows
+            p, indices = split.reduce(head_sums.float()), split.take(indices, 1)
         with torch.enable_grad():
             through = spec.project(x, qr)
         scale = IndexerLossAutoScaler.main_loss_backward_scale
@@ -261,9 +313,12 @@ class _KLFromAttentionBackward(torch.autograd.Function):
         # the plan normalizes the head sums and scales the gradients as it forms them (no passes of their own)
         plan = spec.plan(indices, target_rows(p), lse, normalize=True, grad_scale=scale)
         loss, grads, _ = plan(*(t.detach() for t in through))
-        DSAMetrics.record("indexer_loss", spec.layer, loss)
         del p, plan  # the [b, s, K] target goes before the projection's backward allocates
-        return (None, None, None, None, None, *grads_through(through, ctx.params, grads))
+        grads = grads_through(through, ctx.params, grads)
+        if split is not None:
+            loss, *grads = sum_split(split, (loss, *grads))
+        DSAMetrics.record("indexer_loss", spec.layer, loss)
+        return (None, None, None, None, None, *grads)
 
 
 def kl_from_attention_backward(spec: DeferredKL, x: torch.Tensor, qr: torch.Tensor, indices: torch.Tensor,

@@ -15,9 +15,11 @@ values kept as the shared 512-dim latent plus the 64-dim rope key), whose core-a
   sparse attention the KL is formed in backward, from the probabilities the attention backward forms
   anyway (`indexer_loss.kl_from_attention_backward`).
 
-Tensor parallelism splits the attention heads; the indexer is replicated (every TP rank computes the
-same top-k and the same indexer gradient; the KL target sums the heads of all TP ranks). With
-sequence parallelism the indexer reads the gathered sequence. Documents inside packed sequences come as the
+Tensor parallelism splits the attention heads and the indexer's query rows (`indexer_split`): each TP rank
+scores, selects and trains the indexer on 1/TP of the rows (paired early and late blocks, equal causal work),
+the selections are all-gathered for every rank's heads, the KL target sums the heads of all TP ranks at each
+rank's rows, and the indexer's replicated weights get their gradient summed over the TP group. With sequence
+parallelism the indexer reads the gathered sequence. Documents inside packed sequences come as the
 batch's document layout (`pretrain.model.documents`: O(S) segment starts and position origins, in the
 `attention_mask` argument) or as `packed_seq_params.cu_seqlens_q` (THD, b = 1, turned into a layout): the
 indexer scores and selects only keys of the query's document (rows with fewer visible keys than K pad with -1),
@@ -33,7 +35,9 @@ Context parallelism (`parallel.context_parallel`): each CP rank holds 2 chunks o
 layer all-gathers the normalized latent and the roped rope key (576 numbers per token at GLM-5's
 shapes) and the core attention the indexer keys (128), in global order, and the rank's queries
 attend to all keys under the causal mask of their global positions: dense, or top-k over the global
-key range. The gathers' backward reduce-scatters the gradients. Plain MLA under CP is the latent layer alone
+key range. The indexer is already local to the CP rank: it scores, selects and trains (the KL over these rows only)
+on the rank's own queries against the gathered keys; under TP x CP the TP ranks split those rows again. The
+gathers' backward reduce-scatters the gradients. Plain MLA under CP is the latent layer alone
 (`pretrain.model.specs`), with no indexer.
 """
 
@@ -48,7 +52,8 @@ from parallel.context_parallel import gather_sequence
 from pretrain.compat.dsa import IndexerLossAutoScaler
 from pretrain.model.documents import AttentionPlan, segment_starts
 from pretrain.model.dsa.backend import select_backend
-from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, pack_indices
+from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, pack_indices, unpack_indices
+from pretrain.model.dsa.indexer_split import RowSplit
 from pretrain.model.dsa.indexer_loss import (
     DSAMetrics, DeferredKL, dense_target, dense_target_selected, indexer_kl_dense, kl_from_attention_backward,
 )
@@ -97,6 +102,9 @@ class DSACoreAttention(LatentCoreAttention):
                            query_positions=query_positions)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
         train_indexer = coeff > 0 and self.indexer is not None and torch.is_grad_enabled()
+        # Under TP this rank's indexer scores and trains on its share of the query rows only (`indexer_split`).
+        split = RowSplit.create(s, self.tp_group, q_nope.device) if self.indexer is not None else None
+        my_keys = keys if split is None else keys.subset(split.rows)
         # Query rows per chunk: row blocks over all keys ([rows, heads, s]: top-k, dense KL) and over the
         # selected keys ([rows, K, 576] gathered: sparse attention and KL) have different widths.
         k_sel = min(cfg.dsa_indexer_topk or t, t)
@@ -111,16 +119,19 @@ class DSACoreAttention(LatentCoreAttention):
             channel = None
             if self.indexer is not None:
                 with torch.no_grad():  # the indexer loss recomputes the projection in backward
-                    indices, lse = backend.topk(*self._index_inputs(x, qr, rope), cfg.dsa_indexer_topk, keys, chunk,
-                                                with_lse=True)
+                    indices, lse = backend.topk(*self._index_inputs(x, qr, rope, split), cfg.dsa_indexer_topk,
+                                                my_keys, chunk, with_lse=True)
                 kept = pack_indices(indices, t)  # what backward keeps: one storage for every function here
+                if split is not None:  # every rank's rows (in the kept form: int16 up to 65,535 keys)
+                    kept = split.gather(kept)
+                    indices = unpack_indices(kept)
                 # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
                 self.last_indices = (indices, kept) if self.shared_by_others else None
                 if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
-                    spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope),
+                    spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope, split),
                                       plan=lambda idx, target, lse_, **kw: backend.sparse_kl_plan(
                                           idx, target, sparse_chunk, lse=lse_, **kw),
-                                      coeff=coeff, layer=self.layer_number, tp_group=self.tp_group)
+                                      coeff=coeff, layer=self.layer_number, tp_group=self.tp_group, split=split)
                     channel = kl_from_attention_backward(spec, x, qr, kept, self._indexer_weights(), lse)
             else:
                 indices, kept = self._shared_indices(b, s)
@@ -129,7 +140,7 @@ class DSACoreAttention(LatentCoreAttention):
                                      kept_indices=kept)
             return out
 
-        indexed = self._index_inputs(x, qr, rope) if train_indexer else None
+        indexed = self._index_inputs(x, qr, rope, split) if train_indexer else None
         out, query, key = self.attend_latent(q_nope, q_pe, latent, k_pe, kv_up_weight, attention_mask, documents,
                                              query_positions)
         if train_indexer:
@@ -137,14 +148,15 @@ class DSACoreAttention(LatentCoreAttention):
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
                 backend = self._backend(q_nope.device)
                 with torch.no_grad():
-                    indices, lse = backend.topk(*indexed, cfg.dsa_indexer_topk, keys, chunk, with_lse=True)
-                target = dense_target_selected(query, key, self.softmax_scale, keys, self.tp_group)
+                    indices, lse = backend.topk(*indexed, cfg.dsa_indexer_topk, my_keys, chunk, with_lse=True)
+                    every = split.gather(indices) if split is not None else None  # the target's other rows
+                target = dense_target_selected(query, key, self.softmax_scale, keys, self.tp_group, split, every)
                 loss, _ = backend.sparse_kl(*indexed, indices, target, sparse_chunk, max_rows=chunk,
-                                            params=self._indexer_weights(), lse=lse)
+                                            params=self._indexer_weights(), lse=lse, split=split)
             else:
-                target = dense_target(query, key, self.softmax_scale, self.tp_group)
-                loss, recall = indexer_kl_dense(*indexed, keys, target, cfg.dsa_indexer_topk, chunk,
-                                                params=self._indexer_weights())
+                target = dense_target(query, key, self.softmax_scale, self.tp_group, split, keys)
+                loss, recall = indexer_kl_dense(*indexed, my_keys, target, cfg.dsa_indexer_topk, chunk,
+                                                params=self._indexer_weights(), split=split)
                 DSAMetrics.record("topk_recall", self.layer_number, recall)
             out = self._attach(out, loss, coeff)
         return out
@@ -167,13 +179,14 @@ class DSACoreAttention(LatentCoreAttention):
                                           indexer_fp8=getattr(cfg, "dsa_indexer_fp8", False))
         return self.backend
 
-    def _index_inputs(self, x, qr, rope):
-        """The indexer's q_I, k_I, w from detached inputs over the full sequence."""
+    def _index_inputs(self, x, qr, rope, split: Optional[RowSplit] = None):
+        """The indexer's q_I, k_I, w from detached inputs over the full sequence (q_I and w at the TP rank's rows
+        only, given `split`)."""
         x, qr = x.detach(), qr.detach()
         if self.config.sequence_parallel and group_size(self.tp_group) > 1:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False, group=self.tp_group)
-        q, k, w = self.indexer.project(x, qr, rope)
+        q, k, w = self.indexer.project(x, qr, rope, split)
         # Context parallelism: every rank's indexer keys [b, t, d_I] (this rank's queries score all of them).
         return q, gather_sequence(k, 1, self.cp_group), w
 
