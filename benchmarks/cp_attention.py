@@ -1,14 +1,16 @@
-"""One context-parallel rank's dense attention: per-chunk causal calls against the global-causal mask.
+"""One context-parallel rank's dense attention against an even split of one causal call (forward + backward).
 
     python benchmarks/cp_attention.py --seqs 32768,131072 --cp 2,4 --out cp_attention.json
 
 What one CP rank of glm5-proxy's dense attention computes (`pretrain.model.core_attention`): its S / cp
 queries (two chunks of the load-balanced split) against all S gathered keys, 16 heads, qk 256 / v 256, bf16,
-forward + backward. Three ways, timed side by side on one GPU:
-- `chunks`: `attend_cp_causal`, one lower-right causal SDPA call per chunk (no mask tensor);
-- `mask`: one SDPA call with the explicit [S / cp, S] global-causal mask (the path before `chunks`);
-- `ideal`: 1 / cp of one causal SDPA call over the whole sequence (what a perfect split would cost).
-Rank 0 and rank cp - 1 hold the same number of (query, key) pairs; rank 0 is timed.
+forward + backward. Timed side by side on one GPU, every rank's queries in turn (the slowest rank is reported):
+- `merged`: `attend_cp_causal`, each chunk as a non-causal block plus a causal square merged by log-sum-exp
+  (`pretrain.model.blockwise_attention`; the kernel it takes is recorded);
+- `lower_right`: the path before it, one bottom-right causal SDPA call per chunk (flash / memory-efficient);
+- `mask` (with `--mask`): one SDPA call with the explicit [S / cp, S] global-causal mask;
+- `ideal`: 1 / cp of one causal SDPA call over the whole sequence (cuDNN on Hopper), what a perfect split costs.
+Target (issue: CP attention at the speed of one causal call): merged / ideal <= 1.10.
 """
 
 from __future__ import annotations
@@ -37,29 +39,39 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def measure(attn, s: int, cp: int, heads: int, reps: int) -> dict:
-    """Forward + backward times (ms) of rank 0's attention three ways (the module docstring)."""
+def measure(attn, s: int, cp: int, heads: int, reps: int, with_mask: bool) -> dict:
+    """Forward + backward times (ms) of the ways of the module docstring; per-rank ways at their slowest rank."""
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
-    from parallel.context_parallel import causal_visibility, local_positions, split_sequence
+    from parallel.context_parallel import causal_visibility, chunk_ids, local_positions, split_sequence
+    from pretrain.model.blockwise_attention import choose_kernel
 
     q, k, v = (torch.randn(s, 1, heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    mine = split_sequence(q.detach(), 0, cp, 0).requires_grad_()
-    mask = ~causal_visibility(local_positions(s // cp, cp, 0, q.device), s)
-    ways = {
-        "chunks": lambda: attn.attend_cp_causal(mine, k, v, cp, 0),
-        "mask": lambda: attn.attend(mine, k, v, mask),
-        "ideal": lambda: attn.attend(q, k, v, None, AttnMaskType.causal),
-    }
-    row = {"seq": s, "cp": cp, "heads": heads}
+    kernel, why = choose_kernel(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), 0.0)
+    row = {"seq": s, "cp": cp, "heads": heads, "kernel": kernel.name if kernel else f"none ({why})"}
+
+    def lower_right(mine, rank):
+        c = mine.shape[0] // 2
+        return torch.cat([attn.attend(mine[i * c:(i + 1) * c], k[:(chunk + 1) * c], v[:(chunk + 1) * c], None,
+                                      lower_right=True) for i, chunk in enumerate(chunk_ids(cp, rank))])
+
+    ways = {"merged": lambda mine, rank: attn.attend_cp_causal(mine, k, v, cp, rank), "lower_right": lower_right}
+    if with_mask:
+        ways["mask"] = lambda mine, rank: attn.attend(
+            mine, k, v, ~causal_visibility(local_positions(s // cp, cp, rank, q.device), s))
     for name, fwd in ways.items():
-        ms = timed(lambda: fwd().sum().backward(), reps)
-        row[f"{name}_ms"] = ms / cp if name == "ideal" else ms
-        q.grad = k.grad = v.grad = mine.grad = None
-    row["mask_over_chunks"] = row["mask_ms"] / row["chunks_ms"]
-    row["chunks_over_ideal"] = row["chunks_ms"] / row["ideal_ms"]
+        per_rank = []
+        for rank in range(cp):
+            mine = split_sequence(q.detach(), 0, cp, rank).requires_grad_()
+            per_rank.append(timed(lambda: fwd(mine, rank).sum().backward(), reps))
+            q.grad = k.grad = v.grad = None
+        row[f"{name}_ms"], row[f"{name}_ms_per_rank"] = max(per_rank), per_rank
+    row["ideal_ms"] = timed(lambda: attn.attend(q, k, v, None, AttnMaskType.causal).sum().backward(), reps) / cp
+    q.grad = k.grad = v.grad = None
+    for name in ways:
+        row[f"{name}_over_ideal"] = row[f"{name}_ms"] / row["ideal_ms"]
     return row
 
 
@@ -69,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cp", default="2")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--mask", action="store_true", help="also time the explicit-mask path (slow)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import torch
@@ -85,13 +98,13 @@ def main(argv=None) -> int:
     rows = []
     for s in (int(x) for x in args.seqs.split(",")):
         for cp in (int(x) for x in args.cp.split(",")):
-            row = measure(attn, s, cp, args.heads, args.reps)
+            row = measure(attn, s, cp, args.heads, args.reps, args.mask)
             print(json.dumps(row), flush=True)
             rows.append(row)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
     return 0
 
 
