@@ -140,7 +140,8 @@ def measure_output(dev, dt, timed, tokens: int, heads) -> List[Dict]:
         w = torch.randn(v, h, device=dev, dtype=dt, requires_grad=True)
         y = torch.randint(0, v, (tokens,), device=dev)
         sec = timed(_fwd_bwd(lambda: [x, w], lambda x, w: F.cross_entropy(F.linear(x, w).float(), y)))
-        pts.append({"backend": "unfused", "chunk": "unfused", "hidden": h, "vocab": v, "flops_per_s": 6 * h * v * tokens / sec})
+        pts.append({"backend": "unfused", "chunk": "unfused", "hidden": h, "vocab": v,
+                    "flops_per_s": 6 * h * v * tokens / sec})
     return pts
 
 
@@ -200,9 +201,9 @@ def main(argv=None) -> None:
     if distributed:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
         if dev == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     kind = args.gpu_kind or ("h200" if "H200" in name else "h100" if "H100" in name else "cpu")
     reps = 1 if args.smoke else args.reps
@@ -232,7 +233,8 @@ def main(argv=None) -> None:
                                       "causal SDPA fwd+bwd, q/k/v head dim 256, batch 1; 3 x 2 x heads x 512 x S/2 x S "
                                       "/ time (in-step points of the base table kept)")
         sizes = dict(tokens=256, h=64, ffn=128, e_ffn=32, experts=4, rows_list=[16, 64]) if args.smoke else dict(
-            tokens=16384, h=2048, ffn=5632, e_ffn=512, experts=48, rows_list=[int(r) for r in args.expert_rows.split(",")])
+            tokens=16384, h=2048, ffn=5632, e_ffn=512, experts=48,
+            rows_list=[int(r) for r in args.expert_rows.split(",")])
         g = measure_gemms(dev, dt, timed, **sizes)
         # GEMM rates alone: recorded beside the in-step rates (rate.*, which include each class's elementwise work
         # and come from a profiled step), to show how far the step is from its kernels; the model reads rate.*
@@ -265,7 +267,8 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
-    print(f"wrote {args.out} ({kind}, {name}): measured " + ", ".join(k for k, v in e.items() if v.get("source") is source))
+    fresh = ", ".join(k for k, v in e.items() if v.get("source") is source)
+    print(f"wrote {args.out} ({kind}, {name}): measured {fresh}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Dict, List
@@ -284,7 +283,7 @@ def _optimizer_entries() -> Dict[str, Dict]:
 def _comm_entries() -> Dict[str, Dict]:
     res = {(r["dispatcher"], r["forced_balance"]): r for r in _load(EP["file"])["results"]}
     a2a, ded = res[("alltoall", False)], res[("alltoall_dedup", False)]
-    tokens, ep = 16384, 2
+    ep = 2
     off_a2a = a2a["rows_dispatched_rank0"] * (ep - 1) / ep
     off_ded = ded["rows_dispatched_rank0"] * (ep - 1) / ep
     dt = (a2a["ms_fwd_bwd_slowest_rank"] - ded["ms_fwd_bwd_slowest_rank"]) * 1e-3
@@ -440,92 +439,11 @@ def build(gpu: str) -> Dict:
     return table
 
 
-TARGET_TPS, TARGET_MEM = 0.15, 0.10
-
-
-def write_predictions(prefix: str) -> None:
-    """benchmarks/results/layout_predictions.{json,md}: every case of checks.json, predicted against measured."""
-    from pretrain.layout.calibration.checks import MISSES, load_checks, predict_all
-
-    rows = predict_all()
-    cases = {c["id"]: c for c in load_checks()}
-    for r in rows:
-        e = abs(r["error"])
-        r["bound"] = TARGET_TPS if e <= TARGET_TPS else math.ceil(e * 100 + 0.5) / 100
-        r["within_target"] = e <= TARGET_TPS
-        if r.get("memory_error") is not None:
-            m = abs(r["memory_error"])
-            r["memory_bound"] = TARGET_MEM if m <= TARGET_MEM else math.ceil(m * 100 + 0.5) / 100
-    with open(prefix + ".json", "w") as f:
-        json.dump({"about": "python benchmarks/layout_calibration_results.py --predictions " + prefix, "rows": rows},
-                  f, indent=1)
-        f.write("\n")
-    checks = [r for r in rows if r["role"] == "check"]
-    ok = sum(r["within_target"] for r in checks)
-    lines = [
-        "# Layout planner: predicted against measured (tokens/s per GPU, peak memory)",
-        "",
-        "Every committed measurement of a training layout (glm5-proxy; 1, 2 and 4 GPUs; H200 and H100) against the",
-        "time model of `pretrain/layout/timing.py` with the calibration tables `pretrain/layout/calibration/{h100,h200}.json`.",
-        "The cases, with their sources, are `pretrain/layout/calibration/checks.json`; `tests/test_layout_timing.py`",
-        "recomputes every prediction on CPU and holds it to this table (bound: the +-15% target, or the honestly measured",
-        "error where a case misses it). Regenerate: `python benchmarks/layout_calibration_results.py --predictions",
-        "benchmarks/results/layout_predictions` (after `--gpu h200/h100 --out ...` if the calibration changed).",
-        "",
-        f"**{ok} of {len(checks)} checks within +-15% tokens/s**; {len(rows) - len(checks)} runs are calibration points "
-        "(a calibration entry was fitted to them: their error is not a check).",
-        "",
-        "| case | GPU | layout | seq x batch | measured tok/s/GPU | predicted | error | bound | role | source (date) |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
-    ]
-    from pretrain.layout.types import Layout
-    for r in rows:
-        c = cases[r["id"]]
-        lay = dict(c["layout"])
-        lay.setdefault("dp", 1)
-        short = Layout(**lay).short()
-        src = c["source"]["file"].split(" (")[0].replace("benchmarks/results/", "")
-        mark = "" if r["within_target"] else " **miss**"
-        lines.append(f"| {r['id']} | {c['source']['gpu']} | `{short}` | {c['workload']['seq_length']} x "
-                     f"{c['workload']['global_batch_size']} | {r['measured_tokens_per_s_per_gpu']:,.0f} | "
-                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['error'] * 100:+.1f}%{mark} | "
-                     f"{r['bound'] * 100:.0f}% | {r['role']} | {src} ({c['source']['date']}) |")
-    mem = [r for r in rows if r.get("memory_error") is not None]
-    if mem:
-        lines += ["", "## Peak memory (where the run recorded it; `pretrain/layout/memory.py`)", "",
-                  "| case | measured GiB | predicted GiB | error | bound |", "| --- | ---: | ---: | ---: | ---: |"]
-        for r in mem:
-            lines.append(f"| {r['id']} | {r['measured_peak_gib']:.1f} | {r['predicted_peak_gib']:.1f} | "
-                         f"{r['memory_error'] * 100:+.1f}%{'' if abs(r['memory_error']) <= TARGET_MEM else ' **miss**'} | "
-                         f"{r['memory_bound'] * 100:.0f}% |")
-    lines += ["", "## Why the misses miss", ""]
-    for key, text in MISSES.items():
-        lines.append(f"- **{key}**: {text}")
-    lines += ["", "## What the calibration measured and what it assumes", ""]
-    for gpu in ("h200", "h100"):
-        from pretrain.layout.calibration import load_calibration
-        cal = load_calibration(gpu)
-        by_kind: Dict[str, List[str]] = {}
-        for k, v in cal.entries.items():
-            by_kind.setdefault(v["kind"], []).append(k)
-        lines.append(f"- {gpu.upper()}: " + "; ".join(f"{kind} ({len(v)}): {', '.join(sorted(v))}"
-                                                       for kind, v in sorted(by_kind.items())))
-    with open(prefix + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {prefix}.json/.md: {ok} of {len(checks)} checks within 15%")
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu", choices=["h100", "h200"])
-    ap.add_argument("--out")
-    ap.add_argument("--predictions", metavar="PREFIX", help="write PREFIX.json and PREFIX.md (predicted vs measured)")
+    ap.add_argument("--gpu", choices=["h100", "h200"], required=True)
+    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.predictions:
-        write_predictions(args.predictions)
-        return
-    if not (args.gpu and args.out):
-        ap.error("--gpu and --out are required (or --predictions PREFIX)")
     table = build(args.gpu)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

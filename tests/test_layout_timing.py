@@ -11,7 +11,7 @@ import pytest
 
 from pretrain.layout.calibration import load_calibration
 from pretrain.layout.calibration.checks import load_checks, predict_all
-from pretrain.layout.timing import _offrank_rows, step_time  # noqa: F401  (the rows formula is tested below)
+from pretrain.layout.timing import offrank_rows, step_time
 from pretrain.layout.types import CLUSTERS, Layout, ModelDims, Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,8 +113,8 @@ def test_dedup_rows_match_the_ep2_benchmark(proxy):
     with open(os.path.join(ROOT, "benchmarks/results/ep_dispatch_h200/ep_dispatch_layer.json")) as f:
         res = {(r["dispatcher"], r["forced_balance"]): r["rows_dispatched_rank0"] for r in json.load(f)["results"]}
     # the benchmark counts rows to every rank (its own too): twice the off-rank rows at EP=2
-    assert 2 * _offrank_rows(16384, dims, 2, "alltoall") == res[("alltoall", False)]
-    assert 2 * _offrank_rows(16384, dims, 2, "alltoall_dedup") == pytest.approx(res[("alltoall_dedup", True)], rel=0.01)
+    assert 2 * offrank_rows(16384, dims, 2, "alltoall") == res[("alltoall", False)]
+    assert 2 * offrank_rows(16384, dims, 2, "alltoall_dedup") == pytest.approx(res[("alltoall_dedup", True)], rel=0.01)
 
 
 def test_calibration_entries_name_their_sources():
@@ -151,7 +151,8 @@ def test_calibration_benchmark_smoke_on_cpu(tmp_path, proxy):
     with open(out) as f:
         table = json.load(f)
     measured = {k for k, v in table["entries"].items() if v["kind"] == "measured" and v["source"]["file"] == str(out)}
-    assert {"attention.dense", "output_loss", "muon.newton_schulz_flops_per_s", "kernel.rate.routed_experts"} <= measured
+    want = {"attention.dense", "output_loss", "muon.newton_schulz_flops_per_s", "kernel.rate.routed_experts"}
+    assert want <= measured
     assert all(p["flops_per_s"] > 0 for p in table["entries"]["attention.dense"]["value"])
     _, dims = proxy
     st = step_time(dims, Layout(micro_batch_size=4, num_microbatches=8, zero="ddp"), Workload(4096, 32),

@@ -42,7 +42,7 @@ from pretrain.layout.calibration import Calibration, load_calibration
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
 from pretrain.training.flops import peak_flops, training_flops_per_token
 
-__all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_flops"]
+__all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_flops", "offrank_rows"]
 
 BF16, FP32 = 2, 4
 LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
@@ -97,7 +97,8 @@ def newton_schulz_flops(dims: ModelDims, steps: int = 5) -> float:
     ns = lambda a, b: steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3)
     q_in = dims.q_lora_rank or h
     attn = (ns(h, dims.q_lora_rank) if dims.q_lora_rank else 0) + H * ns(q_in, dims.qk_head)
-    attn += ns(h, dims.kv_lora_rank + dims.qk_pos_emb_head_dim) + H * ns(dims.kv_lora_rank, dims.qk_head_dim + dims.v_head_dim)
+    attn += ns(h, dims.kv_lora_rank + dims.qk_pos_emb_head_dim)
+    attn += H * ns(dims.kv_lora_rank, dims.qk_head_dim + dims.v_head_dim)
     attn += H * ns(dims.v_head_dim, h)
     if dims.dsa_indexer_heads:
         attn += ns(q_in, dims.dsa_indexer_heads * dims.dsa_indexer_head_dim) + ns(h, dims.dsa_indexer_head_dim)
@@ -125,7 +126,7 @@ def _ring(nbytes: float, n: int, bw: float, latency: float, allreduce: bool = Fa
     return (2 if allreduce else 1) * nbytes * (n - 1) / n / bw + latency
 
 
-def _offrank_rows(tokens: float, dims: ModelDims, ep: int, dispatcher: str) -> float:
+def offrank_rows(tokens: float, dims: ModelDims, ep: int, dispatcher: str) -> float:
     """Rows a rank sends to other EP ranks per all-to-all, uniform routing."""
     if ep <= 1 or not dims.num_experts:
         return 0.0
@@ -151,7 +152,8 @@ def _indexer_s_per_token(calib: Calibration, seq: int, notes: List[str]) -> floa
 
 # ------------------------------------------------------------------------------------------------ one stage
 def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration, variant: Mapping,
-                layers: float, moe_layers: float, mtp: int, first: bool, last: bool, notes: List[str]) -> Dict[str, float]:
+                layers: float, moe_layers: float, mtp: int, first: bool, last: bool,
+                notes: List[str]) -> Dict[str, float]:
     """Seconds per micro-batch (forward + backward) of one pipeline stage's rank, by component."""
     S, tp, cp, ep = work.seq_length, layout.tp, layout.cp, layout.ep
     T = layout.micro_batch_size * S
@@ -195,7 +197,8 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
     if dims.dsa_sparse_attention and variant.get("dsa_kernels") == "2026-11-24":
         # the DSA core as profiled in the model on 2026-11-24 (before the kernel work of 11-25..27): today's
         # estimate scaled by that profile's time at 16K, 16 heads over today's estimate there
-        keys = lambda s: s / 2 if s <= dims.dsa_indexer_topk else dims.dsa_indexer_topk * (1 - dims.dsa_indexer_topk / (2 * s))
+        k = dims.dsa_indexer_topk
+        keys = lambda s: s / 2 if s <= k else k * (1 - k / (2 * s))  # flops.sparse_keys_per_query
         per_key = 3 * 16 * (2 * (dims.kv_lora_rank + dims.qk_pos_emb_head_dim) + 2 * dims.kv_lora_rank)
         now16 = per_key * keys(16384) / calib.lookup("dsa.sparse_attention", "flops_per_s", 16384, heads=16)[0]
         now16 += _indexer_s_per_token(calib, 16384, []) * dims.dsa_indexer_heads / 32
@@ -257,11 +260,12 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         comm_tp += tp_serial
     if cp > 1:
         bw, _ = _group_bw(cluster, calib, cp, tp)
-        width = LATENT_WIDTH + (dims.dsa_indexer_head_dim if (dims.dsa_indexer_loss or dims.dsa_sparse_attention) else 0)
+        indexer_on = dims.dsa_indexer_loss or dims.dsa_sparse_attention
+        width = LATENT_WIDTH + (dims.dsa_indexer_head_dim if indexer_on else 0)
         gathered = layout.micro_batch_size * S * width * BF16
         comm_cp = slot * 2 * _ring(gathered, cp, bw, lat)
     if ep > 1 and moe_slots:
-        rows = _offrank_rows(t_rank, dims, ep, variant["ep_dispatcher"])
+        rows = offrank_rows(t_rank, dims, ep, variant["ep_dispatcher"])
         intra = ep * layout.etp <= cluster.gpus_per_node
         bw = calib["a2a.intra_node_bytes_per_s"] if intra else cluster.inter_node_bw * calib["a2a.inter_node_fraction"]
         comm_ep = moe_slots * 4 * (rows * dims.hidden * BF16 / bw + lat)
@@ -295,7 +299,8 @@ def _stages(dims: ModelDims, layout: Layout) -> List[Tuple[float, float, int, bo
 
 def _rank_params(dims: ModelDims, layout: Layout) -> Tuple[float, float]:
     """(dense, expert) parameters one rank holds (the slowest stage taken as 1/pp of the model)."""
-    experts = (dims.moe_layers + (dims.mtp_layers if dims.mtp_layer_is_moe else 0)) * dims.num_experts * dims.expert_params
+    moe = dims.moe_layers + (dims.mtp_layers if dims.mtp_layer_is_moe else 0)
+    experts = moe * dims.num_experts * dims.expert_params
     dense = dims.total_params - experts
     return dense / (layout.tp * layout.pp), experts / (layout.ep * layout.etp * layout.pp)
 

@@ -1,7 +1,7 @@
 """The time model against every committed measured layout (`checks.json`): prediction, measurement, error.
 
 `predict_all()` recomputes the predictions on CPU in a second; `tests/test_layout_timing.py` holds them to the
-committed bounds and `benchmarks/results/layout_predictions.{md,json}` shows them side by side.
+committed bounds, and the committed predictions table (docs/layout.md links it) shows them side by side.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checks.json")
 # Why a case misses its +-15% target, by the words its id holds (written after honest work on the model; the
 # committed bound of such a case is its measured error, so a change that makes it worse still fails the test).
 MISSES = {
-    "(11-21)": "measured on the code of 2026-11-21, before the MoE dispatch rework and fused Newton-Schulz (2026-11-24), "
+    "(11-21)": "measured on the code of 2026-11-21, before the MoE dispatch rework and fused Newton-Schulz "
+               "(2026-11-24), "
                "with the unfused output loss and ZeRO-2 as first committed. The calibration describes today's code: "
                "TP=2 was then 0.54 of one GPU against 0.31 on 2026-11-26 (the model's TP overhead is fitted on the "
                "current code), EP=4 0.85 against 0.67, and the first ZeRO-2 reduced every micro-batch without overlap "
-               "(-18% against reducing once per step). Kept as a record of what changed, not as checks of today's model.",
+               "(-18% against reducing once per step). Kept as a record of what changed, not as checks of today's "
+               "model.",
     "h200 adamw 1gpu 4K mbs1": "the AdamW and Muon runs of one call at micro-batch 1 differ by 16% in tokens/s while "
                                "their optimizer steps differ by 0.1 s of a 4 s step: at micro-batch 1 the step is "
                                "bound by the host launching kernels, which varies run to run; the Muon run calibrates "
@@ -79,7 +81,8 @@ def predict(case: Dict, cache: Dict) -> Dict:
         if memory is not None:
             pred = memory.estimate(dims, layout, work).total / GiB
             out_mem = {"predicted_peak_gib": pred, "memory_error": pred / case["measured"]["peak_gib"] - 1}
-    return {**out_mem, "id": case["id"], "role": case["role"], "predicted_tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
+    return {**out_mem, "id": case["id"], "role": case["role"],
+            "predicted_tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
             "measured_tokens_per_s_per_gpu": meas, "error": st.tokens_per_s_per_gpu / meas - 1,
             "predicted_mfu": st.mfu, "step_s": st.total,
             "breakdown_s": {k: round(v, 5) for k, v in st.components().items()}, "notes": list(st.notes),
