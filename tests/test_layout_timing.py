@@ -158,3 +158,23 @@ def test_calibration_benchmark_smoke_on_cpu(tmp_path, proxy):
     st = step_time(dims, Layout(micro_batch_size=4, num_microbatches=8, zero="ddp"), Workload(4096, 32),
                    CLUSTERS["h200-nvl-ib400"].with_gpus(1), Calibration(table))
     assert st.total > 0 and math.isfinite(st.tokens_per_s_per_gpu)
+
+
+def test_groups_spanning_nodes_use_the_network(proxy):
+    """EP=4 with 2 GPUs per node crosses nodes (megatron's rank order puts the EP group on consecutive ranks): its
+    all-to-all time scales by the intra-node all-to-all bandwidth over the inter-node one; DP=2 x TP=4 on 4-GPU
+    nodes keeps TP inside a node and puts the DP reduce on the network."""
+    _, dims = proxy
+    cal = load_calibration("h200")
+    lay = Layout(ep=4, dp=4, micro_batch_size=4, num_microbatches=8, zero="ddp")
+    work = Workload(4096, 128)
+    base = CLUSTERS["h200-nvl-ib400"].with_gpus(4)
+    inside = step_time(dims, lay, work, base, cal)
+    across = step_time(dims, lay, work, dataclasses.replace(base, gpus_per_node=2), cal)
+    ratio = cal["a2a.intra_node_bytes_per_s"] / (base.inter_node_bw * cal["a2a.inter_node_fraction"])
+    assert across.ep_a2a / inside.ep_a2a == pytest.approx(ratio, rel=0.01)
+    lay = Layout(tp=4, dp=2, sequence_parallel=True, micro_batch_size=4, num_microbatches=8, zero="zero2")
+    one_node = step_time(dims, lay, Workload(4096, 64), base.with_gpus(8), cal)
+    two_nodes = step_time(dims, lay, Workload(4096, 64), dataclasses.replace(base.with_gpus(8), gpus_per_node=4), cal)
+    assert two_nodes.tp_comm == pytest.approx(one_node.tp_comm, rel=1e-9)
+    assert two_nodes.dp_comm_exposed > one_node.dp_comm_exposed

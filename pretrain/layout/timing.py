@@ -257,6 +257,8 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         comm_tp = (slot + 1) * n_fwd * one * (1 + (1 - calib["tp.exposed_fraction_backward"]))
         # what TP=2 costs beyond its collectives' volume, on the GPU's critical path (fitted, calibration entry)
         tp_serial = slot * calib["tp.overhead_s_per_layer_microbatch"] * (tp - 1)
+        if tp > 2:
+            notes.append(f"tp.overhead_s_per_layer_microbatch fitted at TP=2, scaled by tp - 1 to TP={tp}")
         comm_tp += tp_serial
     if cp > 1:
         bw, _ = _group_bw(cluster, calib, cp, tp)
@@ -332,27 +334,30 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     params = dense_p + expert_p
     accum = m * params * calib["overhead.grad_accum_s_per_param_microbatch"]
     lat = calib["collective.latency_s"]
+    # dense gradients are reduced over DP x CP (CP ranks hold the same weights), expert gradients over the
+    # expert-data-parallel group TP x CP x DP / (EP x ETP)
+    ddp = layout.dp * layout.cp
     edp = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
-    dp_bw, _ = _group_bw(cluster, calib, layout.dp, layout.tp * layout.cp)
+    dp_bw, _ = _group_bw(cluster, calib, ddp, layout.tp)
     edp_bw, _ = _group_bw(cluster, calib, edp, layout.ep * layout.etp)
     gbytes = FP32  # parallel.grad_reduce_in_fp32 (the configs' default)
     window = calib["dp.overlap_fraction_of_backward"] * crit["bwd_window"]
     if layout.zero == "zero2" and layout.optimizer == "muon":
-        per_mb = _ring(dense_p * gbytes, layout.dp, dp_bw, lat) + _ring(expert_p * gbytes, edp, edp_bw, lat)
-        gather = _ring(dense_p * BF16, layout.dp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+        per_mb = _ring(dense_p * gbytes, ddp, dp_bw, lat) + _ring(expert_p * gbytes, edp, edp_bw, lat)
+        gather = _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
         if v["zero2_grad_reduce"] == "step":  # one reduce-scatter after the last micro-batch
             dp_exposed = max(0.0, per_mb - window) + gather
         else:
             dp_exposed = m * max(0.0, per_mb - window) + gather
-        shard_dense, shard_expert = layout.dp, edp
+        shard_dense, shard_expert = ddp, edp
     else:
-        reduce = (_ring(dense_p * gbytes, layout.dp, dp_bw, lat, allreduce=True)
+        reduce = (_ring(dense_p * gbytes, ddp, dp_bw, lat, allreduce=True)
                   + _ring(expert_p * gbytes, edp, edp_bw, lat, allreduce=True))
         dp_exposed = max(0.0, reduce - window)
         shard_dense = shard_expert = 1
         if layout.zero == "zero2":  # AdamW: megatron's distributed optimizer gathers the updated bf16 weights
-            dp_exposed += _ring(dense_p * BF16, layout.dp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
-            shard_dense, shard_expert = layout.dp, edp
+            dp_exposed += _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+            shard_dense, shard_expert = ddp, edp
     owned = dense_p / shard_dense + expert_p / shard_expert
     if layout.optimizer == "muon":
         ns = newton_schulz_flops(dims) * owned / max(dims.total_params, 1)
