@@ -66,27 +66,51 @@ def chunk_ids(cp_size: int, cp_rank: int):
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def split_sequence(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This rank's part of a tensor whose `dim` is the global sequence: chunks r and 2cp - 1 - r."""
+def rank_chunks(cp_size: int, cp_rank: int, assignment=None):
+    """(number of chunks, this rank's chunk ids in local order): the zigzag split's two of 2 cp, or an assignment's
+    (`parallel.cp_load_balance`: per rank its chunk ids, every rank as many)."""
+    if assignment is None:
+        return 2 * cp_size, chunk_ids(cp_size, cp_rank)
+    if len(assignment) != cp_size:
+        raise ValueError(f"a chunk assignment for {len(assignment)} ranks given to a CP group of {cp_size}")
+    return sum(len(chunks) for chunks in assignment), tuple(assignment[cp_rank])
+
+
+def split_sequence(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int, assignment=None) -> torch.Tensor:
+    """This rank's part of a tensor whose `dim` is the global sequence: chunks r and 2cp - 1 - r (or the
+    `assignment`'s chunks of this rank, `rank_chunks`)."""
     if cp_size == 1:
         return t
+    n, mine = rank_chunks(cp_size, cp_rank, assignment)
     length = t.shape[dim]
-    if length % (2 * cp_size):
-        raise ValueError(f"context parallelism: a sequence of {length} tokens cannot be split in 2 x "
-                         f"{cp_size} equal chunks; make the sequence length a multiple of {2 * cp_size}")
-    chunks = t.chunk(2 * cp_size, dim=dim)
-    first, second = chunk_ids(cp_size, cp_rank)
-    return torch.cat([chunks[first], chunks[second]], dim=dim)
+    if length % n:
+        raise ValueError(f"context parallelism: a sequence of {length} tokens cannot be split in {n} equal chunks "
+                         f"({cp_size} ranks); make the sequence length a multiple of {n}")
+    chunks = t.chunk(n, dim=dim)
+    return torch.cat([chunks[k] for k in mine], dim=dim)
 
 
-def local_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+def local_positions(local_len: int, cp_size: int, cp_rank: int, device=None, assignment=None) -> torch.Tensor:
     """Global position g(i) of each of this rank's `local_len` tokens (int64 [local_len])."""
     if cp_size == 1:
         return torch.arange(local_len, device=device)
-    c = local_len // 2
-    first, second = chunk_ids(cp_size, cp_rank)
-    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
-                      torch.arange(second * c, (second + 1) * c, device=device)])
+    _, mine = rank_chunks(cp_size, cp_rank, assignment)
+    c = local_len // len(mine)
+    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in mine])
+
+
+def query_runs(local_len: int, cp_size: int, cp_rank: int, assignment=None):
+    """(first local row, first global position, rows) of each run of this rank's chunks that are adjacent in the
+    sequence (`pretrain.model.documents.query_blocks`)."""
+    _, mine = rank_chunks(cp_size, cp_rank, assignment)
+    c = local_len // len(mine)
+    runs = []
+    for i, k in enumerate(mine):
+        if runs and runs[-1][1] + runs[-1][2] == k * c:
+            runs[-1][2] += c
+        else:
+            runs.append([i * c, k * c, c])
+    return tuple(tuple(run) for run in runs)
 
 
 # Batch keys split along the sequence, and the dimension that holds it. `attention_mask`
@@ -94,27 +118,30 @@ def local_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> 
 SEQUENCE_DIMS = {"tokens": 1, "labels": 1, "loss_mask": 1, "position_ids": 1, "attention_mask": 2}
 
 
-def split_batch(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> Dict[str, torch.Tensor]:
+def split_batch(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int, assignment=None) -> Dict[str, torch.Tensor]:
     """A micro-batch as this CP rank sees it (`SEQUENCE_DIMS`); other entries are kept as they are."""
     if cp_size == 1:
         return batch
-    return {k: split_sequence(v, SEQUENCE_DIMS[k], cp_size, cp_rank) if k in SEQUENCE_DIMS and torch.is_tensor(v)
-            else v for k, v in batch.items()}
+    return {k: split_sequence(v, SEQUENCE_DIMS[k], cp_size, cp_rank, assignment)
+            if k in SEQUENCE_DIMS and torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _to_global_order(blocks, dim: int, cp_size: int) -> torch.Tensor:
-    """Rank-major gathered blocks (block j = chunks j, 2cp - 1 - j) -> the sequence in global order."""
-    chunks = [None] * (2 * cp_size)
+def _to_global_order(blocks, dim: int, cp_size: int, assignment=None) -> torch.Tensor:
+    """Rank-major gathered blocks (block j = rank j's chunks in local order) -> the sequence in global order."""
+    n, _ = rank_chunks(cp_size, 0, assignment)
+    chunks = [None] * n
     for j, block in enumerate(blocks):
-        first, second = chunk_ids(cp_size, j)
-        chunks[first], chunks[second] = block.chunk(2, dim=dim)
+        mine = rank_chunks(cp_size, j, assignment)[1]
+        for k, part in zip(mine, block.chunk(len(mine), dim=dim)):
+            chunks[k] = part
     return torch.cat(chunks, dim=dim)
 
 
-def _to_rank_order(full: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
+def _to_rank_order(full: torch.Tensor, dim: int, cp_size: int, assignment=None) -> torch.Tensor:
     """The inverse: a global-order sequence -> rank-major blocks concatenated along `dim`."""
-    chunks = full.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[k] for j in range(cp_size) for k in chunk_ids(cp_size, j)], dim=dim)
+    n, _ = rank_chunks(cp_size, 0, assignment)
+    chunks = full.chunk(n, dim=dim)
+    return torch.cat([chunks[k] for j in range(cp_size) for k in rank_chunks(cp_size, j, assignment)[1]], dim=dim)
 
 
 def _reduce_scatter(grad_rank_major: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -136,24 +163,26 @@ def _reduce_scatter(grad_rank_major: torch.Tensor, dim: int, group) -> torch.Ten
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim: int, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim: int, group, assignment):
+        ctx.dim, ctx.group, ctx.assignment = dim, group, assignment
         size, _ = cp_size_and_rank(group)
         blocks = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(blocks, x.contiguous(), group=group)
-        return _to_global_order(blocks, dim, size)
+        return _to_global_order(blocks, dim, size, assignment)
 
     @staticmethod
     def backward(ctx, grad):
         size, _ = cp_size_and_rank(ctx.group)
-        return _reduce_scatter(_to_rank_order(grad, ctx.dim, size), ctx.dim, ctx.group), None, None
+        rank_major = _to_rank_order(grad, ctx.dim, size, ctx.assignment)
+        return _reduce_scatter(rank_major, ctx.dim, ctx.group), None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """All-gather this rank's tokens (`dim`) over the CP group, in global order; backward reduce-scatters."""
+def gather_sequence(x: torch.Tensor, dim: int, group: Optional[dist.ProcessGroup], assignment=None) -> torch.Tensor:
+    """All-gather this rank's tokens (`dim`) over the CP group, in global order; backward reduce-scatters.
+    `assignment`: the chunks each rank holds (`rank_chunks`), zigzag when None."""
     if cp_size_and_rank(group)[0] == 1:
         return x
-    return _GatherSequence.apply(x, dim, group)
+    return _GatherSequence.apply(x, dim, group, assignment)
 
 
 def global_token_count(count: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -179,6 +208,8 @@ __all__ = [
     "gather_sequence",
     "global_token_count",
     "local_positions",
+    "query_runs",
+    "rank_chunks",
     "split_batch",
     "split_sequence",
 ]

@@ -15,8 +15,8 @@ step turns into the O(S) document layout; a loss mask with holes, so the CP rank
 tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, window positions), and the MTP
 layer (2 depths, rolled labels crossing chunk boundaries). The dense core attention alone (all-gather, query chunks
 as non-causal blocks plus causal squares merged by log-sum-exp, reduce-scatter; GQA shapes, without and with
-packed documents) runs in the same spawns at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of
-q, k and v at 1e-5. CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
+packed documents, the zigzag split and chunks assigned by work, `parallel.cp_load_balance`) runs in the same spawns
+at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of q, k and v at 1e-5. CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
 batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
@@ -176,15 +176,25 @@ def core_inputs(documents: bool) -> tuple:
     return q, k, v, grad, layout
 
 
+def core_assignment(cp: int, layout):
+    """The work-balanced chunk assignment (`parallel.cp_load_balance`) of the check's sequence: 4 cp chunks."""
+    from parallel.cp_load_balance import balance, chunk_work
+
+    starts = layout[:, 0] if layout is not None else torch.zeros(SEQ, dtype=torch.int64)
+    return balance(chunk_work(starts, 4 * cp).tolist(), cp)
+
+
 def core_attention_check(cp: int) -> dict:
     """This CP rank's output and gradients of its own q, k, v rows through `SDPACoreAttention.forward` (the gather,
-    the merged blocks, the gather's reduce-scatter); `cp` 1 is the reference, in one process."""
+    the merged blocks, the gather's reduce-scatter), and the same with the chunks assigned by work (gather, reduce-
+    scatter and attention rows in that assignment); `cp` 1 is the reference, in one process."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from parallel.context_parallel import cp_size_and_rank, split_sequence
+    from parallel.context_parallel import cp_size_and_rank, gather_sequence, split_sequence
     from pretrain.model.core_attention import SDPACoreAttention
+    from pretrain.model.documents import attention_plan, query_blocks
 
     config = SimpleNamespace(context_parallel_size=cp, attention_dropout=0.0, kv_channels=16, num_attention_heads=4,
                              experimental_attention_variant=None)
@@ -193,11 +203,21 @@ def core_attention_check(cp: int) -> dict:
     assert size == cp
     out = {}
     for documents in (False, True):
-        *qkv, grad, layout = core_inputs(documents)
-        mine = [split_sequence(t, 0, cp, rank).clone().requires_grad_() for t in qkv]
-        result = attn(*mine, layout)
-        result.backward(split_sequence(grad, 0, cp, rank))
-        out[documents] = [result.detach()] + [t.grad for t in mine]
+        for balanced in (False, True) if cp > 1 else (False,):
+            *qkv, grad, layout = core_inputs(documents)
+            assignment = core_assignment(cp, layout) if balanced else None
+            q, k, v = [split_sequence(t, 0, cp, rank, assignment).clone().requires_grad_() for t in qkv]
+            if assignment is None:
+                result = attn(q, k, v, layout)
+            else:
+                keys, values = (gather_sequence(t, 0, attn.cp_group, assignment) for t in (k, v))
+                if layout is not None:
+                    plan = attention_plan(layout, query_blocks(q.shape[0], cp, rank, assignment=assignment))
+                    result = attn.attend_documents(q, keys, values, plan)
+                else:
+                    result = attn.attend_cp_causal(q, keys, values, cp, rank, assignment)
+            result.backward(split_sequence(grad, 0, cp, rank, assignment))
+            out[(documents, balanced)] = [result.detach()] + [t.grad for t in (q, k, v)]
     return out
 
 
@@ -364,17 +384,22 @@ def test_cp2_matches_single_rank(cp2, reference, case):
 @pytest.mark.parametrize("layout, case", sorted(CORE_CHECKS))
 def test_core_attention_matches_cp1(request, layout, case):
     """CP = 2 and 4 against CP = 1 (plain causal SDPA, per-document SDPA calls): each rank's output rows and the
-    gradients of its q, k, v rows, without and with documents."""
+    gradients of its q, k, v rows, without and with documents, zigzag and work-balanced chunks."""
     from parallel.context_parallel import split_sequence
+    from parallel.cp_load_balance import zigzag
 
     ranks = request.getfixturevalue("cp2")[case] if layout == "cp2" else request.getfixturevalue("four_ranks")[layout]
     cp = len(ranks)
     reference = core_attention_check(1)
-    for documents, want in reference.items():
-        for rank, res in enumerate(ranks):
-            for name, got, full in zip(("out", "dq", "dk", "dv"), res["core"][documents], want):
-                err = rel_err(got, split_sequence(full, 0, cp, rank))
-                assert err <= TOL, f"CP={cp} rank {rank} documents={documents} {name}: {err:.2e}"
+    for (documents, balanced), got_ranks in ((key, [r["core"][key] for r in ranks]) for key in ranks[0]["core"]):
+        want = reference[(documents, False)]
+        assignment = core_assignment(cp, core_inputs(documents)[-1]) if balanced else None
+        if balanced:  # the assignment is not the zigzag split (else the check would repeat the plain one)
+            assert sorted(map(sorted, assignment)) != sorted(map(sorted, zigzag(cp))) and len(assignment[0]) == 4
+        for rank, got in enumerate(got_ranks):
+            for name, g, full in zip(("out", "dq", "dk", "dv"), got, want):
+                err = rel_err(g, split_sequence(full, 0, cp, rank, assignment))
+                assert err <= TOL, f"CP={cp} rank {rank} documents={documents} balanced={balanced} {name}: {err:.2e}"
 
 
 @pytest.mark.parametrize("layout, case", RUNS_4)

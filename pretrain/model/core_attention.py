@@ -44,7 +44,6 @@ from megatron.core.transformer.module import MegatronModule
 
 from parallel.context_parallel import (
     causal_visibility,
-    chunk_ids,
     cp_size_and_rank,
     gather_sequence,
     local_positions,
@@ -126,20 +125,19 @@ class SDPACoreAttention(MegatronModule):
             attention_mask = ~visible if attention_mask is None else attention_mask | ~visible
         return self.attend(query, key, value, attention_mask, mask_type)
 
-    def attend_cp_causal(self, query, key, value, cp_size: int, cp_rank: int) -> torch.Tensor:
-        """Causal attention of this CP rank's queries (its two chunks, `parallel.context_parallel`) to the
-        whole sequence's keys in global order: per chunk a non-causal block over the keys before it and a causal
-        square over its own, merged by log-sum-exp (`attend_blocks`); else one bottom-right causal call per chunk."""
-        c = query.shape[0] // 2
-        chunks = chunk_ids(cp_size, cp_rank)
-        rows = [bottom_right_rows(i * c, (i + 1) * c, 0, (chunk + 1) * c) for i, chunk in enumerate(chunks)]
+    def attend_cp_causal(self, query, key, value, cp_size: int, cp_rank: int, assignment=None) -> torch.Tensor:
+        """Causal attention of this CP rank's queries (its two chunks, `parallel.context_parallel`, or its chunks of
+        a chunk `assignment`) to the whole sequence's keys in global order: per run of adjacent chunks a non-causal
+        block over the keys before it and a causal square over its own, merged by log-sum-exp (`attend_blocks`);
+        else one bottom-right causal call per run."""
+        runs = query_blocks(query.shape[0], cp_size, cp_rank, assignment=assignment)
+        rows = [bottom_right_rows(l0, l0 + n, 0, g0 + n) for l0, g0, n in runs]
         out = self.attend_blocks(query, key, value, rows, "context-parallel attention")
         if out is not None:
             return out
         outs = []
-        for i, chunk in enumerate(chunks):
-            end = (chunk + 1) * c  # the chunk's last global row sees keys 0 .. end - 1
-            outs.append(self.attend(query[i * c:(i + 1) * c], key[:end], value[:end], None, lower_right=True))
+        for l0, g0, n in runs:  # rows l0 .. l0 + n - 1 sit at global g0 .. g0 + n - 1: keys 0 .. g0 + n - 1
+            outs.append(self.attend(query[l0:l0 + n], key[:g0 + n], value[:g0 + n], None, lower_right=True))
         return torch.cat(outs, dim=0)
 
     def attend_blocks(self, query, key, value, rows: Sequence[Rows], what: str) -> Optional[torch.Tensor]:

@@ -65,11 +65,17 @@ def is_document_layout(mask) -> bool:
     return torch.is_tensor(mask) and mask.dtype == torch.int32 and mask.dim() == 3 and mask.shape[1] == 2
 
 
-def query_blocks(s: int, cp_size: int = 1, cp_rank: int = 0, t: Optional[int] = None) -> Tuple[Tuple[int, int, int]]:
+def query_blocks(s: int, cp_size: int = 1, cp_rank: int = 0, t: Optional[int] = None,
+                 assignment=None) -> Tuple[Tuple[int, int, int]]:
     """(first local row, first global position, rows) of each contiguous run of a rank's `s` queries: the last s
-    of t keys without context parallelism, the rank's two chunks with it (`parallel.context_parallel`)."""
+    of t keys without context parallelism, the rank's two chunks with it (`parallel.context_parallel`), or its
+    chunks of a chunk `assignment` (`parallel.cp_load_balance`)."""
     if cp_size == 1:
         return ((0, (t if t is not None else s) - s, s),)
+    if assignment is not None:
+        from parallel.context_parallel import query_runs
+
+        return query_runs(s, cp_size, cp_rank, assignment)
     from parallel.context_parallel import chunk_ids
 
     c = s // 2
