@@ -99,7 +99,7 @@ def _linear_chain(dev, dt, tokens: int, shapes: List[tuple]) -> tuple:
 
 def measure_gemms(dev, dt, timed, tokens: int, h: int, ffn: int, e_ffn: int, experts: int, rows_list) -> Dict:
     out = {}
-    q_lora, kv_lora, heads = 768 * h // 2048, 512, 16 * h // 2048
+    q_lora, kv_lora, heads = max(768 * h // 2048, 1), 512, max(16 * h // 2048, 1)  # glm5-proxy at h = 2048
     step, fl = _linear_chain(dev, dt, tokens, [(h, q_lora), (q_lora, heads * 256), (h, kv_lora + 64),
                                                (kv_lora, heads * 448), (heads * 256, h)])
     out["rate.attention_proj"] = fl / timed(step)
