@@ -15,14 +15,21 @@ positions <= g(i) in its own document, and the labels, loss mask and position id
 tokens. Packed documents travel as the batch's document layout (`pretrain.model.documents`: O(S) segment
 starts and position origins over the whole sequence), which is not split: every rank keeps all S entries.
 
+Chunk assignments (`parallel.cp_load_balance`): with packed documents the zigzag pairs no longer hold equal work
+(measured on packed real documents: benchmarks/results/cp_balance_cpu). `split_sequence`, `local_positions`,
+`gather_sequence`, `split_batch` and `pretrain.model.documents.query_blocks` take an optional `assignment`, each
+rank's chunk ids of n equal chunks (n a multiple of cp, as many per rank), in place of the zigzag split; positions
+stay global, so attention, RoPE by position and the loss are unchanged by it. The training step does not choose one
+yet (RoPE tables, MTP's roll and the DSA indexer's key gather still assume the zigzag split).
+
 Attention (MLA, DSA, GQA) all-gathers what is small per token over the CP group, never the
 queries: MLA's compressed latent and rope key (kv_lora_rank + qk_pos_emb_head_dim = 576 numbers per
 token at GLM-5's shapes, after the latent norm and the rope), the DSA indexer keys (128), GQA's
 K/V heads. `gather_sequence` returns them in global order (rank j's block holds chunks j and
 2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys in
-global positions: dense attention without documents as one causal call per query chunk (chunk k
-sees keys [0, (k + 1) c), diagonal aligned to the last key; no mask tensor:
-`SDPACoreAttention.attend_cp_causal`), with documents as causal pieces per (query chunk, document)
+global positions: dense attention without documents per query chunk (chunk k sees keys [0, (k + 1) c), diagonal
+aligned to the last key; no mask tensor: `SDPACoreAttention.attend_cp_causal`, a non-causal block over [0, k c)
+and a causal square merged by log-sum-exp, `pretrain.model.blockwise_attention`), with documents as causal pieces per (query chunk, document)
 (`pretrain.model.document_attention`: no mask tensor), sparse DSA through its selected key positions
 (top-k only within each query's document). The gather's backward sums the gathered tensor's
 gradient over the CP group and hands each rank the rows of its own tokens (a reduce-scatter):

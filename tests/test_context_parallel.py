@@ -407,3 +407,33 @@ def test_four_ranks_match_single_rank(four_ranks, reference, layout, case):
     worst = check_against_reference(reference[case], four_ranks[layout])
     print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")
 
+
+
+def test_chunk_work_counts_attended_pairs_and_balance_assigns_every_chunk_once():
+    """`parallel.cp_load_balance` against a dense count: chunk work = the (query, key) pairs of the block-diagonal
+    causal mask in the chunk's rows; zigzag balances one document exactly; `balance` gives every rank as many chunks,
+    each chunk once, and on packed documents a lower maximum than zigzag."""
+    from parallel.cp_load_balance import balance, chunk_work, imbalance, rank_work, token_work, zigzag
+
+    gen = torch.Generator().manual_seed(SEED)
+    s, cp = 64, 4
+    cuts = sorted(set(torch.randint(1, s, (5,), generator=gen).tolist()))
+    doc = torch.zeros(s, dtype=torch.int64)
+    for c in cuts:
+        doc[c:] += 1
+    starts = torch.tensor([min(j for j in range(s) if doc[j] == doc[i]) for i in range(s)])
+    pairs = ((doc[:, None] == doc[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()).sum(1)
+    assert torch.equal(token_work(starts), pairs)
+    assert torch.equal(token_work(starts, topk=3), pairs.clamp(max=3))
+    for n in (2 * cp, 4 * cp):
+        assert torch.equal(chunk_work(starts, n), pairs.view(n, -1).sum(1))
+        assignment = balance(chunk_work(starts, n).tolist(), cp)
+        assert sorted(k for chunks in assignment for k in chunks) == list(range(n))
+        assert {len(chunks) for chunks in assignment} == {n // cp}
+    work = chunk_work(starts, 8 * cp).tolist()
+    zz = rank_work(chunk_work(starts, 2 * cp).tolist(), zigzag(cp))
+    assert imbalance(rank_work(work, balance(work, cp))) < imbalance(zz)
+    one_document = chunk_work(torch.zeros(s, dtype=torch.int64), 2 * cp).tolist()
+    assert imbalance(rank_work(one_document, zigzag(cp))) == 0.0
+    with pytest.raises(ValueError, match="cannot be shared equally"):
+        balance([1, 2, 3], 2)
