@@ -1,0 +1,123 @@
+"""What one micro-batch of one decoder layer keeps for backward on one GPU, by named term (docs/layout.md).
+
+Counted from what the code saves (`pretrain.training.saved_activations.SavedTensors` on the layers of
+`pretrain.model`; tests/test_layout_memory.py checks the sum against a count on CPU). With t tokens of the
+micro-batch on this rank (micro_batch x seq / CP), T key tokens (micro_batch x seq: context parallelism
+gathers the keys), n = t / TP under sequence parallelism (t without), h heads per rank = heads / TP and
+a bytes per activation element (2 in bf16), in elements unless marked bytes:
+
+    residual_norms   (6 H + 2) n              input and pre-MLP norms: input, normalized, output, 1/rms
+    q_latent         (3 q_lora + 1) n         q down-projection, its norm (input, normalized, output)
+    kv_latent        (2 c + r + 1) n + c' T   kv down-projection and norm, the latent keys c' = c (+ r under CP)
+    core_attention   h d_qk (t + T) + h (d_qk_nope + d_v) T + h d_v t + 4 h t bytes   q, k, v storage, out, lse
+    rope_tables      16 r (seq / CP) bytes    cos / sin of the query and key rotations
+    dense_mlp        5 F / TP t               fc1 out (2F), SwiGLU's two halves' products, fc2 input
+    router           (13 E + 12 k + 8) n bytes   fp32 scores, probabilities, top-k and their indices
+    routed_experts   k n ETP (H + 3 F_e / ETP) + 12 k n ETP bytes   tokens this rank's experts receive (balanced)
+    shared_expert    5 F_s / TP t
+    dsa_sparse       h (d_qk + r + c) t + 4 h t bytes + K i t bytes   q, rope query, latent output, lse, top-k
+                     (i = 2 bytes up to 65,535 keys, else 4; the indexer is replicated over TP)
+    dsa_indexer      P_I                      the indexer KL's weight gradients, formed in forward (dense
+                                              warm-up; sparse attention forms them in backward)
+
+Recompute: "selective" (recompute_modules [core_attn, moe]) keeps of the core only its inputs (the q
+up-projection, the roped q and k: h (d_qk + r) t + r T) and output (h d_v t) and of the MoE layer (router, routed
+and shared experts) nothing beyond its input; sparse DSA keeps its
+top-k and drops the latent output. "full" keeps each layer's input (H n) and rebuilds one layer at a time in
+backward (`working_set`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from pretrain.layout.types import Layout, ModelDims, Workload
+
+
+def _tokens(layout: Layout, work: Workload):
+    t = layout.micro_batch_size * work.seq_length // layout.cp
+    keys = layout.micro_batch_size * work.seq_length
+    n = t // layout.tp if layout.sequence_parallel and layout.tp > 1 else t
+    return t, keys, n
+
+
+def attention_terms(dims: ModelDims, layout: Layout, work: Workload, dsa: bool, a: int) -> Dict[str, float]:
+    """Saved bytes of the attention half of one layer, no recompute (`dsa`: this layer has an indexer)."""
+    t, keys, n = _tokens(layout, work)
+    h = dims.heads // layout.tp
+    c, r = dims.kv_lora_rank, dims.qk_pos_emb_head_dim
+    latent_keys = (c + r) if layout.cp > 1 else c
+    out = {
+        "residual_norms": (6 * dims.hidden + 2) * n * a,
+        "q_latent": (3 * (dims.q_lora_rank or 0) + (1 if dims.q_lora_rank else 0)) * n * a,
+        "kv_latent": ((2 * c + r + 1) * n + latent_keys * keys) * a,
+        "rope_tables": 16 * r * (work.seq_length // layout.cp),
+    }
+    if dsa and dims.dsa_sparse_attention:
+        index_bytes = 2 if keys <= 65535 else 4
+        # q_nope, roped q, latent output, its up-projection (linear_proj's input), lse, top-k; the keys as one
+        # [latent ; rope] storage (in place of kv_latent's latent keys)
+        out["dsa_sparse"] = ((h * (dims.qk_head + c + dims.v_head_dim) * t + r * keys) * a + 4 * h * t
+                             + dims.dsa_indexer_topk * index_bytes * t)
+    else:
+        out["core_attention"] = (h * dims.qk_head * (t + keys) + h * (dims.qk_head_dim + dims.v_head_dim) * keys
+                                 + h * dims.v_head_dim * t) * a + 4 * h * t
+    if dsa and dims.dsa_indexer_loss and not dims.dsa_sparse_attention:  # sparse: recomputed in backward
+        # the KL's weight gradients, formed in forward (`indexer_loss.apply_kl`), wait for backward
+        out["dsa_indexer"] = dims.indexer_params * a
+    return out
+
+
+def ffn_terms(dims: ModelDims, layout: Layout, work: Workload, moe: bool, a: int) -> Dict[str, float]:
+    """Saved bytes of the FFN half of one layer, no recompute."""
+    t, _, n = _tokens(layout, work)
+    if not moe:
+        return {"dense_mlp": 5 * dims.ffn_hidden // layout.tp * t * a}
+    received = dims.topk * n * layout.etp  # balanced routing: k tokens' worth per local token
+    out = {
+        "router": (13 * dims.num_experts + 12 * dims.topk + 8) * n,
+        "routed_experts": received * (dims.hidden + 3 * dims.expert_ffn_hidden // layout.etp) * a + 12 * received,
+    }
+    if dims.shared_expert_ffn_hidden:
+        out["shared_expert"] = 5 * dims.shared_expert_ffn_hidden // layout.tp * t * a
+    return out
+
+
+def layer_terms(dims: ModelDims, layout: Layout, work: Workload, layer: int, a: int = 2,
+                recompute: str = "none") -> Dict[str, float]:
+    """Saved bytes of decoder layer `layer` (0-based; `dims.num_layers` is the MTP layer) for one micro-batch."""
+    mtp = layer >= dims.num_layers
+    moe = dims.mtp_layer_is_moe if mtp else bool(dims.moe_pattern[layer])
+    dsa = bool(dims.indexer_params) if mtp else dims.dsa_layers[layer]
+    if recompute == "full":
+        _, _, n = _tokens(layout, work)
+        return {"layer_input": dims.hidden * n * a}
+    terms = {**attention_terms(dims, layout, work, dsa, a), **ffn_terms(dims, layout, work, moe, a)}
+    if recompute == "selective":
+        t, keys, _ = _tokens(layout, work)
+        h, r = dims.heads // layout.tp, dims.qk_pos_emb_head_dim
+        if "core_attention" in terms:  # the checkpoint's inputs (q up-projection, roped q and k) and output
+            terms["core_attention"] = (h * (dims.qk_head + r + dims.v_head_dim) * t + r * keys) * a
+            terms.pop("dsa_indexer", None)  # a dense DSA core is checkpointed whole, its indexer KL with it
+        if "dsa_sparse" in terms:  # keeps q, the rope query and the top-k; reruns the sparse forward
+            terms["dsa_sparse"] -= h * dims.kv_lora_rank * t * a + 4 * h * t
+        for name in ("router", "routed_experts", "shared_expert"):  # the MoE checkpoint covers the shared expert
+            terms.pop(name, None)
+    return terms
+
+
+def working_set(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> Dict[str, float]:
+    """Transient bytes while one layer runs its backward: under full recompute its rebuilt activations,
+    plus the gradients of its largest tensors and the MoE dispatch's send and receive buffers (a model,
+    not a count: the larger of a dense and an MoE layer)."""
+    t, keys, n = _tokens(layout, work)
+    h = dims.heads // layout.tp
+    layers = [i for i in range(dims.num_layers)]
+    rebuilt = 0.0
+    if layout.recompute == "full":
+        rebuilt = max(sum(layer_terms(dims, layout, work, i, a).values()) for i in {layers[0], layers[-1]})
+    grads = 4 * dims.hidden * n * a + h * dims.qk_head * (t + 2 * keys) * a  # residual grads, dq dk dv
+    dispatch = 0.0
+    if dims.num_experts:
+        dispatch = 2 * dims.topk * n * dims.hidden * a  # all-to-all send + receive of the routed tokens
+    return {"recomputed_layer": rebuilt, "layer_gradients": grads, "moe_dispatch_buffers": dispatch}

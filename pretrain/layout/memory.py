@@ -1,0 +1,215 @@
+"""Peak memory per GPU of a layout: a named breakdown of what one pipeline rank holds (docs/layout.md).
+
+State, per parameter element p on this rank (bf16 training, `model.bf16: true`):
+
+    weights          2 p                 the bf16 model copy (megatron's Float16Module casts every parameter)
+    main_weights     4 p / d             fp32 main copy; d = 1 under DDP, the data-parallel size under `zero2`
+    gradients        4 p                 fp32 accumulation buffer (DDP; megatron's distributed optimizer for AdamW)
+                     4 p / d + buckets   ZeRO-2 for Muon: owners keep their share, 2 reduce buckets in flight
+    optimizer_state  8 p / d             AdamW: 2 fp32 moments; Muon: 4 p / d (momentum) on its matrices,
+                                         AdamW on embeddings, output layer, norms and the router
+
+Dense parameters are sharded over DP x CP, expert parameters over the expert-data-parallel group
+(TP x CP x DP / (EP x ETP)); ZeRO-2 owns whole parameters, so an owner may hold up to one whole parameter
+more than its 1/d share (the largest one is added). Parameter shards: attention, dense and shared-expert
+FFNs and the MTP projection / TP; latent norms, the DSA indexer and the router replicated over TP; routed
+experts: E / EP experts of width F_e / ETP; embedding and output layer vocab-parallel (/ TP) on the first
+and last stage (with MTP the last stage holds a copy of the embedding too).
+
+Activations (`pretrain.layout.activations`): one micro-batch's saved tensors per layer, times the micro-batches
+in flight on the rank: 1F1B keeps min(PP - r, m) on pipeline rank r; megatron's interleaved schedule keeps
+min(2 (PP - r - 1) + (VPP - 1) PP + 1, m VPP) model chunks (L / (PP VPP) layers each), which on the first rank is
+L (1 + (PP - 1) / (PP VPP)) layers' worth. Activation offloading leaves two layers' worth on the GPU (the one
+running, the one prefetched). The last rank adds the final norm, the MTP depths and the output loss (unfused:
+fp32 softmax [t, V / TP] per head kept, the logits transient; chunked: a chunk's logits and the fp32 weight
+gradient accumulator), plus one layer's backward working set on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from pretrain.layout.activations import layer_terms, working_set
+from pretrain.layout.types import GiB, Layout, ModelDims, Workload
+
+ZERO2_BUCKET_ELEMENTS = 40_000_000  # pretrain.optim.zero2_grads.DEFAULT_BUCKET_ELEMENTS (megatron's DDP bucket)
+ZERO2_BUCKETS_IN_FLIGHT = 2
+# Outside PyTorch's allocator: CUDA context, NCCL communicators' channel buffers, cuBLAS workspaces.
+# An assumption, to be measured (torch.cuda.mem_get_info against max_memory_reserved on a run).
+RUNTIME_RESERVE_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Elements of one kind of parameter on one rank: optimizer family ("muon" | "adamw") and the group its
+    gradients reduce over ("dense": DP x CP, "expert": expert data parallel)."""
+
+    elements: int
+    optimizer: str
+    group: str
+    largest: int  # the largest single tensor among them (ZeRO-2 owns whole tensors)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU by named term on the pipeline rank with the highest total (`rank`)."""
+
+    terms: Dict[str, float]
+    rank: int
+    layers: Tuple[int, ...] = field(default=())
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def format(self) -> str:
+        rows = sorted(self.terms.items(), key=lambda kv: -kv[1])
+        return "  ".join(f"{k} {v / GiB:.1f}" for k, v in rows if v >= 0.05 * GiB)
+
+
+def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
+    """Decoder layers of pipeline rank `rank`: chunk j holds layers ((j PP + rank) c, ..., + c), c = L / (PP VPP)."""
+    c = dims.num_layers // (layout.pp * layout.vpp)
+    return [i for j in range(layout.vpp) for i in range((j * layout.pp + rank) * c, (j * layout.pp + rank + 1) * c)]
+
+
+def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str = "all") -> List[ParamShard]:
+    """Parameter shards on pipeline rank `rank` (TP/EP/ETP split, see the module docstring); `trainable`
+    "dsa_indexer" (the DSA warm-up) marks everything but the indexers frozen (optimizer "frozen")."""
+    tp, h = layout.tp, dims.hidden
+    latent_norms = (dims.q_lora_rank or 0) + dims.kv_lora_rank
+    idx_norm = 2 * dims.dsa_indexer_head_dim if dims.indexer_params else 0
+    out: List[ParamShard] = []
+
+    def add(n: int, opt: str, group: str = "dense", largest: Optional[int] = None) -> None:
+        if n:
+            out.append(ParamShard(n, opt if trainable == "all" else "frozen", group, largest or n))
+
+    def layer(moe: bool, dsa: bool) -> None:
+        add((dims.attention_params - latent_norms) // tp, "muon", largest=dims.kv_lora_rank * dims.heads
+            * (dims.qk_head_dim + dims.v_head_dim) // tp)
+        add(latent_norms + dims.layer_norm_params, "adamw", largest=h)
+        if dsa:
+            idx = ParamShard(dims.indexer_params - idx_norm, "muon", "dense", (dims.q_lora_rank or h)
+                             * dims.dsa_indexer_heads * dims.dsa_indexer_head_dim)
+            out.append(idx)
+            out.append(ParamShard(idx_norm, "adamw", "dense", idx_norm))
+        if moe:
+            add(dims.num_experts // layout.ep * dims.expert_params // layout.etp, "muon", "expert",
+                largest=2 * h * dims.expert_ffn_hidden * dims.num_experts // layout.ep // layout.etp)
+            add(dims.shared_expert_params // tp, "muon")
+            add(dims.router_params, "adamw")
+        else:
+            add(dims.dense_mlp_params // tp, "muon", largest=2 * h * dims.ffn_hidden // tp)
+
+    for i in rank_layers(dims, layout, rank):
+        layer(bool(dims.moe_pattern[i]), dims.dsa_layers[i])
+    # MTP embeds the shifted tokens on the last rank: a copy of the embedding lives there (gradients summed with
+    # the first rank's, megatron's shared-embedding all-reduce), optimizer state included
+    if rank == 0 or (rank == layout.pp - 1 and dims.mtp_depths):
+        add(dims.embedding_params // tp, "adamw")
+    if rank == layout.pp - 1:
+        add(dims.output_params // tp, "adamw")
+        add(dims.final_norm_params, "adamw")
+        for _ in range(dims.mtp_layers):
+            layer(dims.mtp_layer_is_moe, bool(dims.indexer_params))
+            add(2 * h * h // tp, "muon")  # eh_proj
+            add(dims.mtp_extra_params - 2 * h * h, "adamw")
+    return out
+
+
+def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> Dict[str, float]:
+    """Weights, main weights, gradients and optimizer state in bytes (see the module docstring)."""
+    dp_dense = layout.dp * layout.cp
+    dp_expert = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+    zero = layout.zero == "zero2"
+    terms = {"weights": 0.0, "main_weights": 0.0, "gradients": 0.0, "optimizer_state": 0.0}
+    largest = 0
+    for s in shards:
+        terms["weights"] += (2 if bf16 else 4) * s.elements
+        if s.optimizer == "frozen":
+            continue
+        d = (dp_dense if s.group == "dense" else dp_expert) if zero else 1
+        if zero and d > 1:
+            largest = max(largest, s.largest)
+        if bf16:
+            terms["main_weights"] += 4 * s.elements / d
+        muon_zero2 = zero and layout.optimizer == "muon"
+        terms["gradients"] += 4 * s.elements / (d if muon_zero2 else 1)
+        per = 8 if (layout.optimizer == "adam" or s.optimizer == "adamw") else 4
+        terms["optimizer_state"] += per * s.elements / d
+    if zero and layout.optimizer == "muon":
+        # whole-tensor ownership: an owner may hold one tensor beyond its 1/d share; reduce buckets in flight
+        terms["zero2_ownership_slack"] = largest * (4 + 4 + 8 if bf16 else 4 + 8)
+        terms["gradient_buckets"] = 4.0 * ZERO2_BUCKET_ELEMENTS * ZERO2_BUCKETS_IN_FLIGHT
+    return terms
+
+
+def in_flight_chunks(layout: Layout, rank: int) -> int:
+    """Micro-batch model chunks whose activations rank `rank` holds at the peak of the schedule."""
+    m = layout.num_microbatches
+    if layout.vpp == 1:
+        return min(layout.pp - rank, m)
+    return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
+
+
+def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
+    """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
+    layers = rank_layers(dims, layout, rank)
+    per_layer = [layer_terms(dims, layout, work, i, a, layout.recompute) for i in layers]
+    chunks = in_flight_chunks(layout, rank)
+    # chunks in flight x layers per chunk, at the rank's mean per-layer bytes
+    scale = chunks * (len(layers) // layout.vpp) / len(layers)
+    out: Dict[str, float] = {}
+    for terms in per_layer:
+        for k, v in terms.items():
+            out[k] = out.get(k, 0.0) + v * scale
+    if layout.activation_offload:  # saved tensors wait in host memory; two layers' worth stay
+        total = sum(out.values())
+        resident = 2 * max(sum(t.values()) for t in per_layer)
+        out = {"offload_resident": min(total, resident)}
+    for k, v in working_set(dims, layout, work, a).items():
+        out[k] = v
+    if rank == layout.pp - 1:
+        out.update(head_terms(dims, layout, work, a))
+    return out
+
+
+def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> Dict[str, float]:
+    """The last rank's final norm, MTP depths and output loss for one micro-batch (bytes)."""
+    t = layout.micro_batch_size * work.seq_length // layout.cp
+    n = t // layout.tp if layout.sequence_parallel and layout.tp > 1 else t
+    h, heads = dims.hidden, 1 + dims.mtp_depths
+    v = dims.vocab // layout.tp
+    # the final norm, the output layer's input (every head's hidden states in one storage), and per head the
+    # loss's target indices and mask (int64, bool) and, for the MTP depths, their shifted labels and mask (int64, fp32)
+    out = {"final_norm": (2 * h + 1) * n * a + heads * h * n * a, "loss_inputs": (heads * 9 + dims.mtp_depths * 12) * t}
+    if dims.mtp_depths:
+        rc = layout.recompute
+        mtp_layer = sum(layer_terms(dims, layout, work, dims.num_layers, a, rc).values())
+        # per depth: its layer, plus enorm / hnorm / eh_proj input / final norm (full recompute: the checkpoint's
+        # second input, the shifted embedding) and the shifted ids
+        extra = (8 * h + 3) * n * a if rc != "full" else h * n * a
+        out["mtp"] = dims.mtp_depths * (mtp_layer + extra + 8 * t)
+    if layout.output_loss_backend == "unfused":
+        out["output_logits_saved"] = heads * 4 * v * t  # the fp32 softmax each head's loss keeps for backward
+        out["output_logits_transient"] = (a + 4) * v * t  # one head's logits and their fp32 cast
+    else:
+        chunk = min(layout.output_chunk_size, t)
+        out["output_logits_transient"] = (a + 8) * v * chunk  # a chunk's logits, fp32 softmax and its gradient
+        out["output_weight_grad_fp32"] = 4.0 * v * h
+    return out
+
+
+def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all") -> MemoryEstimate:
+    """Peak bytes per GPU over the pipeline ranks (the first and the last hold the most), by named term."""
+    best: Optional[MemoryEstimate] = None
+    for rank in sorted({0, layout.pp - 1}):
+        terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, bf16=a == 2)
+        terms.update(activation_terms(dims, layout, work, rank, a))
+        terms["runtime_reserve"] = float(RUNTIME_RESERVE_BYTES)
+        candidate = MemoryEstimate(terms, rank, tuple(rank_layers(dims, layout, rank)))
+        if best is None or candidate.total > best.total:
+            best = candidate
+    return best
