@@ -11,8 +11,8 @@ One process measures, forward + backward in bf16 with CUDA events (median of --r
                           --expert-rows rows per expert. Recorded beside the model's rate.* entries, which are
                           in-step rates (each class with its elementwise work) from a profiled training step
   output_loss             the unfused output layer + cross entropy at the proxy and GLM-5 heads
-  muon.newton_schulz_flops_per_s
-                          pretrain.optim.muon.newton_schulz over a proxy-sized expert block batch
+  muon.newton_schulz_*    pretrain.optim.muon.newton_schulz per matrix size (proxy experts, GLM-5 experts and
+                          attention blocks); the proxy experts' rate is the entry the model reads
 Under torchrun (world >= 2): all-gather, reduce-scatter, all-reduce and all-to-all of --comm-mib MiB per rank; the
 bus bandwidth over Cluster's nominal NVLink 450 GB/s is collective.busbw_fraction_intra, the all-to-all's
 bytes sent per GPU per second is a2a.intra_node_bytes_per_s.
@@ -248,9 +248,14 @@ def main(argv=None) -> None:
         kept = [p for p in e.get("output_loss", {"value": []})["value"] if p["backend"] != "unfused"]
         e["output_loss"] = _entry(kept + out_pts, "FLOP/s", source, "unfused output layer + fp32 cross entropy "
                                   "measured here; the Liger and chunked points kept from the base table")
-        blocks, m, n = (2, 16, 32) if args.smoke else (96, 512, 2048)
-        e["muon.newton_schulz_flops_per_s"] = _entry(measure_newton_schulz(dev, dt, timed, blocks, m, n), "FLOP/s",
-                                                     source, f"newton_schulz on {blocks} blocks of {m} x {n}, 5 steps")
+        sizes = [(2, 16, 32)] if args.smoke else [(96, 512, 2048), (16, 2048, 6144), (8, 6144, 6144), (64, 256, 768)]
+        ns_pts = [{"blocks": b, "m": m, "n": n, "flops_per_s": measure_newton_schulz(dev, dt, timed, b, m, n)}
+                  for b, m, n in sizes]
+        e["muon.newton_schulz_points"] = _entry(ns_pts, "FLOP/s", source,
+                                                "newton_schulz (5 steps) on a batch of blocks of m x n, per matrix size "
+                                                "(recorded; the model reads the aggregate rate below)")
+        e["muon.newton_schulz_flops_per_s"] = _entry(ns_pts[0]["flops_per_s"], "FLOP/s", source,
+                                                     "newton_schulz on 96 blocks of 512 x 2048 (glm5-proxy's experts)")
     if distributed:
         c = measure_collectives(dev, timed, 1 if args.smoke else args.comm_mib)
         bus = min(c["all_gather"], c["reduce_scatter"], c["all_reduce"])
