@@ -117,7 +117,8 @@ def choose_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: 
     if takes(cuda.can_use_cudnn_attention, *square, causal=True) and takes(cuda.can_use_cudnn_attention, q, k, v,
                                                                             causal=False):
         return CUDNN, None
-    if q.shape[-1] == v.shape[-1] and takes(cuda.can_use_flash_attention, *square, causal=True):
+    if q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and takes(cuda.can_use_flash_attention, *square,
+                                                                      causal=True):
         return FLASH, None
     return None, "neither cuDNN nor FlashAttention takes these tensors (head dims, alignment, GPU or disabled)"
 
@@ -151,6 +152,7 @@ class _Blockwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()  # the strides of `out` (cuDNN reads dO in O's layout)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         aux = iter(ctx.aux)
         for q0, q1, blocks in ctx.rows:
