@@ -77,6 +77,9 @@ def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Opt
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,  # megatron's groups: the same bound
+        # MTP before the last stage: its embedding copy is tied to the first stage's, not the last's
+        get_embedding_ranks=compat.embedding_ranks(parallel.pipeline_model_parallel_layout,
+                                                   parallel.pipeline_model_parallel_size),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -45,14 +45,15 @@ from pretrain.compat.model import (
     grouped_gemm_check_skipped,
     grouped_mm_available,
 )
+from pretrain.compat.pipeline import embedding_ranks, tie_local_embedding_copies
 from pretrain.compat.registry import Workaround
 from pretrain.compat.te_absent import te_available
 from pretrain.compat.tensor_parallel import SequenceParallelTorchNorm
 from pretrain.compat.triton_interpreter import patch_triton_interpreter
 
 MEGATRON_CORE_VERSION = "0.16.1"  # the release every workaround here was written and tested against
-CONCERNS = ("te_absent", "tensor_parallel", "dist_checkpointing", "datasets", "model", "trackers", "dsa", "cpu",
-            "triton_interpreter")
+CONCERNS = ("te_absent", "tensor_parallel", "dist_checkpointing", "datasets", "model", "trackers", "dsa", "pipeline",
+            "cpu", "triton_interpreter")
 WORKAROUNDS: Tuple[Workaround, ...] = tuple(
     w for concern in CONCERNS for w in importlib.import_module(f"pretrain.compat.{concern}").WORKAROUNDS
 )
@@ -119,6 +120,7 @@ __all__ = [
     "applies",
     "check_megatron_version",
     "dsa_config_check_without_cp",
+    "embedding_ranks",
     "gpt_model_mtp_block_class",
     "grouped_gemm_check_skipped",
     "grouped_mm_available",
@@ -129,5 +131,6 @@ __all__ = [
     "patch_triton_interpreter",
     "rank_zero_without_process_group",
     "te_available",
+    "tie_local_embedding_copies",
     "token_dispatcher_for_device",
 ]

@@ -7,6 +7,7 @@ Rules follow megatron-core's own asserts (TransformerConfig, ModelParallelConfig
 from __future__ import annotations
 
 from pretrain.config.errors import require
+from pretrain.config.pipeline_layout import LAYOUT_KEY, stage_entries
 from pretrain.config.schema import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 
 
@@ -49,16 +50,24 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "model.output_loss_backend=liger runs at parallel.tensor_model_parallel_size=1 only (Liger's kernel is not "
         "vocab-parallel); use output_loss_backend=chunked with model.output_chunk_size under TP",
     )
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    require(
-        m.num_layers % (pp * vpp) == 0,
-        f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline_model_parallel_size ({pp})"
-        + (f" x parallel.virtual_pipeline_model_parallel_size ({vpp})" if vpp > 1 else "")
-        + " (uneven pipeline stages are not supported); change the pipeline size",
-    )
-    if m.experimental_attention_variant == "dsa" and m.dsa_indexer_types and pp * vpp > 1:
-        per_stage = m.num_layers // (pp * vpp)
-        firsts = [i for i in range(0, m.num_layers, per_stage) if m.dsa_indexer_types[i] != "full"]
+    check_pipeline_layout(m, p)
+
+
+def check_pipeline_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """Layers per (virtual) pipeline stage (`pretrain.config.pipeline_layout` resolves and checks the keys),
+    where MTP may sit, and DSA's shared indexers against the stage boundaries."""
+    stages = stage_entries(m, p)
+    if m.mtp_num_layers and "m" not in stages[-1]:  # GLM-5's placement: MTP on the stage before the loss
+        require(not m.share_embeddings_and_output_weights,
+                f"{LAYOUT_KEY} puts MTP before the last stage, which needs untied embeddings: set "
+                "model.share_embeddings_and_output_weights=false or move the m entries to the last stage")
+    if m.experimental_attention_variant == "dsa" and m.dsa_indexer_types and len(stages) > 1:
+        starts, layer = [], 0
+        for entries in stages:
+            if "t" in entries:
+                starts.append(layer)
+            layer += entries.count("t")
+        firsts = [i for i in starts if m.dsa_indexer_types[i] != "full"]
         require(
             not firsts,
             f"model.dsa_indexer_types: layers {firsts} start a pipeline stage but are 'shared' (top-k indices do "

@@ -198,6 +198,16 @@ class ParallelConfig:
     """PP: pipeline stages."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Interleaved stages per PP rank; null: none."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Layers per (virtual) stage, megatron's string: "Et*3|(tt|)*2,tmmm|L"; null: an even split (docs/parallelism.md)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Decoder layers on the first PP rank (uneven split; null: an even share)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Decoder layers on the last PP rank (uneven split; null: an even share)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one decoder layer when splitting layers over stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one decoder layer when splitting layers over stages."""
     context_parallel_size: int = 1
     """CP: ranks that split each sequence (2 x CP chunks); attention all-gathers the latent KV / indexer keys."""
     expert_model_parallel_size: int = 1
@@ -276,6 +286,8 @@ class DataConfig:
     """Path to a Hugging Face tokenizer.json."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    num_dataset_builder_threads: int = 1
+    """megatron: threads rank 0 builds a blend's per-file sample indices with on a cache miss (others wait)."""
     reset_position_ids: bool = False
     """Restart position ids at every document."""
     reset_attention_mask: bool = False
@@ -286,8 +298,6 @@ class DataConfig:
     """megatron's dense [b, 1, s, s] mask: refused (true); documents reach attention as cu_seqlens, O(s)."""
     min_document_length: List[int] = field(default_factory=list)
     """Ours: per blend entry, skip documents shorter than this (0: keep all); []: no filter."""
-    num_dataset_builder_threads: int = 1
-    """megatron: threads rank 0 builds a blend's per-file sample indices with on a cache miss (others wait)."""
     data_cache_path: Optional[str] = None
     """megatron's dataset index cache; null: <logging.run_dir>/data_cache."""
     mock: bool = False

@@ -123,7 +123,7 @@ def build_model(
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    mtp_spec = specs.mtp_block_spec(tcfg, backend, pattern) if post_process else None
+    mtp_spec = specs.mtp_block_spec(tcfg, backend, pattern) if _holds_mtp(tcfg, post_process, vp_stage) else None
     model = GLM5Model(
         config=tcfg,
         transformer_layer_spec=specs.decoder_block_spec(tcfg, backend, pattern, vp_stage=vp_stage),
@@ -143,6 +143,27 @@ def build_model(
     if model_cfg.activation_offload:
         _enable_activation_offload(model, model_cfg.activation_offload_backend)
     return model
+
+
+def build_model_chunks(cfg: GLM5Config) -> List[GLM5Model]:
+    """This rank's model chunks: one, or one per virtual pipeline stage. An MTP chunk placed on the
+    first pipeline rank (`parallel.pipeline_model_parallel_layout`, PP=2) gets the first chunk's embedding
+    values (`pretrain.compat.tie_local_embedding_copies`)."""
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = [build_model(cfg, vp_stage=i) for i in range(vpp)] if vpp else [build_model(cfg)]
+    compat.tie_local_embedding_copies(chunks)
+    return chunks
+
+
+def _holds_mtp(tcfg: GLM5TransformerConfig, post_process: bool, vp_stage: Optional[int]) -> bool:
+    """MTP sits with the loss, unless the layout puts its "m" entries on the stage before."""
+    if not tcfg.mtp_num_layers:
+        return False
+    if tcfg.pipeline_model_parallel_layout is None:
+        return post_process
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    return mtp_on_this_rank(tcfg, ignore_virtual=False, vp_stage=vp_stage)
 
 
 def _enable_activation_offload(model: GLM5Model, backend: str) -> None:

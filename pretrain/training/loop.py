@@ -32,7 +32,7 @@ from megatron.core.utils import unwrap_model
 from parallel.initialize import initialize_parallel
 from pretrain.config.schema import GLM5Config, TrainConfig
 from pretrain.model.aux_losses import ReduceGroups, aux_losses_for
-from pretrain.model.builder import build_model
+from pretrain.model.builder import build_model_chunks as build_rank_chunks
 from pretrain.model.stages import freeze_for_stage
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
 from pretrain.training.metrics import synchronize
@@ -51,8 +51,7 @@ def microbatches_per_step(train: TrainConfig, dp_size: int) -> int:
 
 
 def build_model_chunks(cfg: GLM5Config) -> List[DistributedDataParallel]:
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-    chunks = [build_model(cfg, vp_stage=i) for i in range(vpp)] if vpp else [build_model(cfg)]
+    chunks = build_rank_chunks(cfg)
     freeze_for_stage(chunks, cfg.train.trainable_params)
     if cfg.model.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]

@@ -1,0 +1,192 @@
+"""Pipeline layouts: interleaved stages with GLM-5's MTP placement against one rank, the config's stage
+resolution and refusals, and the balanced split.
+
+Equivalence (one 2-rank spawn, several checks): the tiny GLM-5 cut to 3 layers (dense, MoE, MoE) with 3 MTP
+depths sharing one layer, fp32 on gloo, trained on 2 micro-batches
+
+* reference: one rank, PP=1, megatron's no-pipelining schedule, the trainer's `forward_step`;
+* PP=2 x VPP=2 with the uneven layout "Et|t|tmmm|L": pp rank 0 holds (embedding, layer 0) and (layer 2, the
+  MTP block), pp rank 1 holds (layer 1) and (the output layer and the losses). MTP sits on the stage before
+  the loss (GLM-5's placement), on the same rank as the embedding, so that rank holds two embedding copies.
+
+Checked: the per-micro-batch losses; every parameter's gradient (relative max-abs error <= 1e-5), the
+embedding's as the sum of the two copies without DDP, and on each copy after megatron's DDP and
+`finalize_model_grads` (the tie that `pretrain.compat.pipeline` adds); the MTP copy's initial values equal
+the first stage's.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.parallel_helpers import BASE_OVERRIDES, RANK_ENV, SEED, SEQ, TINY, TOL, check_grad, rel_err
+
+EMBEDDING = "embedding.word_embeddings.weight"
+CUT = ["model.num_layers=3", "model.moe_layer_freq=[0,1,1]"]
+LAYOUT = "Et|t|tmmm|L"
+PIPELINE = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
+            f"parallel.pipeline_model_parallel_layout={LAYOUT}"]
+MICROBATCHES = 2
+
+
+def _config(extra: List[str]):
+    from pretrain.config import load_config
+
+    return load_config(TINY, BASE_OVERRIDES + CUT + extra)
+
+
+def _batches(tokens: torch.Tensor) -> List[dict]:
+    """One sample per micro-batch."""
+    out = []
+    for i in range(MICROBATCHES):
+        inputs, labels = tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]
+        out.append({"tokens": inputs, "labels": labels, "loss_mask": torch.ones(labels.shape),
+                    "position_ids": torch.arange(SEQ).unsqueeze(0), "attention_mask": None})
+    return out
+
+
+def _global_names(chunk) -> Dict[str, str]:
+    """Chunk-local parameter / buffer names -> the one-rank model's (decoder layers renumbered)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset, prefix = get_transformer_layer_offset(chunk.config, vp_stage=chunk.vp_stage), "decoder.layers."
+    names = {}
+    for name, _ in list(chunk.named_parameters()) + list(chunk.named_buffers()):
+        if name.startswith(prefix):
+            layer, rest = name[len(prefix):].split(".", 1)
+            names[name] = f"{prefix}{int(layer) + offset}.{rest}"
+        else:
+            names[name] = name
+    return names
+
+
+def _schedule(chunks, batches: List[dict]) -> List[torch.Tensor]:
+    """Forward + backward of `batches` through megatron's schedule; the last stage's per-micro-batch losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from pretrain.training.step import forward_step
+
+    iterators = [iter(batches) for _ in chunks]
+    losses = get_forward_backward_func()(
+        forward_step_func=lambda it, model: forward_step(it, model, cp_group=None),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, decoder_seq_length=SEQ,
+        forward_only=False)
+    return [item["lm loss"][0] / item["lm loss"][1] for item in losses or []]
+
+
+def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
+    from parallel.initialize import destroy_parallel, initialize_parallel
+    from pretrain.model.builder import build_model
+
+    cfg = _config([])
+    initialize_parallel(cfg.parallel, seed=SEED)
+    try:
+        model = build_model(cfg)
+        gen = torch.Generator().manual_seed(SEED + 1)
+        with torch.no_grad():  # norms and expert biases away from their init, so a mixed-up one shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            for name, b in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+        state = {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if not n.endswith("local_tokens_per_expert")}
+        losses = _schedule([model], _batches(tokens))
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        return {"state": state, "losses": losses, "grads": grads}
+    finally:
+        destroy_parallel()
+
+
+def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    from pretrain.model.builder import build_model_chunks
+
+    chunks = build_model_chunks(cfg)
+    copies = [c.embedding.word_embeddings.weight.detach().clone() for c in chunks if hasattr(c, "embedding")]
+    names = [_global_names(c) for c in chunks]
+    with torch.no_grad():
+        for chunk, chunk_names in zip(chunks, names):
+            for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers()):
+                if chunk_names[name] in ref_state:
+                    t.copy_(ref_state[chunk_names[name]])
+    wrapped = chunks
+    if ddp:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in chunks]
+        for w in wrapped:
+            w.zero_grad_buffer()
+        chunks[0].config.finalize_model_grads_func = finalize_model_grads
+    losses = _schedule(wrapped, _batches(tokens))
+    grads = []
+    for chunk, chunk_names in zip(chunks, names):
+        grads.append({chunk_names[n]: (getattr(p, "main_grad", None) if ddp else p.grad) for n, p in chunk.named_parameters()})
+        grads[-1] = {n: None if g is None else g.detach().clone() for n, g in grads[-1].items()}
+    return {"losses": losses, "grads": grads, "initial_embedding_copies": copies,
+            "roles": [(c.pre_process, c.post_process, getattr(c, "mtp_process", False)) for c in chunks]}
+
+
+def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: dict) -> dict:
+    from parallel.initialize import destroy_parallel, initialize_parallel
+
+    cfg = _config(PIPELINE)
+    try:
+        initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)  # other seeds: values come from ref_state
+        return {"local": _pipeline_step(cfg, tokens, ref_state, ddp=False),
+                "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True)}
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    tokens = torch.randint(0, 512, (MICROBATCHES, SEQ + 1), generator=torch.Generator().manual_seed(SEED))
+    (reference,) = run_ranks(rank_reference, 1, tokens, env=RANK_ENV)
+    ranks = run_ranks(rank_pipeline, 2, tokens, reference["state"], env=RANK_ENV)
+    return {"reference": reference, "ranks": ranks}
+
+
+def _compare(reference: dict, chunk_grads: List[Dict[str, torch.Tensor]], sum_embedding: bool) -> float:
+    worst, failures, seen = 0.0, [], set()
+    for i, grads in enumerate(chunk_grads):
+        for name, got in grads.items():
+            seen.add(name)
+            if name == EMBEDDING and sum_embedding:
+                got = sum(g[name] for g in chunk_grads if name in g)
+            err = check_grad(f"chunk {i} {name}", got, reference["grads"][name], failures)
+            worst = max(worst, err or 0.0)
+    assert seen == set(reference["grads"]), set(reference["grads"]) ^ seen
+    assert not failures, "gradients differ from the one-rank run:\n" + "\n".join(failures)
+    return worst
+
+
+def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
+    ref, (rank0, rank1) = runs["reference"], runs["ranks"]
+    # placement: rank 0 = (embedding, layer 0), (layer 2, MTP); rank 1 = (layer 1), (output layer + losses)
+    assert rank0["local"]["roles"] == [(True, False, False), (False, False, True)]
+    assert rank1["local"]["roles"] == [(False, False, False), (False, True, False)]
+    assert any(n.startswith("mtp.layers.0") for n in rank0["local"]["grads"][1])
+    assert "output_layer.weight" in rank1["local"]["grads"][1] and not rank1["local"]["grads"][1].keys() & {
+        EMBEDDING, "decoder.layers.0.input_layernorm.weight"}
+    # the MTP chunk's embedding starts as the first chunk's, not zero (megatron zero-fills it)
+    first, mtp = rank0["local"]["initial_embedding_copies"]
+    assert torch.equal(first, mtp) and mtp.abs().max() > 0
+    for mode in ("local", "ddp"):
+        losses = rank1[mode]["losses"]
+        assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"]))
+    chunks = rank0["local"]["grads"] + rank1["local"]["grads"]
+    worst = _compare(ref, chunks, sum_embedding=True)
+    # each copy's own share is far from the whole: the sum is needed
+    assert min(rel_err(g[EMBEDDING], ref["grads"][EMBEDDING]) for g in rank0["local"]["grads"]) > 100 * TOL
+    # after DDP + finalize_model_grads each copy holds the whole gradient
+    worst = max(worst, _compare(ref, rank0["ddp"]["grads"] + rank1["ddp"]["grads"], sum_embedding=False))
+    print(f"\nPP=2 x VPP=2 {LAYOUT}: worst relative max-abs error {worst:.2e}")
