@@ -10,8 +10,8 @@ State, per parameter element p on this rank (bf16 training, `model.bf16: true`):
                                          AdamW on embeddings, output layer, norms and the router
 
 Dense parameters are sharded over DP x CP, expert parameters over the expert-data-parallel group
-(TP x CP x DP / (EP x ETP)); ZeRO-2 owns whole parameters, so an owner may hold up to one whole parameter
-more than its 1/d share (the largest one is added). Parameter shards: attention, dense and shared-expert
+(TP x CP x DP / (EP x ETP)); ZeRO-2 owns whole parameters, so the owner of a tensor larger than a rank's 1/d
+share holds all of it (`zero2_ownership_slack`: the largest tensor beyond the share, at TP = 1 the embedding). Parameter shards: attention, dense and shared-expert
 FFNs and the MTP projection / TP; latent norms, the DSA indexer and the router replicated over TP; routed
 experts: E / EP experts of width F_e / ETP; embedding and output layer vocab-parallel (/ TP) on the first
 and last stage (with MTP the last stage holds a copy of the embedding too).
@@ -21,8 +21,10 @@ in flight on the rank: 1F1B keeps min(PP - r, m) on pipeline rank r; megatron's 
 min(2 (PP - r - 1) + (VPP - 1) PP + 1, m VPP) model chunks (L / (PP VPP) layers each), which on the first rank is
 L (1 + (PP - 1) / (PP VPP)) layers' worth. Activation offloading leaves two layers' worth on the GPU (the one
 running, the one prefetched). The last rank adds the final norm, the MTP depths and the output loss (unfused:
-fp32 softmax [t, V / TP] per head kept, the logits transient; chunked: a chunk's logits and the fp32 weight
-gradient accumulator), plus one layer's backward working set on every rank.
+fp32 softmax [t, V / TP] per head kept; chunked: the fp32 weight-gradient accumulator; liger: a bf16 weight
+gradient). Transient on top: one layer's backward working set, or on the last rank the output loss's logits
+(all of them unfused, a chunk's otherwise) if larger. Outside the allocator: a runtime reserve (CUDA context,
+NCCL buffers, fragmentation), an assumption added only where a layout is checked against the GPU's memory.
 """
 
 from __future__ import annotations
@@ -53,15 +55,23 @@ class ParamShard:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per GPU by named term on the pipeline rank with the highest total (`rank`)."""
+    """Bytes per GPU by named term on the pipeline rank with the highest total (`rank`). `total` is what
+    PyTorch's allocator peaks at (`torch.cuda.max_memory_allocated`, what runs record); `reserve` what the
+    GPU loses besides (`RUNTIME_RESERVE_BYTES`): a layout fits when total + reserve stays under the bound."""
 
     terms: Dict[str, float]
     rank: int
     layers: Tuple[int, ...] = field(default=())
+    reserve: float = float(RUNTIME_RESERVE_BYTES)
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
+
+    @property
+    def needed(self) -> float:
+        """Bytes the GPU must have: the allocator's peak plus the runtime reserve."""
+        return self.total + self.reserve
 
     def format(self) -> str:
         rows = sorted(self.terms.items(), key=lambda kv: -kv[1])
@@ -119,30 +129,36 @@ def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str =
     return out
 
 
-def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> Dict[str, float]:
-    """Weights, main weights, gradients and optimizer state in bytes (see the module docstring)."""
-    dp_dense = layout.dp * layout.cp
-    dp_expert = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
+                zero2_grad_reduce: str = "microbatch") -> Dict[str, float]:
+    """Weights, main weights, gradients and optimizer state in bytes (see the module docstring).
+    `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`): "step" keeps a full-size gradient buffer under ZeRO-2."""
+    groups = {"dense": layout.dp * layout.cp, "expert": layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)}
     zero = layout.zero == "zero2"
+    muon_zero2 = zero and layout.optimizer == "muon"
+    sharded_grads = muon_zero2 and zero2_grad_reduce != "step"
     terms = {"weights": 0.0, "main_weights": 0.0, "gradients": 0.0, "optimizer_state": 0.0}
-    largest = 0
+    owned = {g: 0.0 for g in groups}
+    largest = {g: 0 for g in groups}
     for s in shards:
         terms["weights"] += (2 if bf16 else 4) * s.elements
         if s.optimizer == "frozen":
             continue
-        d = (dp_dense if s.group == "dense" else dp_expert) if zero else 1
-        if zero and d > 1:
-            largest = max(largest, s.largest)
+        d = groups[s.group] if zero else 1
+        owned[s.group] += s.elements / d
+        largest[s.group] = max(largest[s.group], s.largest)
         if bf16:
             terms["main_weights"] += 4 * s.elements / d
-        muon_zero2 = zero and layout.optimizer == "muon"
-        terms["gradients"] += 4 * s.elements / (d if muon_zero2 else 1)
+        terms["gradients"] += 4 * s.elements / (d if sharded_grads else 1)
         per = 8 if (layout.optimizer == "adam" or s.optimizer == "adamw") else 4
         terms["optimizer_state"] += per * s.elements / d
-    if zero and layout.optimizer == "muon":
-        # whole-tensor ownership: an owner may hold one tensor beyond its 1/d share; reduce buckets in flight
-        terms["zero2_ownership_slack"] = largest * (4 + 4 + 8 if bf16 else 4 + 8)
-        terms["gradient_buckets"] = 4.0 * ZERO2_BUCKET_ELEMENTS * ZERO2_BUCKETS_IN_FLIGHT
+    if muon_zero2:
+        # whole-tensor ownership: a rank owning a tensor larger than its 1/d share holds all of it (main weight,
+        # gradient, state: the AdamW worst case)
+        slack = sum(max(0.0, largest[g] - owned[g]) for g in groups if groups[g] > 1)
+        terms["zero2_ownership_slack"] = slack * ((4 if bf16 else 0) + (4 if sharded_grads else 0) + 8)
+        if sharded_grads:  # reduce buckets in flight besides the owned share
+            terms["gradient_buckets"] = 4.0 * ZERO2_BUCKET_ELEMENTS * ZERO2_BUCKETS_IN_FLIGHT
     return terms
 
 
@@ -169,10 +185,16 @@ def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int,
         total = sum(out.values())
         resident = 2 * max(sum(t.values()) for t in per_layer)
         out = {"offload_resident": min(total, resident)}
-    for k, v in working_set(dims, layout, work, a).items():
-        out[k] = v
+    # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
+    # the loss runs before the first backward, so the two do not coexist
+    transient = working_set(dims, layout, work, a)
     if rank == layout.pp - 1:
-        out.update(head_terms(dims, layout, work, a))
+        head = head_terms(dims, layout, work, a)
+        logits = {"output_logits_transient": head.pop("output_logits_transient")}
+        out.update(head)
+        if sum(logits.values()) > sum(transient.values()):
+            transient = logits
+    out.update(transient)
     return out
 
 
@@ -198,17 +220,21 @@ def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> D
     else:
         chunk = min(layout.output_chunk_size, t)
         out["output_logits_transient"] = (a + 8) * v * chunk  # a chunk's logits, fp32 softmax and its gradient
-        out["output_weight_grad_fp32"] = 4.0 * v * h
+        # chunked: the weight gradient summed over chunks in fp32 (output_grad_weight_fp32, the default);
+        # liger: formed in forward in the weights' dtype
+        out["output_weight_grad"] = (4.0 if layout.output_loss_backend == "chunked" else a) * v * h
     return out
 
 
-def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all") -> MemoryEstimate:
-    """Peak bytes per GPU over the pipeline ranks (the first and the last hold the most), by named term."""
+def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
+             zero2_grad_reduce: str = "microbatch") -> MemoryEstimate:
+    """Peak bytes per GPU over the pipeline ranks (the first and the last hold the most), by named term.
+    `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
+    (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config."""
     best: Optional[MemoryEstimate] = None
     for rank in sorted({0, layout.pp - 1}):
-        terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, bf16=a == 2)
+        terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, a == 2, zero2_grad_reduce)
         terms.update(activation_terms(dims, layout, work, rank, a))
-        terms["runtime_reserve"] = float(RUNTIME_RESERVE_BYTES)
         candidate = MemoryEstimate(terms, rank, tuple(rank_layers(dims, layout, rank)))
         if best is None or candidate.total > best.total:
             best = candidate
