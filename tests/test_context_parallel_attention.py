@@ -153,7 +153,7 @@ def test_gpu_kernels_match_fp32_attention(cp):
     grad = torch.randn(s // cp, b, h * d, device="cuda", dtype=torch.bfloat16)
 
     def run(fn, dtype):
-        leaves = [x.to(dtype).requires_grad_() for x in (split_sequence(q, 0, cp, rank), k, v)]
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (split_sequence(q, 0, cp, rank), k, v)]
         out = fn(*leaves)
         out.backward(grad.to(dtype))
         return [out.float()] + [x.grad.float() for x in leaves]
