@@ -68,13 +68,15 @@ class LightningIndexer(nn.Module):
         `rope(t)` rotates the first rope dims of t [s, b, heads, d] (interleaved pairs, megatron's
         MLA layout)."""
         s, b = x.shape[0], x.shape[1]
-        xq, qr = (x, qr) if split is None else (split.take(x, 0), split.take(qr, 0))
+        # a split's rows: qr copied (narrower than q_I), w projected from x's two row pieces in place
+        qr = qr if split is None else split.take(qr, 0)
         q = self.linear_wq_b(qr).view(qr.shape[0], b, self.n_heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
         q, k = (rope(q) if split is None else split.rope(rope, q)), rope(k)
         if self.hadamard:
             q, k = hadamard_transform(q), hadamard_transform(k)
-        w = upcast(self.linear_weights_proj(xq)) * self.n_heads**-0.5
+        w = self.linear_weights_proj(x) if split is None else split.take(x, 0, self.linear_weights_proj)
+        w = upcast(w) * self.n_heads**-0.5
         return q.permute(1, 0, 2, 3), k[:, :, 0].transpose(0, 1), w.transpose(0, 1)
 
 

@@ -86,10 +86,12 @@ class RowSplit:
         (a0, a1), (b0, b1) = self.bounds(rank)
         return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)]).to(self._device)
 
-    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's rows of `t` (`dim` runs over the s rows): its two pieces, concatenated."""
+    def take(self, t: torch.Tensor, dim: int, fn: Optional[Callable] = None) -> torch.Tensor:
+        """This rank's rows of `t` (`dim` runs over the s rows): its two pieces, concatenated; given `fn`, the
+        concatenation of fn(piece) (a projection reads the pieces in place, no copy of its input)."""
         (a0, a1), (b0, b1) = self.bounds(self.rank)
-        return torch.cat([t.narrow(dim, a0, a1 - a0), t.narrow(dim, b0, b1 - b0)], dim=dim)
+        pieces = (t.narrow(dim, a0, a1 - a0), t.narrow(dim, b0, b1 - b0))
+        return torch.cat([p if fn is None else fn(p) for p in pieces], dim=dim)
 
     def gather(self, mine: torch.Tensor) -> torch.Tensor:
         """Every rank's rows, in order: mine [b, n, ...] -> [b, s, ...] (all-gather, then the pieces put back)."""
