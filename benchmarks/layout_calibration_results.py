@@ -38,11 +38,13 @@ MBS = {"file": f"{R}/train_throughput_h200/mbs_1_vs_4_h200.json",
                   "--tokens-per-step 131072 --steps 6", "date": "2026-11-24", "gpu": "H200"}
 TT_H100 = {"file": f"{R}/train_throughput_h100/throughput_4k_h100.json",
            "command": "python benchmarks/train_throughput.py --seqs 4096 --optimizers muon,adam --micro-batch-sizes 4 "
-                      "--tokens-per-step 131072 --steps 6 --out throughput_4k.json", "date": "2026-11-24", "gpu": "H100"}
+                      "--tokens-per-step 131072 --steps 6 --out throughput_4k.json",
+           "date": "2026-11-24", "gpu": "H100"}
 TT_H200 = dict(TT_H100, file=f"{R}/train_throughput_h200/throughput_4k_h200.json", gpu="H200")
 MUON = {"file": f"{R}/muon_h200/muon_step_final_default.json",
         "command": "python benchmarks/muon_step.py --config configs/models/glm5-proxy.yaml --variants "
-                   "muon_split_unfused,muon_split,muon_glu_split --steps 5 --warmup 2", "date": "2026-11-25", "gpu": "H200"}
+                   "muon_split_unfused,muon_split,muon_glu_split --steps 5 --warmup 2",
+        "date": "2026-11-25", "gpu": "H200"}
 SCALING = {"file": f"{R}/multi_gpu_h200x4/scaling/gpu1.metrics.jsonl",
            "command": "bash benchmarks/multi_gpu.sh scaling OUT", "date": "2026-11-26", "gpu": "H200"}
 EP = {"file": f"{R}/ep_dispatch_h200/ep_dispatch_layer.json",
@@ -64,7 +66,8 @@ DSA128_H100 = dict(DSA["h100"], file=f"{R}/dsa_kernels_h100/dsa_kernels_s128k.js
                    command="python benchmarks/dsa_kernels.py --seqs 131072 --reference-max 0 --reps 3 --out "
                            "dsa_kernels_s128k.json")
 HEADS = {"file": f"{R}/dsa_kernels_h200/heads_8_16_32.json",
-         "command": 'python lab/dsa/dsa_heads_sweep.py --heads 16,8,32 --seqs 16384,32768 --configs "" --ws off,on --reps 3',
+         "command": 'python lab/dsa/dsa_heads_sweep.py --heads 16,8,32 --seqs 16384,32768 --configs "" '
+                    '--ws off,on --reps 3',
          "date": "2026-11-27", "gpu": "H200"}
 OUT_H200 = {"file": f"{R}/output_loss_h200/output_loss_h200.json",
             "command": "python benchmarks/output_loss.py --tokens 32768 --out output_loss_h200.json",
@@ -74,7 +77,8 @@ OUT_H100 = {"file": f"{R}/long_context_h100/output_loss.json",
             "gpu": "H100"}
 LC16 = {"file": f"{R}/long_context_h200/lc_16k_h200.json",
         "command": "python benchmarks/long_context.py --seqs 16384 --attention dense,dsa --features "
-                   "liger,selective,selective+offload --steps 4 --out lc_16k_h200.json", "date": "2026-11-24", "gpu": "H200"}
+                   "liger,selective,selective+offload --steps 4 --out lc_16k_h200.json",
+        "date": "2026-11-24", "gpu": "H200"}
 NONE = {"file": None, "command": None, "date": None, "gpu": None}
 
 
@@ -100,8 +104,9 @@ def _breakdown_entries() -> Dict[str, Dict]:
     kv_up_gemm_s = p["core_attn"]["gemm"] * 1e-3  # MLA's key/value up-projection runs inside the core-attention row
     e = {}
     src = BREAKDOWN
-    rate = lambda name, flops, sec, what: _entry(flops / sec, "FLOP/s", "derived", src,
-                                                 f"{what}: flops.py {name} {flops / 1e12:.2f} TFLOP / {sec * 1e3:.1f} ms")
+    def rate(name, flops, sec, what):
+        return _entry(flops / sec, "FLOP/s", "derived", src,
+                      f"{what}: flops.py {name} {flops / 1e12:.2f} TFLOP / {sec * 1e3:.1f} ms")
     e["rate.attention_proj"] = rate("attention_proj", f["attention_proj"], ms["mla_proj"] + kv_up_gemm_s,
                                     "MLA projections row + the kv up-projection GEMMs of the core-attention row")
     e["rate.dense_mlp"] = rate("dense_mlp", f["dense_mlp"], ms["dense_mlp"], "dense MLP row")
@@ -110,7 +115,7 @@ def _breakdown_entries() -> Dict[str, Dict]:
                                     "expert GEMMs row (grouped GEMM, 2,731 rows per expert)")
     e["rate.mtp_eh_proj"] = rate("mtp_eh_proj", f["mtp_eh_proj"], ms["mtp"], "MTP eh_proj + glue row")
     e["routed_experts.rows_per_expert"] = _entry(16384 * 8 / 48, "rows", "derived", src,
-                                                 "4 x 4096 tokens x top-8 / 48 experts at which rate.routed_experts ran")
+                                                 "4 x 4096 tokens x top-8 / 48 experts: where rate.routed_experts ran")
     e["overhead.glue_s_per_token_layer_hidden"] = _entry(
         ms["glue"] / (tokens * layers * 2048), "s", "derived", src,
         f"norms/RoPE/residual row {ms['glue'] * 1e3:.1f} ms / (131,072 tokens x 15 layers x hidden 2048)")
@@ -129,7 +134,8 @@ def _breakdown_entries() -> Dict[str, Dict]:
     # the output row (main + 3 MTP heads) at this shape: one point of the output-loss table
     e["rate.output_head_in_step"] = rate("output_head", f["output_head"], ms["output"], "output layer + Liger loss row")
     # the core attention row minus the kv up-projection: dense attention at 4K, 16 heads, with its concatenations
-    e["attention.s4096_in_step"] = _entry(f["attention_core"] / (ms["core_attn"] - kv_up_gemm_s), "FLOP/s", "derived", src,
+    e["attention.s4096_in_step"] = _entry(f["attention_core"] / (ms["core_attn"] - kv_up_gemm_s), "FLOP/s", "derived",
+                                          src,
                                           "core-attention row minus its kv up-projection GEMMs (cuDNN SDPA + "
                                           "concatenations), 16 heads, S 4096")
     e["recompute.forward_share"] = _entry(
@@ -177,8 +183,8 @@ def _attention_entries(gpu: str) -> Dict[str, Dict]:
                     "source": DSA[gpu]})
     if gpu == "h100":
         r = _load(DSA128_H100["file"])["rows"][0]
-        pts.append({"seq": 131072, "heads": 64, "flops_per_s": flops(131072, 64, 131072) / (r["dense"]["fwdbwd_ms"] * 1e-3),
-                    "source": DSA128_H100})
+        sec = r["dense"]["fwdbwd_ms"] * 1e-3
+        pts.append({"seq": 131072, "heads": 64, "flops_per_s": flops(131072, 64, 131072) / sec, "source": DSA128_H100})
     if gpu == "h200":
         pts.append({"seq": 4096, "heads": 16, "flops_per_s": _breakdown_entries()["attention.s4096_in_step"]["value"],
                     "source": BREAKDOWN})
@@ -218,15 +224,16 @@ def _dsa_entries(gpu: str) -> Dict[str, Dict]:
         srcs.append(DSA128_H100)
     for r, src in zip(rows, srcs):
         s, d = r["S"], r["dsa"]
-        att.append({"seq": s, "heads": 64, "flops_per_s": sparse_flops(s, 64) / ((d["attn_fwd_ms"] + d["attn_bwd_ms"]) * 1e-3),
+        sec = (d["attn_fwd_ms"] + d["attn_bwd_ms"]) * 1e-3
+        att.append({"seq": s, "heads": 64, "flops_per_s": sparse_flops(s, 64) / sec, "source": src})
+        idx.append({"seq": s, "indexer_heads": 32, "s_per_token": (d["topk_ms"] + d["kl_ms"]) * 1e-3 / s,
                     "source": src})
-        idx.append({"seq": s, "indexer_heads": 32, "s_per_token": (d["topk_ms"] + d["kl_ms"]) * 1e-3 / s, "source": src})
     if gpu == "h200":
         for r in _load(HEADS["file"])["rows"]:
             if r.get("ws") == "on":
                 s, h = r["S"], r["heads"]
-                att.append({"seq": s, "heads": h, "flops_per_s": sparse_flops(s, h) / ((r["fwd_ms"] + r["bwd_ms"]) * 1e-3),
-                            "source": HEADS})
+                sec = (r["fwd_ms"] + r["bwd_ms"]) * 1e-3
+                att.append({"seq": s, "heads": h, "flops_per_s": sparse_flops(s, h) / sec, "source": HEADS})
     return {
         "dsa.sparse_attention": _entry(att, "FLOP/s", "derived", NONE,
                                        "flops.py attention_sparse (3 x heads x (2 x 576 + 2 x 512) x keys) x S / "
@@ -242,7 +249,8 @@ def _output_entries(gpu: str) -> Dict[str, Dict]:
     rows = _load(src["file"])["rows"]
     pts = []
     for r in rows:
-        name = {"liger": "liger", "unfused": "unfused", "chunked-8192": "chunked", "chunked-4096": "chunked"}.get(r["backend"])
+        names = {"liger": "liger", "unfused": "unfused", "chunked-8192": "chunked", "chunked-4096": "chunked"}
+        name = names.get(r["backend"])
         if name is None or r.get("ms") is None:
             continue
         flops = 6 * r["hidden"] * r["vocab"] * _load(src["file"]).get("tokens", 32768)
@@ -269,7 +277,8 @@ def _optimizer_entries() -> Dict[str, Dict]:
     a = {(p["optimizer"], p["micro_batch_size"]): p for p in _load(MBS["file"])["points"]}[("AdamW", 4)]
     return {
         "muon.newton_schulz_flops_per_s": _entry(ns["tflops"] * 1e12, "FLOP/s", "measured", MUON,
-                                                 f"{ns['tflop']:.1f} TFLOP of Newton-Schulz (5 steps, bf16) in {ns['ms']:.1f} ms"),
+                                                 f"{ns['tflop']:.1f} TFLOP of Newton-Schulz (5 steps, bf16) in "
+                                                 f"{ns['ms']:.1f} ms"),
         "muon.newton_schulz_flops_per_step": _entry(ns["tflop"] * 1e12, "FLOP", "measured", MUON,
                                                     "glm5-proxy's Muon matrices (fc1 whole, heads split), one step"),
         "muon.other_s_per_param": _entry(rest / PROXY_PARAMS, "s", "derived", MUON,
@@ -318,15 +327,16 @@ def _memory_features() -> Dict[str, Dict]:
     pts = {(p["attention"], p["features"]): p for p in _load(LC16["file"])["points"]}
     return {
         "offload.time_fraction": _entry(
-            {"dense": pts[("dense", "selective")]["tokens_per_sec"] / pts[("dense", "selective+offload")]["tokens_per_sec"] - 1,
-             "dsa": pts[("dsa", "selective")]["tokens_per_sec"] / pts[("dsa", "selective+offload")]["tokens_per_sec"] - 1},
+            {a: pts[(a, "selective")]["tokens_per_sec"] / pts[(a, "selective+offload")]["tokens_per_sec"] - 1
+             for a in ("dense", "dsa")},
             "fraction of layer time", "derived", LC16,
             "tokens/s of selective recompute / selective + offload - 1, at 16K (one sequence per step)"),
     }
 
 
 DSA16 = {"file": f"{R}/long_context_h200/dsa_16k_breakdown.md",
-         "command": "python -m pretrain.tools.step_breakdown on a profile of steps 3-4 of python -m pretrain.train --config "
+         "command": "python -m pretrain.tools.step_breakdown on a profile of steps 3-4 of python -m pretrain.train "
+                    "--config "
                     "configs/models/glm5-proxy.yaml data.mock=true data.seq_length=16384 train.micro_batch_size=1 "
                     "train.global_batch_size=1 (DSA sparse + sparse KL)", "date": "2026-11-24", "gpu": "H200"}
 FITS = [  # (entry, the case whose measurement it is fitted to, what it stands for)
@@ -363,7 +373,8 @@ def _fit(table: Dict, gpu: str) -> None:
         if gpu != case["gpu_kind"]:
             kind, note = "assumption", f" (fitted on the {case['gpu_kind'].upper()}, assumed on the {gpu.upper()})"
         table["entries"][name] = _entry((lo + hi) / 2, "s", kind, src,
-                                        f"fitted: the time model meets the measured tokens/s of '{case_id}'{note}; {what}")
+                                        f"fitted: the time model meets the measured tokens/s of '{case_id}'{note}; "
+                                        f"{what}")
 
 
 def build(gpu: str) -> Dict:
@@ -389,7 +400,8 @@ def build(gpu: str) -> Dict:
                                                "micro-batch and rank) and fall in proportion below it; not measured")
     device = "NVIDIA H200" if gpu == "h200" else "NVIDIA H100 80GB HBM3"
     if gpu == "h100":
-        pick = lambda src: [p for p in _load(src["file"])["points"] if p["optimizer"] == "Muon" and "tokens_per_sec" in p][0]
+        def pick(src):
+            return [p for p in _load(src["file"])["points"] if p["optimizer"] == "Muon" and "tokens_per_sec" in p][0]
         h1, h2 = pick(TT_H100), pick(TT_H200)
         scale = h1["tokens_per_sec"] / h2["tokens_per_sec"]
         entries["h100.scale_of_h200"] = _entry(
@@ -408,7 +420,8 @@ def build(gpu: str) -> Dict:
                 v["value"] /= scale
                 v["kind"], v["derivation"] = "derived", v["derivation"] + f"; / {scale:.4f} (h100.scale_of_h200)"
         pts = entries["attention.dense"]["value"]
-        pts.append({"seq": 4096, "heads": 16, "flops_per_s": _breakdown_entries()["attention.s4096_in_step"]["value"] * scale,
+        in_step = _breakdown_entries()["attention.s4096_in_step"]["value"]
+        pts.append({"seq": 4096, "heads": 16, "flops_per_s": in_step * scale,
                     "source": dict(BREAKDOWN, note="H200 in-step rate x h100.scale_of_h200")})
         for name in ("cp.chunks_over_ideal", "cp.mask_over_ideal", "documents.attention_ratio"):
             e = _attention_entries("h200")[name]
@@ -421,7 +434,8 @@ def build(gpu: str) -> Dict:
             p["source"] = dict(HEADS, note="H200 heads sweep x h100.scale_of_h200 (assumption)")
         entries["dsa.sparse_attention"]["value"].extend(heads)
         offl = entries["offload.time_fraction"]
-        offl["kind"], offl["derivation"] = "assumption", "the H200 measurement, assumed on the H100: " + offl["derivation"]
+        offl["kind"] = "assumption"
+        offl["derivation"] = "the H200 measurement, assumed on the H100: " + offl["derivation"]
     from pretrain.training.flops import peak_flops
     table = {"gpu_kind": gpu, "device_name": device, "peak_bf16_flops": peak_flops(device),
             "about": "Calibration of pretrain.layout.timing; every entry names its source, kind and derivation. "
