@@ -190,3 +190,79 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     # after DDP + finalize_model_grads each copy holds the whole gradient
     worst = max(worst, _compare(ref, rank0["ddp"]["grads"] + rank1["ddp"]["grads"], sum_embedding=False))
     print(f"\nPP=2 x VPP=2 {LAYOUT}: worst relative max-abs error {worst:.2e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the config's stages and refusals, the balanced split (no process group)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_balanced_split_hand_computed():
+    """E=1, four layers of 4, the MTP block 6, the loss 3, into 3 stages. By hand: the cuts give
+    [E t t | t t | M L] = 9 | 8 | 9, and every other cut has a stage of 12 or more (e.g. [E t | t t t | M L]
+    = 5 | 12 | 9, [E t t | t t M | L] = 9 | 14 | 3), so the largest stage is 9 only there."""
+    from pretrain.tools.pipeline_split import balanced_split, interleaved_split, step_time
+
+    costs = [1, 4, 4, 4, 4, 6, 3]
+    assert balanced_split(costs, 3) == [3, 2, 2]
+    # a stage may not start at item 3 (a 'shared' DSA indexer): [E t | t t t | M L] = 5 | 12 | 9 beats
+    # [E t t t | t | M L] = 13 | 4 | 9 and [E t t t | t M | L] = 13 | 10 | 3
+    assert balanced_split(costs, 3, can_start=[True, True, True, False, True, True, True]) == [2, 3, 2]
+    # PP=2 x VPP=2, 4 micro-batches: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3. By hand, the ranks
+    # split the 26 evenly only with a last stage [M L] = 9 and stage 1 = one layer: [E t | t | t t | M L]
+    # (5 + 8, 4 + 9) or [E t t | t | t | M L] (9 + 4, 4 + 9); both cost 4 x 13 + 9 = 61, the least of all 20
+    # splits. The minimax split [E t t | t t | M | L] (9 + 6, 8 + 3) costs 4 x 15 + 9 = 69.
+    assert step_time([2, 1, 2, 2], costs, pp=2, microbatches=4) == 61
+    assert step_time([3, 2, 1, 1], costs, pp=2, microbatches=4) == 69
+    assert interleaved_split(costs, pp=2, vpp=2, microbatches=4) in ([2, 1, 2, 2], [3, 1, 1, 2])
+    import itertools
+    splits = [s for s in itertools.product(range(1, 5), repeat=4) if sum(s) == len(costs)]
+    assert min(step_time(s, costs, 2, 4) for s in splits) == 61
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], [["E", "t", "t", "t", "m", "m", "m", "L"]]),
+    (["parallel.pipeline_model_parallel_size=3"], [["E", "t"], ["t"], ["t", "m", "m", "m", "L"]]),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.num_layers_in_first_pipeline_stage=1"],
+     [["E", "t"], ["t", "t", "m", "m", "m", "L"]]),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.account_for_loss_in_pipeline_split=true"],
+     [["E", "t", "t"], ["t", "m", "m", "m", "L"]]),
+    (PIPELINE, [["E", "t"], ["t"], ["t", "m", "m", "m"], ["L"]]),
+])
+def test_stage_entries(extra, expected):
+    from pretrain.config.pipeline_layout import stage_entries
+
+    cfg = _config(extra)
+    assert stage_entries(cfg.model, cfg.parallel) == expected
+
+
+@pytest.mark.parametrize("extra, keys", [
+    (["parallel.pipeline_model_parallel_size=2"], ["model.num_layers", "parallel.pipeline_model_parallel_size"]),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_layout=Et|t|tmmm|L"],
+     ["parallel.pipeline_model_parallel_layout", "virtual_pipeline_model_parallel_size"]),
+    (PIPELINE[:2] + ["parallel.pipeline_model_parallel_layout=Et|t|mmm|L"], ["parallel.pipeline_model_parallel_layout",
+                                                                            "model.num_layers"]),
+    (PIPELINE[:2] + ["parallel.pipeline_model_parallel_layout=Et|tmm|tm|L"], ["parallel.pipeline_model_parallel_layout",
+                                                                            "MTP"]),
+    (PIPELINE[:2] + ["parallel.pipeline_model_parallel_layout=Et|tmmm|t|L"], ["parallel.pipeline_model_parallel_layout",
+                                                                            "MTP"]),
+    (PIPELINE + ["model.share_embeddings_and_output_weights=true"], ["model.share_embeddings_and_output_weights"]),
+    (PIPELINE + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.num_layers_in_first_pipeline_stage"]),
+    (PIPELINE[:2] + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.virtual_pipeline_model_parallel_size"]),
+])
+def test_bad_layouts_refused_in_one_line(extra, keys):
+    from pretrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _config(extra)
+    message = str(err.value)
+    assert "\n" not in message and all(k in message for k in keys), message
+
+
+def test_split_tool_prints_a_layout_that_loads(capsys):
+    from pretrain.tools.pipeline_split import main
+
+    main(["--config", str(TINY), "--pp", "2", "--vpp", "2"] + BASE_OVERRIDES + CUT)
+    out = capsys.readouterr().out
+    layout = out.split("pipeline_model_parallel_layout='")[1].split("'")[0]
+    _config(PIPELINE[:2] + [f"parallel.pipeline_model_parallel_layout={layout}"])

@@ -136,6 +136,27 @@ def _add(total: Dict[str, float], part: Dict[str, float], times: float = 1.0) ->
         total[key] = total.get(key, 0.0) + value * times
 
 
+def layer_training_flops(model_cfg, seq_length: int, moe: bool, dsa_sparse: bool = False, causal: bool = True,
+                         dsa_indexer: Optional[bool] = None) -> float:
+    """Training FLOPs per token of one decoder layer (dense or MoE FFN); the per-layer term of
+    `training_flops_per_token` (pipeline stage balancing, `pretrain.tools.pipeline_split`)."""
+    m = getattr(model_cfg, "model", model_cfg)
+    dsa_indexer = dsa_sparse if dsa_indexer is None else dsa_indexer
+    return sum(_layer_flops(m, seq_length, moe, dsa_sparse, dsa_indexer, causal).values())
+
+
+def output_head_training_flops(model_cfg) -> float:
+    """Training FLOPs per token of one output head (h x vocab); once for the main model, once per MTP depth."""
+    m = getattr(model_cfg, "model", model_cfg)
+    return TRAIN_MULTIPLIER * 2 * m.hidden_size * m.vocab_size
+
+
+def mtp_eh_proj_training_flops(model_cfg) -> float:
+    """Training FLOPs per token of one MTP depth's eh_proj (2h x h)."""
+    m = getattr(model_cfg, "model", model_cfg)
+    return TRAIN_MULTIPLIER * 2 * (2 * m.hidden_size) * m.hidden_size
+
+
 # ----------------------------------------------------------------------------------- model
 def training_flops_per_token(
     model_cfg,

@@ -1,0 +1,234 @@
+"""A balanced `parallel.pipeline_model_parallel_layout` from a cost model (docs/parallelism.md, pipeline section).
+
+    python -m pretrain.tools.pipeline_split --config configs/models/glm5-proxy.yaml --pp 2 --vpp 2 [overrides]
+
+prints the layout, the overrides to paste, and each stage's share of the work next to megatron's even split.
+Megatron-LM takes the layout as an explicit string (`--pipeline-model-parallel-layout`); so does this project:
+the tool prints one, the config keeps it, and a resumed run never moves layers because a cost estimate changed.
+
+Cost of each entry, per token, in training FLOPs (forward + backward, `pretrain.training.flops`):
+
+    t  one decoder layer, dense or MoE FFN, DSA as the config trains it       layer_training_flops
+    L  the main output head h x V, plus its cross-entropy                     output_head_training_flops + CE
+    m  one MTP depth: eh_proj, the MTP layer (the last layer's spec), its head and cross-entropy
+    E  the embedding
+
+The embedding's look-up and the cross-entropy over V are memory-bound, not matrix work; they count as
+bytes x `flop_per_byte` (default 989.4 TFLOP/s / 3.35 TB/s, an H100 SXM's bf16 peak over its memory
+bandwidth): E moves 14 h bytes per token (the bf16 row read and written, its gradient read and added into
+fp32), each cross-entropy 16 V (fp32 logits written and read, their gradient written and read).
+
+The split: the entries in model order (E, t_0 .. t_{n-1}, the MTP depths as one block, L) cut into
+PP x VPP consecutive non-empty stages minimizing the estimated step time m x (the busiest rank's work) +
+(p - 1) x (the slowest stage's): in the steady state every rank runs all its stages once per micro-batch,
+and the warm-up and drain (the (p - 1) / (v m) bubble) last p - 1 slots of the slowest stage. Without
+virtual stages that is the minimax split (exact dynamic program); with them, a local search from it. With untied embeddings the MTP block
+may end a stage of its own before the last, which then holds L alone (GLM-5's placement); a stage may
+start only at a layer whose DSA indexer is "full" (`model.dsa_indexer_types`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional, Sequence, Tuple
+
+from pretrain.config.pipeline_layout import format_layout, stage_entries
+from pretrain.config.schema import GLM5Config
+from pretrain.training.flops import (
+    layer_training_flops,
+    mtp_eh_proj_training_flops,
+    output_head_training_flops,
+)
+
+H100_FLOP_PER_BYTE = 989.4e12 / 3.35e12
+
+
+def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE) -> Tuple[List[str], List[float]]:
+    """The model's entries in order (E, t.., one "m"*D block, L) and their training cost per token."""
+    from pretrain.config import moe_layer_pattern
+
+    m = cfg.model
+    dsa = m.experimental_attention_variant == "dsa"
+    kwargs = dict(dsa_sparse=dsa and m.dsa_sparse_attention, dsa_indexer=dsa and m.dsa_indexer_loss_coeff > 0)
+    seq = cfg.data.seq_length
+    pattern = moe_layer_pattern(m)
+    cross_entropy = 16 * m.vocab_size * flop_per_byte
+    head = output_head_training_flops(m) + cross_entropy
+    entries = ["E"] + ["t"] * m.num_layers
+    costs = [14 * m.hidden_size * flop_per_byte]
+    costs += [layer_training_flops(m, seq, bool(is_moe), **kwargs) for is_moe in pattern]
+    depths = m.mtp_num_layers or 0
+    if depths:
+        depth = mtp_eh_proj_training_flops(m) + layer_training_flops(m, seq, bool(pattern[-1]), **kwargs) + head
+        entries.append("m" * depths)
+        costs.append(depths * depth)
+    return entries + ["L"], costs + [head]
+
+
+def balanced_split(costs: Sequence[float], stages: int, can_start: Optional[Sequence[bool]] = None) -> List[int]:
+    """Sizes of `stages` consecutive non-empty groups of `costs` whose largest sum is smallest.
+
+    `can_start[i]`: whether a group may begin at item i (item 0 always does). Exact: best[k][i] is the
+    smallest possible largest sum of the first i items in k groups."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} entries into {stages} non-empty stages")
+    can_start = can_start or [True] * n
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):  # the k-th group is items j .. i-1
+                if best[k - 1][j] == inf or (j > 0 and not can_start[j]):
+                    continue
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    if best[stages][n] == inf:
+        raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
+    sizes, i = [], n
+    for k in range(stages, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def step_time(sizes: Sequence[int], costs: Sequence[float], pp: int, microbatches: int) -> float:
+    """Estimated step time of a split, per token of a micro-batch: m x the busiest rank's work (steady state)
+    plus (p - 1) x the slowest stage (the warm-up and drain)."""
+    stage, start = [], 0
+    for size in sizes:
+        stage.append(sum(costs[start:start + size]))
+        start += size
+    ranks = [sum(stage[r::pp]) for r in range(pp)]
+    return microbatches * max(ranks) + (pp - 1) * max(stage)
+
+
+def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: int,
+                      can_start: Optional[Sequence[bool]] = None) -> List[int]:
+    """Stage sizes for PP x VPP stages minimizing `step_time`: exact (`balanced_split`) for VPP = 1; with
+    virtual stages a rank's work is the sum of non-adjacent stages, so the minimax split is the start of a
+    local search that moves one stage boundary by one entry while the estimate improves."""
+    sizes = balanced_split(costs, pp * vpp, can_start)
+    if vpp == 1:
+        return sizes
+    can_start = can_start or [True] * len(costs)
+    best = step_time(sizes, costs, pp, microbatches)
+    improved = True
+    while improved:
+        improved = False
+        for b in range(len(sizes) - 1):  # the boundary between stage b and b + 1
+            for delta in (-1, 1):
+                trial = list(sizes)
+                trial[b] += delta
+                trial[b + 1] -= delta
+                if min(trial[b], trial[b + 1]) < 1 or not can_start[sum(trial[:b + 1])]:
+                    continue
+                value = step_time(trial, costs, pp, microbatches)
+                if value < best - 1e-9 * best:
+                    sizes, best, improved = trial, value, True
+    return sizes
+
+
+def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
+                    microbatches: Optional[int] = None) -> List[List[str]]:
+    """The balanced stages (lists of entry letters) for the config's PP x VPP."""
+    m, p = cfg.model, cfg.parallel
+    entries, costs = entry_costs(cfg, flop_per_byte)
+    if m.share_embeddings_and_output_weights and m.mtp_num_layers:  # MTP stays with the loss
+        entries, costs = entries[:-2] + [entries[-2] + "L"], costs[:-2] + [costs[-2] + costs[-1]]
+    types = m.dsa_indexer_types if m.experimental_attention_variant == "dsa" else None
+    can_start = [e != "t" or types is None or types[i - 1] == "full" for i, e in enumerate(entries)]
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    sizes = interleaved_split(costs, pp, vpp, m_count, can_start)
+    out, start = [], 0
+    for size in sizes:
+        out.append([letter for e in entries[start:start + size] for letter in e])
+        start += size
+    return out
+
+
+def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE) -> List[float]:
+    """Each stage's cost per token (the entries' costs, in model order)."""
+    entries, costs = entry_costs(cfg, flop_per_byte)
+    per_letter = []
+    for e, c in zip(entries, costs):
+        per_letter += [c / len(e)] * len(e)
+    out, start = [], 0
+    for stage in stages:
+        out.append(sum(per_letter[start:start + len(stage)]))
+        start += len(stage)
+    return out
+
+
+def report(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, microbatches: Optional[int] = None) -> str:
+    import dataclasses
+
+    p = cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    layout = balanced_layout(cfg, flop_per_byte, m_count)
+    even_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pipeline_model_parallel_layout=None))
+    rows = [("balanced", layout)]
+    try:
+        rows.append(("even (no layout)", stage_entries(even_cfg.model, even_cfg.parallel)))
+    except ValueError as e:  # ConfigError: the even split does not exist at these sizes
+        rows.append(("even (no layout)", str(e)))
+    lines = [f"PP={pp} x VPP={vpp}, {m_count} micro-batches per step; cost per token in training GFLOPs "
+             f"(FLOP per byte {flop_per_byte:.0f})"]
+    for name, stages in rows:
+        if isinstance(stages, str):
+            lines.append(f"{name}: not possible: {stages}")
+            continue
+        costs = stage_costs(cfg, stages, flop_per_byte)
+        ideal = sum(costs) / len(costs)
+        ranks = [sum(costs[i] for i in range(r, len(costs), pp)) for r in range(pp)]
+        lines.append(f"{name}: {format_layout(stages)}")
+        lines.append("  stages: " + "  ".join(f"{c / 1e9:.2f}" for c in costs)
+                     + f"   slowest / mean = {max(costs) / ideal:.3f}")
+        # the step against an ideal pipeline (every rank's share equal, no bubble)
+        estimate = (m_count * max(ranks) + (pp - 1) * max(costs)) / (m_count * sum(costs) / pp)
+        lines.append("  per pipeline rank: " + "  ".join(f"{c / 1e9:.2f}" for c in ranks)
+                     + f"   estimated step / ideal = {estimate:.3f}")
+    vpp_key = f" parallel.virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else ""
+    lines.append(f"overrides: parallel.pipeline_model_parallel_layout='{format_layout(layout)}'{vpp_key}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import dataclasses
+
+    from pretrain.config import load_config
+
+    parser = argparse.ArgumentParser(description="A balanced pipeline layout for a config's PP x VPP")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--pp", type=int, help="pipeline ranks (default: the config's)")
+    parser.add_argument("--vpp", type=int, help="virtual stages per rank (default: the config's)")
+    parser.add_argument("--microbatches", type=int,
+                        help="micro-batches per step per pipeline (default: global / micro batch size, DP=1)")
+    parser.add_argument("--flop-per-byte", type=float, default=H100_FLOP_PER_BYTE,
+                        help="the GPU's bf16 peak over its memory bandwidth (memory-bound entries' weight)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    # loaded without pipeline stages: the config's own split may not exist at these sizes (what the tool is for)
+    flat = ["parallel.pipeline_model_parallel_size=1", "parallel.virtual_pipeline_model_parallel_size=null",
+            "parallel.pipeline_model_parallel_layout=null"]
+    wanted = load_config(args.config, args.overrides).parallel if args.pp is None or args.vpp is None else None
+    cfg = load_config(args.config, list(args.overrides) + flat)
+    pp = args.pp or wanted.pipeline_model_parallel_size
+    vpp = args.vpp if args.vpp is not None else wanted.virtual_pipeline_model_parallel_size
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None))
+    print(report(cfg, args.flop_per_byte, args.microbatches))
+    layout = format_layout(balanced_layout(cfg, args.flop_per_byte, args.microbatches))
+    stage_entries(cfg.model, dataclasses.replace(cfg.parallel, pipeline_model_parallel_layout=layout))  # it loads
+
+
+if __name__ == "__main__":
+    main()
