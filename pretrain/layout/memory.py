@@ -30,6 +30,7 @@ NCCL buffers, fragmentation), an assumption added only where a layout is checked
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from pretrain.layout.activations import layer_terms, working_set
@@ -85,9 +86,16 @@ def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
 
 
 def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str = "all") -> List[ParamShard]:
-    """Parameter shards on pipeline rank `rank` (TP/EP/ETP split, see the module docstring); `trainable`
-    "dsa_indexer" (the DSA warm-up) marks everything but the indexers frozen (optimizer "frozen")."""
-    tp, h = layout.tp, dims.hidden
+    """Parameter shards on pipeline rank `rank` (TP/EP/ETP split, see the module docstring), one per
+    (optimizer, group); `trainable` "dsa_indexer" (the DSA warm-up) marks all but the indexers "frozen"."""
+    return list(_rank_parameters(dims, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, rank, trainable))
+
+
+@lru_cache(maxsize=4096)
+def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: int, rank: int,
+                     trainable: str) -> Tuple[ParamShard, ...]:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    h = dims.hidden
     latent_norms = (dims.q_lora_rank or 0) + dims.kv_lora_rank
     idx_norm = 2 * dims.dsa_indexer_head_dim if dims.indexer_params else 0
     out: List[ParamShard] = []
@@ -126,7 +134,12 @@ def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str =
             layer(dims.mtp_layer_is_moe, bool(dims.indexer_params))
             add(2 * h * h // tp, "muon")  # eh_proj
             add(dims.mtp_extra_params - 2 * h * h, "adamw")
-    return out
+    merged: Dict[Tuple[str, str], ParamShard] = {}
+    for p in out:
+        q = merged.get((p.optimizer, p.group))
+        merged[(p.optimizer, p.group)] = p if q is None else ParamShard(
+            q.elements + p.elements, p.optimizer, p.group, max(q.largest, p.largest))
+    return tuple(merged.values())
 
 
 def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
@@ -170,20 +183,30 @@ def in_flight_chunks(layout: Layout, rank: int) -> int:
     return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
 
 
+@lru_cache(maxsize=4096)
+def _layer_kinds(dims: ModelDims, pp: int, vpp: int, rank: int) -> Tuple[Tuple[int, int], ...]:
+    """(first layer of the kind, count) per layer kind (MoE, DSA) of the rank: a kind's layers keep equal bytes."""
+    kinds: Dict[Tuple[int, bool], List[int]] = {}
+    for i in rank_layers(dims, Layout(pp=pp, vpp=vpp), rank):
+        kinds.setdefault((dims.moe_pattern[i], dims.dsa_layers[i]), []).append(i)
+    return tuple((ids[0], len(ids)) for ids in kinds.values())
+
+
 def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
     """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
-    layers = rank_layers(dims, layout, rank)
-    per_layer = [layer_terms(dims, layout, work, i, a, layout.recompute) for i in layers]
+    kinds = _layer_kinds(dims, layout.pp, layout.vpp, rank)
+    n_layers = sum(n for _, n in kinds)
+    per_kind = [(layer_terms(dims, layout, work, first, a, layout.recompute), n) for first, n in kinds]
     chunks = in_flight_chunks(layout, rank)
     # chunks in flight x layers per chunk, at the rank's mean per-layer bytes
-    scale = chunks * (len(layers) // layout.vpp) / len(layers)
+    scale = chunks * (n_layers // layout.vpp) / n_layers
     out: Dict[str, float] = {}
-    for terms in per_layer:
+    for terms, n in per_kind:
         for k, v in terms.items():
-            out[k] = out.get(k, 0.0) + v * scale
+            out[k] = out.get(k, 0.0) + v * n * scale
     if layout.activation_offload:  # saved tensors wait in host memory; two layers' worth stay
         total = sum(out.values())
-        resident = 2 * max(sum(t.values()) for t in per_layer)
+        resident = 2 * max(sum(t.values()) for t, _ in per_kind)
         out = {"offload_resident": min(total, resident)}
     # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
     # the loss runs before the first backward, so the two do not coexist

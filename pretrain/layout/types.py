@@ -216,7 +216,8 @@ class Layout:
     `optimizer.use_distributed_optimizer` turns on: ZeRO-2 for Muon (gradients, state and main weights
     1/dp, `pretrain.optim.zero2_grads`), megatron's distributed optimizer for AdamW (state and main
     weights 1/dp, the gradient buffer full-size). `recompute`: "selective" recomputes the core
-    attention (megatron's default module), "full" reruns every layer (uniform, one layer per unit).
+    attention and the MoE layer (`recompute_modules: [core_attn, moe]`, GLM-5's fine-grained recompute), "full"
+    reruns every layer (uniform, one layer per unit).
     """
 
     tp: int = 1
@@ -248,11 +249,11 @@ class Layout:
     def overrides(self) -> List[str]:
         """The dotted config overrides (`section.key=value`) that select this layout."""
         recompute = {"none": ["model.recompute_granularity=null", "model.recompute_method=null",
-                              "model.recompute_num_layers=null"],
+                              "model.recompute_num_layers=null", "model.recompute_modules=null"],
                      "selective": ["model.recompute_granularity=selective", "model.recompute_method=null",
-                                   "model.recompute_num_layers=null"],
+                                   "model.recompute_num_layers=null", "model.recompute_modules=[core_attn,moe]"],
                      "full": ["model.recompute_granularity=full", "model.recompute_method=uniform",
-                              "model.recompute_num_layers=1"]}[self.recompute]
+                              "model.recompute_num_layers=1", "model.recompute_modules=null"]}[self.recompute]
         out = [
             f"parallel.tensor_model_parallel_size={self.tp}",
             f"parallel.pipeline_model_parallel_size={self.pp}",

@@ -1,0 +1,260 @@
+"""Enumerate the layouts of a GPU count, refuse the ones that cannot run, rank the rest (docs/layout.md).
+
+For W GPUs: TP in {1, 2, 4, 8} within a node, CP, PP dividing W / (TP CP), DP = W / (TP CP PP), VPP, EP dividing
+the experts with EP x ETP dividing TP CP DP, micro-batch, recompute and offload. Cheap arithmetic refuses first,
+with a reason (the rules of `pretrain.config.cross_checks`, which the best candidates then pass through for real):
+
+    heads % TP, vocab % TP, ffn % TP, layers % (PP VPP), experts % EP, expert width % ETP,
+    TP CP DP % (EP ETP), seq % (2 CP), global batch % (micro-batch x DP), micro-batches % PP with VPP,
+    bubble (PP - 1) / (VPP m) over the bound, memory (`memory.estimate`) + runtime reserve over
+    (1 - headroom) x GPU memory.
+
+Within one parallel split the recompute options are tried from the fastest (none) to the leanest (full +
+offload) and the first that fits is kept. Survivors are ranked by the time model's tokens/s per GPU
+(`pretrain.layout.timing.step_time`); the best are built as configs and validated (`validate_config`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import yaml
+
+from pretrain.layout.memory import MemoryEstimate, estimate
+from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
+
+# recompute options from the fastest to the leanest
+RECOMPUTE_ORDER: Tuple[Tuple[str, bool], ...] = (("none", False), ("selective", False), ("selective", True),
+                                                 ("full", False), ("full", True))
+StepFn = Callable[[ModelDims, Layout, Workload, Cluster], StepTime]
+
+
+@dataclass
+class SearchOptions:
+    headroom: float = 0.10  # keep this fraction of GPU memory free
+    bubble_bound: float = 0.10  # refuse a pipeline idle more than this fraction of the ideal step
+    optimizer: str = "muon"
+    zero: Tuple[str, ...] = ("zero2",)
+    micro_batches: Tuple[int, ...] = (1, 2, 4)
+    max_vpp: int = 8
+    min_tokens_per_cp_rank: int = 4096  # CP splits long sequences only
+    output_chunk_size: int = 4096
+    trainable: str = "all"
+    validate_top: int = 10  # candidates built as configs and validated, best first
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    step: Optional[StepTime] = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.step.tokens_per_s_per_gpu * self.layout.gpus if self.step else 0.0
+
+
+@dataclass
+class SearchResult:
+    ranked: List[Candidate]
+    refused: Counter = field(default_factory=Counter)  # reason kind -> layouts refused for it
+    examples: Dict[str, str] = field(default_factory=dict)  # reason kind -> one full reason
+    considered: int = 0
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def refusal(dims: ModelDims, layout: Layout, work: Workload) -> Optional[str]:
+    """The first arithmetic rule `layout` breaks, as 'kind: detail', or None (cheap: no memory, no config)."""
+    tp, pp, vpp, ep, etp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, layout.cp, layout.dp
+    rules = [
+        (dims.heads % tp == 0, "heads % tp", f"{dims.heads} heads over TP {tp}"),
+        (dims.vocab % tp == 0, "vocab % tp", f"vocab {dims.vocab} over TP {tp}"),
+        (dims.ffn_hidden % tp == 0 and dims.shared_expert_ffn_hidden % tp == 0, "ffn % tp",
+         f"FFN widths {dims.ffn_hidden}/{dims.shared_expert_ffn_hidden} over TP {tp}"),
+        (dims.num_layers % (pp * vpp) == 0, "layers % (pp*vpp)", f"{dims.num_layers} layers over PP {pp} x VPP {vpp}"),
+        (vpp == 1 or pp > 1, "vpp without pp", f"VPP {vpp} needs PP > 1"),
+        (ep == 1 or dims.num_experts % ep == 0, "experts % ep", f"{dims.num_experts} experts over EP {ep}"),
+        (etp == 1 or dims.expert_ffn_hidden % etp == 0, "expert width % etp",
+         f"expert width {dims.expert_ffn_hidden} over ETP {etp}"),
+        ((tp * cp * dp) % (ep * etp) == 0, "ep*etp vs tp*cp*dp", f"EP {ep} x ETP {etp} must divide TP x CP x DP"),
+        (tp == 1 or layout.sequence_parallel or not dims.num_experts, "moe needs sp", "TP > 1 with MoE needs SP"),
+        (work.seq_length % (2 * cp) == 0, "seq % (2*cp)", f"seq {work.seq_length} over 2 x CP {cp}"),
+        (not layout.sequence_parallel or (work.seq_length // cp) % tp == 0, "seq/cp % tp",
+         f"seq / CP {work.seq_length // cp} over TP {tp}"),
+        (work.global_batch_size % (layout.micro_batch_size * dp) == 0, "global batch % (mbs*dp)",
+         f"global batch {work.global_batch_size} over micro-batch {layout.micro_batch_size} x DP {dp}"),
+        (vpp == 1 or layout.num_microbatches % pp == 0, "micro-batches % pp with vpp",
+         f"{layout.num_microbatches} micro-batches over PP {pp} (interleaved schedule)"),
+    ]
+    for ok, kind, detail in rules:
+        if not ok:
+            return f"{kind}: {detail}"
+    return None
+
+
+def memory_refusal(mem: MemoryEstimate, capacity: float, headroom: float) -> Optional[str]:
+    bound = (1 - headroom) * capacity
+    if mem.needed > bound:
+        return (f"memory: {mem.needed / 2**30:.1f} GiB needed (peak {mem.total / 2**30:.1f} + reserve) over "
+                f"{bound / 2**30:.1f} GiB ({1 - headroom:.0%} of {capacity / 2**30:.1f}) on pipeline rank {mem.rank}")
+    return None
+
+
+def bubble_refusal(layout: Layout, bound: float) -> Optional[str]:
+    if layout.pp > 1 and layout.bubble > bound:
+        return (f"bubble: (PP - 1) / (VPP x m) = {layout.pp - 1} / ({layout.vpp} x {layout.num_microbatches}) "
+                f"= {layout.bubble:.0%} over {bound:.0%}")
+    return None
+
+
+def splits(dims: ModelDims, work: Workload, cluster: Cluster, opts: SearchOptions) -> Iterator[Layout]:
+    """Every parallel split of `cluster.gpus` (recompute left at none) the search considers."""
+    w = cluster.gpus
+    tps = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node and w % t == 0]
+    for tp in tps:
+        cps = [c for c in _divisors(w // tp) if work.seq_length // c >= opts.min_tokens_per_cp_rank or c == 1]
+        for cp in cps:
+            for pp in _divisors(w // (tp * cp)):
+                dp = w // (tp * cp * pp)
+                vpps = [v for v in range(1, opts.max_vpp + 1) if pp > 1 or v == 1]
+                eps = [e for e in _divisors(dims.num_experts)] if dims.num_experts else [1]
+                etps = [e for e in (1, 2, 4, 8) if e <= tp * cp * dp] if dims.num_experts else [1]
+                for vpp, ep, etp, mbs, zero in itertools.product(vpps, eps, etps, opts.micro_batches, opts.zero):
+                    if mbs > 1 and work.seq_length > 8192:
+                        continue  # long sequences: one per micro-batch
+                    m = max(work.global_batch_size // (mbs * dp), 1)
+                    yield Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, micro_batch_size=mbs,
+                                 num_microbatches=m, sequence_parallel=tp > 1, optimizer=opts.optimizer, zero=zero,
+                                 output_loss_backend="chunked", output_chunk_size=opts.output_chunk_size)
+
+
+def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
+            opts: SearchOptions) -> Tuple[Optional[Candidate], Optional[str]]:
+    """The fastest recompute/offload setting of `layout` that fits, or (None, the leanest setting's refusal)."""
+    reason = None
+    for recompute, offload in RECOMPUTE_ORDER:
+        lay = replace(layout, recompute=recompute, activation_offload=offload)
+        mem = estimate(dims, lay, work, trainable=opts.trainable)
+        reason = memory_refusal(mem, cluster.memory_bytes, opts.headroom)
+        if reason is None:
+            return Candidate(lay, mem), None
+    return None, reason
+
+
+def default_step_fn(cluster: Cluster) -> StepFn:
+    """The time model with the calibration of the cluster's GPU kind; a one-line error when it is missing."""
+    try:
+        from pretrain.layout import timing
+    except ImportError as e:
+        raise RuntimeError(f"the layout planner's time model (pretrain.layout.timing) is not available: {e}") from e
+    calib = timing.load_calibration(cluster.gpu_kind)
+    # the layouts' selective recompute is recompute_modules [core_attn, moe] (Layout.overrides)
+    variant = {"selective_modules": ("core_attn", "moe")}
+    return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant)
+
+
+def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[SearchOptions] = None,
+           step_fn: Optional[StepFn] = None, validate: Optional[Callable[[Layout], Optional[str]]] = None
+           ) -> SearchResult:
+    """Every split of the cluster, refused with a reason or ranked by tokens/s (module docstring).
+    `validate(layout)` returns the config validator's refusal of a layout (None: accepted)."""
+    opts = opts or SearchOptions()
+    step_fn = step_fn or default_step_fn(cluster)
+    result = SearchResult(ranked=[])
+
+    def refuse(reason: str) -> None:
+        kind = reason.split(":", 1)[0]
+        result.refused[kind] += 1
+        result.examples.setdefault(kind, reason)
+
+    for layout in splits(dims, work, cluster, opts):
+        result.considered += 1
+        reason = refusal(dims, layout, work) or bubble_refusal(layout, opts.bubble_bound)
+        if reason:
+            refuse(reason)
+            continue
+        cand, reason = fitting(dims, layout, work, cluster, opts)
+        if cand is None:
+            refuse(reason)
+            continue
+        cand.step = step_fn(dims, cand.layout, work, cluster)
+        result.ranked.append(cand)
+    result.ranked.sort(key=lambda c: -c.step.tokens_per_s_per_gpu)
+    if validate is not None:
+        kept, checked = [], 0
+        for cand in result.ranked:
+            if checked < opts.validate_top:
+                checked += 1
+                reason = validate(cand.layout)
+                if reason:
+                    refuse(f"config: {reason}")
+                    continue
+            kept.append(cand)
+        result.ranked = kept
+    return result
+
+
+def config_validator(cfg, work: Workload) -> Callable[[Layout], Optional[str]]:
+    """validate(layout): `cfg` with the layout's overrides, checked by `validate_config` at the layout's world size."""
+    from pretrain.config import ConfigError, config_from_dict, config_to_dict, validate_config
+
+    base = config_to_dict(cfg)
+
+    def validate(layout: Layout) -> Optional[str]:
+        data = {k: dict(v) for k, v in base.items()}
+        for item in layout.overrides() + [f"data.seq_length={work.seq_length}",
+                                          f"train.global_batch_size={work.global_batch_size}"]:
+            key, _, value = item.partition("=")
+            section, name = key.split(".")
+            data[section][name] = yaml.safe_load(value)
+        try:
+            validate_config(config_from_dict(data, source="layout planner"), world_size=layout.gpus)
+        except ConfigError as e:
+            return str(e).splitlines()[0]
+        return None
+
+    return validate
+
+
+def layout_of(cfg, world_size: int) -> Tuple[Layout, Workload]:
+    """The layout and workload a config runs at `world_size` GPUs."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = max(world_size // (tp * pp * cp), 1)
+    recompute = {None: "none", "selective": "selective", "full": "full"}[m.recompute_granularity]
+    zero = "zero2" if cfg.optimizer.use_distributed_optimizer else "ddp"
+    layout = Layout(tp=tp, pp=pp, vpp=p.virtual_pipeline_model_parallel_size or 1, ep=p.expert_model_parallel_size,
+                    etp=p.expert_tensor_parallel_size, cp=cp, dp=dp, micro_batch_size=t.micro_batch_size,
+                    num_microbatches=max(t.global_batch_size // (t.micro_batch_size * dp), 1),
+                    sequence_parallel=p.sequence_parallel, recompute=recompute,
+                    activation_offload=m.activation_offload, optimizer=cfg.optimizer.optimizer, zero=zero,
+                    output_loss_backend=m.output_loss_backend, output_chunk_size=m.output_chunk_size or 4096)
+    return layout, Workload(cfg.data.seq_length, t.global_batch_size)
+
+
+def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom: float = 0.10,
+                bubble_bound: float = 0.10) -> Optional[str]:
+    """One line saying why a stage's config cannot run well on `world_size` GPUs of `cluster` (memory over
+    (1 - headroom) of the GPU, pipeline bubble over `bubble_bound`, a divisibility rule), or None."""
+    from pretrain.layout.types import cluster_preset
+
+    gpus = cluster_preset(cluster, world_size)
+    layout, work = layout_of(cfg, world_size)
+    dims = ModelDims.from_config(cfg)
+    reason = refusal(dims, layout, work) or bubble_refusal(layout, bubble_bound)
+    if reason is None:
+        zero2_reduce = cfg.optimizer.zero2_grad_reduce
+        mem = estimate(dims, layout, work, a=2 if cfg.model.bf16 else 4, trainable=cfg.train.trainable_params,
+                       zero2_grad_reduce=zero2_reduce)
+        reason = memory_refusal(mem, gpus.memory_bytes, headroom)
+    return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
+
+
+__all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
+                          "layout_of", "refusal", "search", "splits"]
