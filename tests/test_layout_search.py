@@ -1,0 +1,132 @@
+"""The layout search (pretrain/layout/search.py): refusals with their reason, a known-good layout accepted, the
+config validator agreeing with the arithmetic rules, check_stage for the curriculum, and a 2,048-GPU search in
+seconds (docs/layout.md)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.layout.search import (
+    SearchOptions, bubble_refusal, check_stage, config_validator, fitting, refusal, search,
+)
+from pretrain.layout.types import Layout, ModelDims, StepTime, Workload, cluster_preset
+
+GLM5 = "configs/models/glm5-744b.yaml"
+DENSE_STAGE = ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_coeff=0.0",
+               "model.dsa_indexer_use_sparse_loss=false"]
+
+
+@pytest.fixture(scope="module")
+def glm5():
+    cfg = load_config(GLM5, DENSE_STAGE)
+    return cfg, ModelDims.from_config(cfg)
+
+
+def stub_step(dims, layout, work, cluster) -> StepTime:
+    """A stand-in time model (tests only): the ideal step stretched by the bubble and the recompute."""
+    slow = 1 + (layout.bubble if layout.pp > 1 else 0) + {"none": 0, "selective": 0.1, "full": 0.33}[layout.recompute]
+    total = slow * work.tokens_per_step / layout.gpus / 1000.0
+    return StepTime(0, 0, 0, 0, 0, 0, 0, 0, 0, total, work.tokens_per_step / total / layout.gpus, 0.5 / slow)
+
+
+GOOD = Layout(tp=8, pp=6, vpp=1, ep=32, cp=1, dp=32, micro_batch_size=1, num_microbatches=128,
+              sequence_parallel=True, recompute="full")
+BAD = {  # kind of refusal: a layout of GLM-5 (64 heads, 78 layers, 256 experts) breaking only that rule
+    "heads % tp": replace(GOOD, tp=3, dp=64),
+    "layers % (pp*vpp)": replace(GOOD, pp=4, dp=48),
+    "experts % ep": replace(GOOD, ep=48),
+    "seq % (2*cp)": replace(GOOD, cp=3, dp=32),
+    "global batch % (mbs*dp)": replace(GOOD, dp=24, num_microbatches=170),
+    "micro-batches % pp with vpp": replace(GOOD, vpp=13, num_microbatches=127, dp=32),
+    "ep*etp vs tp*cp*dp": replace(GOOD, ep=128, etp=8),
+    "moe needs sp": replace(GOOD, sequence_parallel=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_arithmetic_refusals_name_their_rule(glm5, kind):
+    _, dims = glm5
+    reason = refusal(dims, BAD[kind], Workload(4096, 4096))
+    assert reason is not None and reason.startswith(kind + ":"), (kind, reason)
+    assert refusal(dims, GOOD, Workload(4096, 4096)) is None
+
+
+def test_config_validator_agrees_with_the_arithmetic(glm5):
+    """The good layout passes megatron-facing validation; each arithmetic refusal is one the validator refuses too."""
+    cfg, dims = glm5
+    work = Workload(4096, 4096)
+    validate = config_validator(cfg, work)
+    assert validate(GOOD) is None
+    for kind in ("heads % tp", "layers % (pp*vpp)", "experts % ep", "global batch % (mbs*dp)", "ep*etp vs tp*cp*dp"):
+        assert validate(BAD[kind]) is not None, kind
+
+
+def test_bubble_and_memory_refusals(glm5):
+    _, dims = glm5
+    # the plan's DSA stages: PP 6 with one micro-batch per pipeline idles 5/6 of the step
+    dsa = replace(GOOD, cp=8, dp=14, num_microbatches=1)
+    assert bubble_refusal(dsa, 0.10).startswith("bubble: (PP - 1) / (VPP x m) = 5 / (1 x 1)")
+    assert bubble_refusal(GOOD, 0.10) is None  # 5 / 128
+    assert bubble_refusal(replace(GOOD, vpp=13, num_microbatches=12), 0.10) is None  # 5 / 156
+    # 744B on one 8-GPU node: no recompute/offload setting fits an 80 GB GPU
+    cluster = cluster_preset("h100-nvl-ib400", 8)
+    cand, reason = fitting(dims, Layout(tp=8, ep=8, dp=1, sequence_parallel=True, num_microbatches=8),
+                           Workload(4096, 8), cluster, SearchOptions())
+    assert cand is None and reason.startswith("memory:"), reason
+    # the good layout fits, with its cheapest recompute kept
+    cand, reason = fitting(dims, replace(GOOD, recompute="none"), Workload(4096, 4096), cluster, SearchOptions())
+    assert reason is None and cand.memory.needed <= 0.9 * cluster.memory_bytes
+
+
+def test_check_stage_for_the_curriculum(glm5):
+    cfg, _ = glm5
+    from pretrain.config import config_from_dict, config_to_dict
+
+    def stage(**over):
+        data = config_to_dict(cfg)
+        for key, value in over.items():
+            section, name = key.split("__")
+            data[section][name] = value
+        return config_from_dict(data)
+
+    good = stage(parallel__context_parallel_size=1, train__global_batch_size=4096, train__micro_batch_size=1,
+                 model__recompute_granularity="full", model__recompute_method="uniform", model__recompute_num_layers=1,
+                 model__output_loss_backend="chunked", model__output_chunk_size=4096)
+    assert check_stage(good, world_size=1536) is None  # the model config's example layout: TP 8 x PP 6 x DP 32
+    dsa = stage(parallel__context_parallel_size=8, data__seq_length=202752, train__global_batch_size=14,
+                model__recompute_granularity="full", model__recompute_method="uniform", model__recompute_num_layers=1,
+                model__output_loss_backend="chunked", model__output_chunk_size=8192)
+    reason = check_stage(dsa, world_size=5376)
+    assert reason is not None and "bubble" in reason and "\n" not in reason, reason
+
+
+def test_search_of_2048_gpus_runs_in_seconds(glm5):
+    cfg, dims = glm5
+    work = Workload(4096, 16384)
+    start = time.perf_counter()
+    result = search(dims, work, cluster_preset("h100-nvl-ib400", 2048), SearchOptions(), stub_step,
+                    validate=config_validator(cfg, work))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10.0, elapsed
+    assert result.considered > 10_000 and result.ranked
+    # 78 layers: only PP 1 or 2 divides both the layers and a power-of-two GPU count
+    assert result.refused["layers % (pp*vpp)"] > 0 and {c.layout.pp for c in result.ranked} <= {1, 2}
+    best = result.ranked[0]
+    assert all(c.step.tokens_per_s_per_gpu <= best.step.tokens_per_s_per_gpu for c in result.ranked)
+    assert config_validator(cfg, work)(best.layout) is None
+
+
+def test_cli_refuses_to_rank_without_the_time_model(monkeypatch, capsys):
+    import pretrain.layout.search as search_module
+    from pretrain.layout.__main__ import main
+
+    def missing(cluster):
+        raise RuntimeError("the layout planner's time model (pretrain.layout.timing) is not available: test")
+
+    monkeypatch.setattr(search_module, "default_step_fn", missing)
+    code = main(["--config", "configs/models/glm5-tiny.yaml", "--seq", "128", "--global-batch", "8", "--gpus", "8"])
+    assert code == 2 and "time model" in capsys.readouterr().err
