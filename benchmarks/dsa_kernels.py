@@ -279,8 +279,6 @@ def main_tp(args) -> None:
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if dist.get_world_size() != args.tp:
-        raise SystemExit(f"--tp {args.tp} needs torchrun --nproc-per-node {args.tp}, got {dist.get_world_size()} ranks")
     rows = []
     for s in (int(x) for x in args.seqs.split(",")):
         for name, dims in INDEXER_DIMS.items():
@@ -323,6 +321,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tp:
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.tp < 2 or ranks != args.tp:
+            ap.error(f"--tp {args.tp} needs >= 2 ranks and torchrun --nproc-per-node {args.tp} (this run has {ranks})")
         return main_tp(args)
     kl_configs = tile_configs(args.kl_configs)
     if args.key_partition_mib is not None and args.key_partition_mib < 0:
