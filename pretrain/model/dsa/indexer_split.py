@@ -1,4 +1,5 @@
-"""The lightning indexer's query rows split across tensor-parallel ranks (docs/dsa.md, "Tensor parallelism").
+"""The lightning indexer's query rows split across tensor-parallel ranks (docs/dsa.md, "Tensor and context
+parallelism").
 
 Tensor parallelism splits the attention heads, but the indexer has one set of index heads shared by all of them:
 replicated, every TP rank would score all s query rows against the keys, select the same top-k and form the same
