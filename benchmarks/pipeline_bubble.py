@@ -11,13 +11,15 @@ One run = one layout through the trainer (mock data, the config's optimizer), on
 (`python -m pretrain.tools.pipeline_split`) layouts. Per step and rank, CUDA events around megatron's
 `forward_step` / `backward_step` give the rank's busy time (per virtual chunk), the schedule's wall time
 (the step minus the optimizer) holds it plus the rank's idle time, and `finalize_model_grads` is timed on
-its own. Reported per rank, medians over the steps after `--skip`:
+its own. Reported per run, medians over the steps after `--skip`:
 
-    busy       forward + backward of all micro-batches and chunks
-    idle       schedule - busy - finalize: the bubble, waits for a slower stage, p2p transfers
-    predicted  (p - 1) / (v m) x the busiest rank's busy time (equal stages, free transfers)
-    imbalance  the busiest rank's busy time - this rank's (time a balanced split would give back)
-    other      idle - predicted - imbalance (p2p transfers and schedule overhead)
+    busy               forward + backward of all micro-batches and chunks, per pipeline rank
+    even share         their mean: the schedule's length with the work spread evenly and no bubble
+    imbalance          the busiest rank's busy time - the even share (what a balanced split gives back)
+    predicted bubble   (p - 1) / (v m) x the busiest rank's busy time (equal stages, free transfers)
+    measured bubble    the schedule (step - optimizer - finalize) - the busiest rank's busy time
+    rest               measured - predicted bubble: p2p transfers and waits the prediction does not have
+    finalize           `finalize_model_grads` (data-parallel and embedding gradient reductions)
 """
 
 from __future__ import annotations
@@ -136,26 +138,32 @@ def run(args) -> None:
 
 
 def summarize(out: str) -> str:
+    """One row per run: the schedule's time split into the work (spread evenly), the imbalance, the predicted
+    bubble and the rest."""
     runs = {}
     for path in sorted(Path(out).glob("*.rank*.json")):
         r = json.loads(path.read_text())
         runs.setdefault(r["name"], []).append(r)
     one = next((rs for rs in runs.values() if rs[0]["world_size"] == 1), None)
     base = one[0]["tokens_per_step"] / one[0]["median"]["wall_s"] if one else None
-    lines = ["| run | layout | m | rank | busy s | idle s | predicted bubble s | imbalance s | other s | finalize s |"
-             " optimizer s | step s | tokens/s per GPU | vs 1 GPU |", "|" + " --- |" * 14]
+    lines = ["| run | layout | m | busy s per rank | even share s | imbalance s | predicted bubble s | measured bubble s |"
+             " rest s | finalize s | optimizer s | step s | tokens/s per GPU | vs 1 GPU |", "|" + " --- |" * 14]
     for name, ranks in runs.items():
-        busiest = max(r["median"]["busy_s"] for r in ranks)
-        for r in sorted(ranks, key=lambda r: r["rank"]):
-            m, p, v = r["median"], r["pp"], r["vpp"]
-            predicted = (p - 1) / (v * r["microbatches"]) * busiest if p > 1 else 0.0
-            imbalance = busiest - m["busy_s"]
-            per_gpu = r["tokens_per_step"] / m["wall_s"] / r["world_size"]
-            ratio = f"{per_gpu / base:.2f}" if base else "-"
-            lines.append(f"| {name} | {r['layout'] or 'even'} | {r['microbatches']} | {r['pp_rank']} | {m['busy_s']:.3f} | "
-                         f"{m['idle_s']:.3f} | {predicted:.3f} | {imbalance:.3f} | "
-                         f"{m['idle_s'] - predicted - imbalance:.3f} | {m['finalize_s']:.3f} | {m['optimizer_s']:.3f} | "
-                         f"{m['wall_s']:.3f} | {per_gpu:,.0f} | {ratio} |")
+        ranks = sorted(ranks, key=lambda r: r["pp_rank"])
+        first, med = ranks[0], [r["median"] for r in ranks]
+        p, v, m = first["pp"], first["vpp"], first["microbatches"]
+        busy = [x["busy_s"] for x in med]
+        share, busiest = sum(busy) / len(busy), max(busy)
+        predicted = (p - 1) / (v * m) * busiest if p > 1 else 0.0
+        schedule = max(x["schedule_s"] - x["finalize_s"] for x in med)
+        bubble = schedule - busiest  # the busiest rank's idle time: fill, drain and transfers it waits for
+        step = max(x["wall_s"] for x in med)
+        per_gpu = first["tokens_per_step"] / step / first["world_size"]
+        ratio = f"{per_gpu / base:.2f}" if base else "-"
+        lines.append(f"| {name} | {first['layout'] or 'even'} | {m} | {' / '.join(f'{b:.3f}' for b in busy)} | "
+                     f"{share:.3f} | {busiest - share:.3f} | {predicted:.3f} | {bubble:.3f} | {bubble - predicted:.3f} | "
+                     f"{max(x['finalize_s'] for x in med):.3f} | {max(x['optimizer_s'] for x in med):.3f} | {step:.3f} | "
+                     f"{per_gpu:,.0f} | {ratio} |")
     table = "\n".join(lines)
     (Path(out) / "summary.md").write_text(table + "\n")
     return table
