@@ -74,11 +74,11 @@ def test_bubble_and_memory_refusals(glm5):
     assert bubble_refusal(replace(GOOD, vpp=13, num_microbatches=12), 0.10) is None  # 5 / 156
     # 744B on one 8-GPU node: no recompute/offload setting fits an 80 GB GPU
     cluster = cluster_preset("h100-nvl-ib400", 8)
-    cand, reason = fitting(dims, Layout(tp=8, ep=8, dp=1, sequence_parallel=True, num_microbatches=8),
-                           Workload(4096, 8), cluster, SearchOptions())
+    cand, reason, _ = fitting(dims, Layout(tp=8, ep=8, dp=1, sequence_parallel=True, num_microbatches=8),
+                              Workload(4096, 8), cluster, SearchOptions())
     assert cand is None and reason.startswith("memory:"), reason
     # the good layout fits, with its cheapest recompute kept
-    cand, reason = fitting(dims, replace(GOOD, recompute="none"), Workload(4096, 4096), cluster, SearchOptions())
+    cand, reason, _ = fitting(dims, replace(GOOD, recompute="none"), Workload(4096, 4096), cluster, SearchOptions())
     assert reason is None and cand.memory.needed <= 0.9 * cluster.memory_bytes
 
 

@@ -77,7 +77,8 @@ def refusal(dims: ModelDims, layout: Layout, work: Workload) -> Optional[str]:
         (dims.vocab % tp == 0, "vocab % tp", f"vocab {dims.vocab} over TP {tp}"),
         (dims.ffn_hidden % tp == 0 and dims.shared_expert_ffn_hidden % tp == 0, "ffn % tp",
          f"FFN widths {dims.ffn_hidden}/{dims.shared_expert_ffn_hidden} over TP {tp}"),
-        (dims.num_layers % (pp * vpp) == 0, "layers % (pp*vpp)", f"{dims.num_layers} layers over PP {pp} x VPP {vpp}"),
+        (dims.num_layers % (pp * vpp) == 0, "layers % (pp*vpp)",
+         f"{dims.num_layers} layers over PP {pp} x VPP {vpp} (the planner models even stages only)"),
         (vpp == 1 or pp > 1, "vpp without pp", f"VPP {vpp} needs PP > 1"),
         (ep == 1 or dims.num_experts % ep == 0, "experts % ep", f"{dims.num_experts} experts over EP {ep}"),
         (etp == 1 or dims.expert_ffn_hidden % etp == 0, "expert width % etp",
@@ -135,16 +136,17 @@ def splits(dims: ModelDims, work: Workload, cluster: Cluster, opts: SearchOption
 
 
 def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
-            opts: SearchOptions) -> Tuple[Optional[Candidate], Optional[str]]:
-    """The fastest recompute/offload setting of `layout` that fits, or (None, the leanest setting's refusal)."""
-    reason = None
+            opts: SearchOptions) -> Tuple[Optional[Candidate], Optional[str], float]:
+    """(the fastest recompute/offload setting of `layout` that fits, None, bytes it needs), or
+    (None, the leanest setting's refusal, the bytes that one needs)."""
+    reason, needed = None, 0.0
     for recompute, offload in RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
         mem = estimate(dims, lay, work, trainable=opts.trainable)
-        reason = memory_refusal(mem, cluster.memory_bytes, opts.headroom)
+        reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
-            return Candidate(lay, mem), None
-    return None, reason
+            return Candidate(lay, mem), None, needed
+    return None, reason, needed
 
 
 def default_step_fn(cluster: Cluster) -> StepFn:
@@ -168,10 +170,14 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
     step_fn = step_fn or default_step_fn(cluster)
     result = SearchResult(ranked=[])
 
-    def refuse(reason: str) -> None:
+    closest = {}  # memory refusals: the example shown is the nearest miss
+
+    def refuse(reason: str, needed: float = 0.0) -> None:
         kind = reason.split(":", 1)[0]
         result.refused[kind] += 1
-        result.examples.setdefault(kind, reason)
+        if kind not in result.examples or (needed and needed < closest.get(kind, float("inf"))):
+            result.examples[kind] = reason
+            closest[kind] = needed or closest.get(kind, 0.0)
 
     for layout in splits(dims, work, cluster, opts):
         result.considered += 1
@@ -179,9 +185,9 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
         if reason:
             refuse(reason)
             continue
-        cand, reason = fitting(dims, layout, work, cluster, opts)
+        cand, reason, needed = fitting(dims, layout, work, cluster, opts)
         if cand is None:
-            refuse(reason)
+            refuse(reason, needed)
             continue
         cand.step = step_fn(dims, cand.layout, work, cluster)
         result.ranked.append(cand)
