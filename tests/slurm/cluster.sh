@@ -33,6 +33,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 KillWait=5
+UnkillableStepTimeout=180
 MinJobAge=600
 SlurmctldPort=$((16817 + RANDOM % 1000))
 SlurmdPort=$((17817 + RANDOM % 1000))

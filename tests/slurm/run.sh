@@ -109,6 +109,11 @@ sys.exit(0 if steps == list(range(1, int(sys.argv[2]) + 1)) else 1)
 PY
 echo "ok: job $job saved at step $stopped on SIGUSR1, was requeued and finished $iters steps"
 
+# A node that a job left drained (a step that did not die within UnkillableStepTimeout) would hold the
+# next job pending for ever: say so here, with Slurm's reason.
+node=$(sinfo -h -N -o '%t|%E' | head -n 1)
+[[ ${node%%|*} =~ ^(idle|mix|alloc)$ ]] || fail "the node is '${node%%|*}' after the preemption case (reason: ${node#*|})"
+
 # ---- 3. the tiny curriculum as one Slurm job -------------------------------------------------------
 plan_dir=$WORK/plan
 SBATCH_ARGS="--wait --output=$WORK/%x-%j.out" timeout 1200 bash launch/curriculum.sh --slurm --plan configs/curriculum/tiny.yaml \
