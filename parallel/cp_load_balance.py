@@ -14,7 +14,8 @@ step's attention costs max_r W_r; the imbalance cost of an assignment is max_r W
 2cp - 1 - r of n = 2 cp; exact balance for one document over the whole window (W_k grows linearly in k, pairs sum
 to a constant), not for packed documents. `work`: workload-aware assignment, as the GLM-5 report names it for
 long-context training (its exact rule is not given; here longest processing time first under equal chunk counts):
-chunks in decreasing work, each to the rank with the least work that still has room. It is a permutation of equal-size chunks, so every rank keeps S / cp tokens and positions stay global.
+chunks in decreasing work, each to the rank with the least work that still has room. It is a permutation of
+equal-size chunks, so every rank keeps S / cp tokens and positions stay global.
 """
 
 from __future__ import annotations
