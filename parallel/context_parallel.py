@@ -29,7 +29,8 @@ K/V heads. `gather_sequence` returns them in global order (rank j's block holds 
 2cp - 1 - j, which are put back in place), so each rank attends its own queries to all S keys in
 global positions: dense attention without documents per query chunk (chunk k sees keys [0, (k + 1) c), diagonal
 aligned to the last key; no mask tensor: `SDPACoreAttention.attend_cp_causal`, a non-causal block over [0, k c)
-and a causal square merged by log-sum-exp, `pretrain.model.blockwise_attention`), with documents as causal pieces per (query chunk, document)
+and a causal square merged by log-sum-exp, `pretrain.model.blockwise_attention`), with documents as causal pieces
+per (query chunk, document)
 (`pretrain.model.document_attention`: no mask tensor), sparse DSA through its selected key positions
 (top-k only within each query's document). The gather's backward sums the gathered tensor's
 gradient over the CP group and hands each rank the rows of its own tokens (a reduce-scatter):

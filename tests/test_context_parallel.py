@@ -16,7 +16,8 @@ tokens), DSA sparse, DSA dense with the dense KL, and GQA (documents isolated, w
 layer (2 depths, rolled labels crossing chunk boundaries). The dense core attention alone (all-gather, query chunks
 as non-causal blocks plus causal squares merged by log-sum-exp, reduce-scatter; GQA shapes, without and with
 packed documents, the zigzag split and chunks assigned by work, `parallel.cp_load_balance`) runs in the same spawns
-at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of q, k and v at 1e-5. CP = 2 runs every case; 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
+at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of q, k and v at 1e-5. CP = 2 runs every case;
+4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
 batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.

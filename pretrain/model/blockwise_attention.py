@@ -49,7 +49,8 @@ Rows = Tuple[int, int, Tuple[Block, ...]]  # query rows [q0, q1) and the key blo
 
 @dataclass(frozen=True)
 class Kernel:
-    """One backend's attention with log-sum-exp: forward(q, k, v, causal, scale) -> (out, lse [b, h, s] fp32 (fp64 for fp64), aux);
+    """One backend's attention with log-sum-exp: forward(q, k, v, causal, scale) -> (out, lse [b, h, s] fp32, or
+    fp64 for fp64 inputs, aux);
     backward(dout, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv). Tensors [b, h, s, d], equal head counts."""
 
     name: str
