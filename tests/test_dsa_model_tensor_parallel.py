@@ -158,9 +158,33 @@ def rank_dsa_parallel(rank: int, world_size: int, cases: List[str], batch: torch
             loss, recorded, counts = _tp_step(model, batch, case)
             out[case] = {"coords": coords, "meta": meta, "loss": loss, "indexer_loss": recorded,
                          "grads": grads_of(model), "sp": cfg.parallel.sequence_parallel, "scored_rows": counts}
+        out["row_split"] = _row_split_collectives()
         return out
     finally:
         destroy_parallel()
+
+
+def _row_split_collectives() -> dict:
+    """RowSplit's gather and reduce over the TP group against naive ones, for one sequence per micro-batch (the
+    training case, which the model cases' two do not take) and two, int32 and int16 (packed) selections."""
+    from megatron.core import parallel_state as ps
+
+    from pretrain.model.dsa.indexer_split import RowSplit
+
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    out = {}
+    for b in (1, 2):
+        s, k = 16, 3
+        split = RowSplit.create(s, group, "cpu")
+        gen = torch.Generator().manual_seed(b)
+        partials = [torch.randn(b, s, k, generator=gen) for _ in range(2)]
+        out[f"reduce_b{b}"] = torch.equal(split.reduce(partials[rank].clone()),
+                                          (partials[0] + partials[1]).index_select(1, split.rows))
+        every = torch.arange(b * s * k, dtype=torch.int32).view(b, s, k)
+        for dtype in (torch.int32, torch.int16):
+            mine = every.to(dtype).index_select(1, split.rows)
+            out[f"gather_b{b}_{dtype}"] = torch.equal(split.gather(mine), every.to(dtype))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +192,17 @@ def tp_runs():
     from tests.parallel_helpers import RANK_ENV, make_batch
 
     batch = make_batch()
-    cases = list(TP_CASES)
+    cases = list(TP_CASES)  # the last case leaves TP=2 initialized for the collectives' check
     (ref,) = run_ranks(rank_dsa_reference, 1, cases, batch, env=RANK_ENV)
     states = {case: ref[case]["state"] for case in cases}
     par = run_ranks(rank_dsa_parallel, 2, cases, batch, states, env=RANK_ENV)
     return ref, par
+
+
+def test_row_split_collectives(tp_runs):
+    """The selections' all-gather and the KL target's reduce-scatter put every row where it belongs."""
+    for r in tp_runs[1]:
+        assert r["row_split"] and all(r["row_split"].values()), r["row_split"]
 
 
 @pytest.mark.parametrize("case", TP_PARAMS)

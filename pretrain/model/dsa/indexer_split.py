@@ -85,7 +85,7 @@ class RowSplit:
     def rows_of(self, rank: int) -> torch.Tensor:
         """`rank`'s rows (int64, ascending)."""
         (a0, a1), (b0, b1) = self.bounds(rank)
-        return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)]).to(self._device)
+        return torch.cat([torch.arange(a0, a1, device=self._device), torch.arange(b0, b1, device=self._device)])
 
     def take(self, t: torch.Tensor, dim: int, fn: Optional[Callable] = None) -> torch.Tensor:
         """This rank's rows of `t` (`dim` runs over the s rows): its two pieces, concatenated; given `fn`, the
@@ -111,9 +111,12 @@ class RowSplit:
         p, size = self.piece, self.size
         halves = []
         for order in (range(size), range(2 * size - 1, size - 1, -1)):
-            parts = [full.narrow(1, i * p, p).contiguous() for i in order]  # views when b = 1
-            out = torch.empty_like(parts[0])
-            dist.reduce_scatter(out, parts, group=self.group)
+            out = full.new_empty((full.shape[0], p) + tuple(full.shape[2:]))
+            if order[0] == 0 and full.shape[0] == 1 and full.is_contiguous():  # the early half, in rank order
+                dist.reduce_scatter_tensor(out.view(-1), full.narrow(1, 0, size * p).reshape(-1), group=self.group)
+            else:
+                parts = [full.narrow(1, i * p, p).contiguous() for i in order]  # views when b = 1
+                dist.reduce_scatter(out, parts, group=self.group)
             halves.append(out)
         return torch.cat(halves, dim=1)
 
