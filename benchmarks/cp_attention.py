@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    config = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=256,
+    config = SimpleNamespace(cp_attention="merged", context_parallel_size=1, attention_dropout=0.0, kv_channels=256,
                              num_attention_heads=args.heads, experimental_attention_variant=None)
     attn = SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=256, v_channels=256,
                              softmax_scale=1 / math.sqrt(256))

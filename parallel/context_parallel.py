@@ -16,7 +16,7 @@ tokens. Packed documents travel as the batch's document layout (`pretrain.model.
 starts and position origins over the whole sequence), which is not split: every rank keeps all S entries.
 
 Chunk assignments (`parallel.cp_load_balance`): with packed documents the zigzag pairs no longer hold equal work
-(measured on packed real documents: benchmarks/results/cp_balance_cpu). `split_sequence`, `local_positions`,
+(measured on packed real documents: docs/long_context.md). `split_sequence`, `local_positions`,
 `gather_sequence`, `split_batch` and `pretrain.model.documents.query_blocks` take an optional `assignment`, each
 rank's chunk ids of n equal chunks (n a multiple of cp, as many per rank), in place of the zigzag split; positions
 stay global, so attention, RoPE by position and the loss are unchanged by it. The training step does not choose one

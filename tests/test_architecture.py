@@ -28,7 +28,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pretrain.model",),
     ("pretrain.optim",),
     ("pretrain.training",),
-    ("pretrain.convert",),
+    ("pretrain.convert", "pretrain.layout"),
     ("pretrain.tools", "pretrain.train", "pretrain.curriculum", "pretrain.ablate", "pretrain.eval", "benchmarks"),
 ]
 

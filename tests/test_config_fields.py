@@ -70,6 +70,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "model.recompute_granularity": {"full", "selective", None},
         "model.recompute_method": {"uniform", "block", None},
         "model.recompute_modules": {"core_attn", "mlp", "moe", "shared_experts", "layernorm", None},
+        "model.cp_attention": {"bottom_right", "merged"},
         "model.output_loss_backend": {"unfused", "chunked", "liger"},
         "model.activation_offload_backend": {"torch", "deepspeed"},
         "train.trainable_params": {"all", "dsa_indexer"},

@@ -57,6 +57,9 @@ CASES = {
     "packed_warmup": WARMUP,  # the same documents through dense attention and the dense KL
     "packed_gqa": ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
                    "model.num_query_groups=2", "model.kv_channels=16"],  # documents isolated, window positions
+    # model.cp_attention=merged: each rank's chunks as non-causal blocks + causal squares merged by lse
+    "mla_merged": ["model.experimental_attention_variant=null", "model.cp_attention=merged"],
+    "packed_warmup_merged": WARMUP + ["model.cp_attention=merged"],
     "mtp": WARMUP + ["model.mtp_num_layers=2"],
     # the long-context memory features under CP: full recompute, activation offload, chunked output loss
     "memory": SPARSE + ["model.mtp_num_layers=2", "model.recompute_granularity=full", "model.recompute_method=uniform",
@@ -197,7 +200,7 @@ def core_attention_check(cp: int) -> dict:
     from pretrain.model.core_attention import SDPACoreAttention
     from pretrain.model.documents import attention_plan, query_blocks
 
-    config = SimpleNamespace(context_parallel_size=cp, attention_dropout=0.0, kv_channels=16, num_attention_heads=4,
+    config = SimpleNamespace(cp_attention="merged", context_parallel_size=cp, attention_dropout=0.0, kv_channels=16, num_attention_heads=4,
                              experimental_attention_variant=None)
     attn = SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=16, v_channels=24, softmax_scale=0.25)
     size, rank = cp_size_and_rank(attn.cp_group)
@@ -353,7 +356,7 @@ def test_reference_is_meaningful(reference):
     """The cases can fail: finite losses near log(vocab), trained indexers, unequal loss masks."""
     for case, ref in reference.items():
         assert math.isclose(ref["loss"], math.log(VOCAB), rel_tol=0.15), case
-        trains_indexer = case not in ("mla", "gqa", "packed_gqa")
+        trains_indexer = case not in ("mla", "mla_merged", "gqa", "packed_gqa")
         assert bool(ref["indexer"]) == trains_indexer, case
         indexer_grads = [g for n, g in ref["grads"].items() if ".indexer." in n]
         if trains_indexer:

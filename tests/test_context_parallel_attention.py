@@ -73,7 +73,7 @@ def test_blocks_merged_by_lse_match_naive_attention(dtype, tol, heads, groups, d
 
 
 def core(heads, dk, dv, dropout=0.0):
-    config = SimpleNamespace(context_parallel_size=1, attention_dropout=dropout, kv_channels=dk,
+    config = SimpleNamespace(cp_attention="merged", context_parallel_size=1, attention_dropout=dropout, kv_channels=dk,
                              num_attention_heads=heads, experimental_attention_variant=None)
     return SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=dk, v_channels=dv, softmax_scale=dk**-0.5)
 

@@ -23,9 +23,9 @@ def naive(q, k, v, scale, mask=None):
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def make(heads, k_channels, v_channels):
+def make(heads, k_channels, v_channels, cp_attention="bottom_right"):
     config = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=k_channels,
-                             num_attention_heads=heads, experimental_attention_variant=None)
+                             num_attention_heads=heads, experimental_attention_variant=None, cp_attention=cp_attention)
     return SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=k_channels, v_channels=v_channels,
                              softmax_scale=1 / math.sqrt(k_channels))
 
@@ -57,9 +57,10 @@ def test_document_mask():
     assert torch.allclose(out[5].view(h, d).double(), v[5, 0].double(), atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["bottom_right", "merged"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("heads,groups,dk,dv", [(4, 4, 24, 16), (4, 2, 16, 16)])
-def test_context_parallel_chunks_match_naive_causal_attention(cp, heads, groups, dk, dv):
+def test_context_parallel_chunks_match_naive_causal_attention(cp, heads, groups, dk, dv, kind):
     """Each CP rank's two query chunks, attended to the gathered keys without a mask tensor
     (`attend_cp_causal`), give the rows of naive causal attention over the whole sequence at the
     chunks' global positions."""
@@ -70,7 +71,7 @@ def test_context_parallel_chunks_match_naive_causal_attention(cp, heads, groups,
     k = torch.randn(s, b, groups, dk)
     v = torch.randn(s, b, groups, dv)
     ref = naive(q, k, v, dk**-0.5)  # [s, b, heads * dv], global order
-    attn = make(heads, dk, dv)
+    attn = make(heads, dk, dv, kind)
     for rank in range(cp):
         out = attn.attend_cp_causal(split_sequence(q, 0, cp, rank), k, v, cp, rank)
         want = ref[local_positions(s // cp, cp, rank)]

@@ -49,7 +49,7 @@ def naive(q, k, v, scale, masked):
 
 
 def make(heads, dk, dv, window=None):
-    config = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=dk, window_size=window,
+    config = SimpleNamespace(cp_attention="merged", context_parallel_size=1, attention_dropout=0.0, kv_channels=dk, window_size=window,
                              num_attention_heads=heads, experimental_attention_variant=None)
     return SDPACoreAttention(config, 1, AttnMaskType.causal, k_channels=dk, v_channels=dv, softmax_scale=dk**-0.5)
 

@@ -35,8 +35,9 @@ DENSE_SPARSE_KL = ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_c
                    "model.dsa_indexer_use_sparse_loss=true"]
 NO_MTP = ["model.mtp_num_layers=0"]  # the document cases: the decoder layers are what they test
 NO_MOE = ["model.num_moe_experts=null"]  # megatron's MoE layer trains with TP > 1 only under SP
-TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
-TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"]
+SPLIT = ["model.dsa_indexer_tp_split=true"]  # the parallel runs only: the reference has no TP to split over
+TP2_SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", *SPLIT]
+TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false", *SPLIT]
 TP_CASES = {
     # name: (model overrides of reference and parallel run, parallel layout); "docs" cases pack documents
     "sparse_tp2_sp": (SPARSE_MODE, TP2_SP),
@@ -46,6 +47,8 @@ TP_CASES = {
     "sparse_docs_tp2_sp": (SPARSE_MODE + NO_MTP, TP2_SP),
     "warmup_docs_tp2_sp": (WARMUP_MODE + NO_MTP, TP2_SP),
     "dense_sparse_kl_docs_tp2_sp": (DENSE_SPARSE_KL + NO_MTP, TP2_SP),
+    # the default, model.dsa_indexer_tp_split=false: every TP rank scores every row (replicated)
+    "sparse_replicated_tp2_sp": (SPARSE_MODE, TP2_SP[:2]),
 }
 # documents per batch row (starts): they cross the 4-row pieces a TP=2 rank scores (rows 0-3 and 12-15 on rank 0)
 DOC_STARTS = [[0, 3, 9], [0, 6, 13]]
@@ -225,11 +228,13 @@ def test_tp2_dsa_matches_single_rank(tp_runs, case):
     for name in must_have:
         assert ref["grads"][name] is not None and ref["grads"][name].abs().max() > 0, name
 
-    # The indexer's work falls as 1/TP: each rank scores half of the query rows (top-k, KL), none twice.
+    # The indexer's work falls as 1/TP: each rank scores half of the query rows (top-k, KL), none twice;
+    # replicated, each rank scores all of them.
     assert ref["scored_rows"].get("index_scores", 0) > 0
+    share = 1 if "replicated" in case else 2
     for r in results:
-        assert {k: 2 * v for k, v in r["scored_rows"].items()} == ref["scored_rows"], (r["scored_rows"],
-                                                                                      ref["scored_rows"])
+        assert {k: share * v for k, v in r["scored_rows"].items()} == ref["scored_rows"], (r["scored_rows"],
+                                                                                          ref["scored_rows"])
     for r in results:
         assert rel_err(r["loss"], ref["loss"]) <= TOL
         assert sorted(r["indexer_loss"]) == sorted(ref["indexer_loss"])

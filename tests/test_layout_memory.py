@@ -159,7 +159,7 @@ CASES = [("dense", "none"), ("dense", "selective"), ("dense", "full"), ("warm-up
 ACTIVATION_TOLERANCE = 0.002
 
 
-def saved_bytes(cfg, b: int, s: int) -> int:
+def saved_bytes(cfg, b: int, s: int, monkeypatch) -> int:
     """Bytes of the unique storages autograd holds after one training forward of `cfg` on CPU (flash SDPA, as on GPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -170,8 +170,8 @@ def saved_bytes(cfg, b: int, s: int) -> int:
     from pretrain.training.saved_activations import SavedTensors
 
     compat.install()
-    original = core_attention.sdpa_kernel
-    core_attention.sdpa_kernel = lambda backends, set_priority=False: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    monkeypatch.setattr(core_attention, "sdpa_kernel",
+                        lambda backends, set_priority=False: sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
     initialize_parallel(cfg.parallel, seed=7)
     try:
         model = build_model(cfg)
@@ -182,7 +182,6 @@ def saved_bytes(cfg, b: int, s: int) -> int:
         del loss  # the graph and what it saved go with it (no backward needed)
         return total
     finally:
-        core_attention.sdpa_kernel = original
         destroy_parallel()
 
 
@@ -195,11 +194,11 @@ def modeled_saved_bytes(cfg, b: int, s: int, recompute: str) -> float:
 
 
 @pytest.mark.parametrize("attention,recompute", CASES)
-def test_activation_model_matches_saved_tensors(attention, recompute):
+def test_activation_model_matches_saved_tensors(attention, recompute, monkeypatch):
     errors = []
     for overrides, b, s in SIZES:
         cfg = load_config(TINY, FOUR_LAYERS + overrides + RECOMPUTE[recompute] + DSA[attention]
                           + [f"data.seq_length={s}", "model.dsa_indexer_topk=16"])
-        counted, modeled = saved_bytes(cfg, b, s), modeled_saved_bytes(cfg, b, s, recompute)
+        counted, modeled = saved_bytes(cfg, b, s, monkeypatch), modeled_saved_bytes(cfg, b, s, recompute)
         errors.append((modeled - counted) / counted)
     assert max(abs(e) for e in errors) <= ACTIVATION_TOLERANCE, (attention, recompute, errors)

@@ -160,6 +160,8 @@ class ModelConfig:
     """Ours: Triton sparse backward's key partitions, MiB of kv + fp32 dkv rows; 0: one pass; null: measured default."""
     dsa_indexer_fp8: bool = False
     """Ours: top-k ranks keys by FP8 (e4m3, per-row scales) index scores (DeepSeek-V3.2); the indexer loss: bf16."""
+    dsa_indexer_tp_split: bool = False
+    """Ours, TP > 1: each TP rank scores, selects and trains the indexer on 1/TP of the query rows (not yet GPU-run)."""
     deterministic_mode: bool = False
     """Bitwise-reproducible kernels (DSA backward without atomics)."""
     # --- long-context memory (GLM-5 report: recompute, activation offloading, chunked output) -
@@ -175,6 +177,8 @@ class ModelConfig:
     """Ours: each layer's saved activations wait in pinned host memory between forward and backward."""
     activation_offload_backend: Literal["torch", "deepspeed"] = "torch"
     """Ours: "torch" (saved-tensor hooks, any recompute) or "deepspeed" (checkpoint_in_cpu; needs recompute full)."""
+    cp_attention: Literal["bottom_right", "merged"] = "bottom_right"
+    """Ours, CP > 1: query chunks as bottom-right causal SDPA calls, or "merged" (block + square, by lse; not GPU-run)."""
     output_loss_backend: Literal["unfused", "chunked", "liger"] = "unfused"
     """Ours: output layer + loss: "unfused" (full logits), "chunked" (sequence chunks, any TP) or "liger" (TP = 1)."""
     output_chunk_size: Optional[int] = None

@@ -19,7 +19,7 @@ block's share of dq, dk and dv (what ring attention does, Liu et al. 2023, and t
 Why: context parallelism (`parallel.context_parallel`) gives a rank query chunks whose keys begin before them; a
 chunk at global rows [g, g + n) sees keys [0, g + n), causal aligned to the last key (bottom-right). SDPA never
 sends a bottom-right causal bias to cuDNN (its fastest kernel on Hopper): it takes flash or memory-efficient
-attention, 1.55-1.72x an even split of one causal cuDNN call (benchmarks/results/cp_attention_h200). Split as
+attention, 1.55-1.72x an even split of one causal cuDNN call (docs/long_context.md). Split as
 
     keys [0, g)        non-causal block (no mask: every kernel's fast path)
     keys [g, g + n)    causal square (top-left = bottom-right for a square: plain is_causal)

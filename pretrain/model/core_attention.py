@@ -20,12 +20,13 @@ all-gathered over the CP group into global order, and attention is causal in glo
 packed documents: within each query's document, through the same document pieces). Without
 documents no mask tensor is built (`attend_cp_causal`): the rank's two query chunks, at global
 rows [k c, (k + 1) c), each attend to keys [0, (k + 1) c) with the causal diagonal aligned to the
-last key. Each chunk is a non-causal block over keys [0, k c) and a plain causal square over its own
-keys, merged by their log-sum-exps (`pretrain.model.blockwise_attention`: cuDNN on CUDA, the kernels of a
-single causal call), since SDPA sends a bottom-right causal bias (`torch.nn.attention.bias.causal_lower_right`)
-only to its flash and memory-efficient kernels, 1.55-1.72x an even split of one causal cuDNN call
-(benchmarks/results/cp_attention_h200). Where no kernel returns the log-sum-exp (fp32 on CUDA, attention
-dropout) the chunks go as bottom-right causal SDPA calls, said once in the log. An explicit [s / cp, s] mask
+last key. `model.cp_attention: bottom_right` (the default) sends each chunk as one bottom-right causal
+SDPA call (`torch.nn.attention.bias.causal_lower_right`), which SDPA runs only on its flash and
+memory-efficient kernels, 1.55-1.72x an even split of one causal cuDNN call (docs/long_context.md).
+`merged` sends each chunk as a non-causal block over keys [0, k c) and a plain causal square over its
+own keys, merged by their log-sum-exps (`pretrain.model.blockwise_attention`: cuDNN on CUDA, the
+kernels of a single causal call); where no kernel returns the log-sum-exp (fp32 on CUDA, attention
+dropout, a sliding window) it falls back to the bottom-right calls, said once in the log. An explicit [s / cp, s] mask
 (at 128K and CP = 2, 8 GB per layer) leaves SDPA only its kernels that read a mask, which skip no
 block (CP = 2 at 32K trained at 0.31 of one GPU that way: docs/parallelism.md).
 """
@@ -147,7 +148,9 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         dropout_p = self.dropout_p if self.training else 0.0
         kernel, why = choose_kernel(q, k, v, dropout_p)
-        if self.window_size is not None:
+        if getattr(self.config, "cp_attention", "bottom_right") != "merged":
+            kernel, why = None, "model.cp_attention=bottom_right"
+        elif self.window_size is not None:
             kernel, why = None, "sliding window"
         if kernel is None:
             say_once(_log, "%s: bottom-right causal SDPA calls, the slower flash / memory-efficient kernels (%s)", what,

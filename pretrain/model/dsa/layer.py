@@ -102,8 +102,10 @@ class DSACoreAttention(LatentCoreAttention):
                            query_positions=query_positions)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
         train_indexer = coeff > 0 and self.indexer is not None and torch.is_grad_enabled()
-        # Under TP this rank's indexer scores and trains on its share of the query rows only (`indexer_split`).
-        split = RowSplit.create(s, self.tp_group, q_nope.device) if self.indexer is not None else None
+        # Under TP with model.dsa_indexer_tp_split this rank's indexer scores and trains on its share of the query
+        # rows only (`indexer_split`); otherwise every TP rank scores every row (replicated).
+        split = (RowSplit.create(s, self.tp_group, q_nope.device)
+                 if self.indexer is not None and getattr(cfg, "dsa_indexer_tp_split", False) else None)
         my_keys = keys if split is None else keys.subset(split.rows)
         # Query rows per chunk: row blocks over all keys ([rows, heads, s]: top-k, dense KL) and over the
         # selected keys ([rows, K, 576] gathered: sparse attention and KL) have different widths.
