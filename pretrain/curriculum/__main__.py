@@ -1,7 +1,11 @@
 """Run or check a curriculum plan.
 
     python -m pretrain.curriculum --plan configs/curriculum/tiny.yaml [--launcher torchrun|srun|inline]
-        [--validate-only] [--skip-data-check] [run_dir=DIR] [optimizer_state=carry] [section.key=value ...]
+        [--validate-only] [--skip-data-check] [--gpus N [--cluster NAME]] [run_dir=DIR] [optimizer_state=carry]
+        [section.key=value ...]
+
+`--gpus N`: the layout planner's checks for every stage on N GPUs of `--cluster` (docs/layout.md): memory per GPU
+within 90% of the GPU's and a pipeline bubble (PP - 1) / (VPP x m) of at most 10%; a stage that fails is a bad plan.
 
 `KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
@@ -17,7 +21,19 @@ import sys
 from pretrain.curriculum.plan import PlanError, check_plan_data, load_plan
 from pretrain.curriculum.runner import LAUNCHERS, StageFailed, StagePreempted, run_plan
 from pretrain.training.preemption import PREEMPTED_EXIT_CODE
+from pretrain.layout.types import CLUSTERS
 from pretrain.notices import configure_logging
+
+
+def check_plan_layouts(plan, gpus: int, cluster: str) -> None:
+    """The layout planner's memory and bubble checks for every stage on `gpus` GPUs; PlanError (one line) naming
+    the first stage that fails."""
+    from pretrain.layout.search import check_stage
+
+    for index, stage in enumerate(plan.stages, 1):
+        reason = check_stage(stage.cfg, gpus, cluster)
+        if reason:
+            raise PlanError(f"stage {index} ({stage.name}): {reason}")
 
 
 def main(argv=None) -> int:
@@ -30,8 +46,13 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-data-check", action="store_true",
                         help="do not read the stages' data files and tokenizers (a plan whose data lives on the "
                              "cluster, validated elsewhere); each stage's run still checks them before it starts")
+    parser.add_argument("--gpus", type=int, help="check every stage's layout on this many GPUs (layout planner)")
+    parser.add_argument("--cluster", default="h100-nvl-ib400", choices=sorted(CLUSTERS),
+                        help="GPU kind and network of --gpus (default h100-nvl-ib400)")
     parser.add_argument("overrides", nargs="*", help="plan keys KEY=VALUE or section.key=value for every stage")
     args = parser.parse_args(argv)
+    if args.gpus is not None and args.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {args.gpus}")
     configure_logging()
     try:
         plan = load_plan(args.plan, args.overrides)
@@ -41,6 +62,10 @@ def main(argv=None) -> int:
                   "assumed to exist where the plan runs", flush=True)
         else:
             check_plan_data(plan)
+        if args.gpus is not None:
+            check_plan_layouts(plan, args.gpus, args.cluster)
+            print(f"layouts: every stage fits {args.gpus} x {args.cluster} (memory within 90% of a GPU, pipeline "
+                  "bubble <= 10%; the layout planner's estimates, docs/layout.md)", flush=True)
         if args.validate_only:
             return 0
         run_plan(plan, args.launcher, log=lambda line: print(line, flush=True))
