@@ -77,6 +77,10 @@ SPLITS = {  # name: (overrides, world size)
                           "parallel.expert_model_parallel_size=4"], 8),
     "ep2 etp2": (["parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2",
                   "model.mtp_use_repeated_layer=false"], 4),
+    # uneven stages from megatron's layout string: 1 + 3 layers, then MTP alone before an L-only last stage
+    "pp2 layout": (["parallel.pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_layout=Et|tttmmmL"], 2),
+    "pp3 layout mtp before L": (["parallel.pipeline_model_parallel_size=3",
+                                 "parallel.pipeline_model_parallel_layout=Ett|ttmmm|L"], 3),
 }
 
 
@@ -86,7 +90,7 @@ def _layout(cfg, world: int) -> Layout:
                   vpp=p.virtual_pipeline_model_parallel_size or 1, ep=p.expert_model_parallel_size,
                   etp=p.expert_tensor_parallel_size, cp=p.context_parallel_size,
                   dp=world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size),
-                  sequence_parallel=p.sequence_parallel)
+                  sequence_parallel=p.sequence_parallel, pipeline_layout=p.pipeline_model_parallel_layout)
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
@@ -95,7 +99,8 @@ def test_parameters_per_rank_match_the_built_model(split):
     cfg = load_config(TINY, FOUR_LAYERS + overrides)
     dims, layout = ModelDims.from_config(cfg), _layout(cfg, world)
     seen = set()
-    for rank in (0, world - 1):  # the first and the last pipeline rank
+    # the first and the last pipeline rank; every rank of an uneven layout (one rank per stage there)
+    for rank in range(world) if layout.pipeline_layout else (0, world - 1):
         pp_rank, counted = counted_rank_parameters(cfg, world, rank)
         shards = rank_parameters(dims, layout, pp_rank)
         model = {"total": sum(s.elements for s in shards),
@@ -103,7 +108,7 @@ def test_parameters_per_rank_match_the_built_model(split):
                  "muon": sum(s.elements for s in shards if s.optimizer == "muon")}
         assert model == counted, (split, pp_rank, model, counted)
         seen.add(pp_rank)
-    assert seen == {0, layout.pp - 1}
+    assert seen == (set(range(layout.pp)) if layout.pipeline_layout else {0, layout.pp - 1})
 
 
 def test_whole_model_and_744b_counts():

@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from pretrain.layout.activations import layer_terms, working_set
-from pretrain.layout.types import GiB, Layout, ModelDims, Workload
+from pretrain.layout.types import GiB, Layout, ModelDims, Workload, rank_stages, stage_rank
 
 ZERO2_BUCKET_ELEMENTS = 40_000_000  # pretrain.optim.zero2_grads.DEFAULT_BUCKET_ELEMENTS (megatron's DDP bucket)
 ZERO2_BUCKETS_IN_FLIGHT = 2
@@ -80,21 +80,27 @@ class MemoryEstimate:
 
 
 def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
-    """Decoder layers of pipeline rank `rank`: chunk j holds layers ((j PP + rank) c, ..., + c), c = L / (PP VPP)."""
-    c = dims.num_layers // (layout.pp * layout.vpp)
-    return [i for j in range(layout.vpp) for i in range((j * layout.pp + rank) * c, (j * layout.pp + rank + 1) * c)]
+    """Decoder layers of pipeline rank `rank`, its virtual stages' in order (`types.pipeline_stages`: even,
+    chunk j holds layers ((j PP + rank) c, ..., + c), c = L / (PP VPP); or as `layout.pipeline_layout` places them)."""
+    return [first + k for stage, first in rank_stages(dims, layout, rank) for k in range(stage.count("t"))]
+
+
+def rank_of_layer(dims: ModelDims, layout: Layout, layer: int) -> int:
+    """The pipeline rank holding decoder layer `layer`."""
+    return next(r for r in range(layout.pp) if layer in rank_layers(dims, layout, r))
 
 
 def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str = "all") -> List[ParamShard]:
     """Parameter shards on pipeline rank `rank` (TP/EP/ETP split, see the module docstring), one per
     (optimizer, group); `trainable` "dsa_indexer" (the DSA warm-up) marks all but the indexers "frozen"."""
-    return list(_rank_parameters(dims, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, rank, trainable))
+    return list(_rank_parameters(dims, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp,
+                                 layout.pipeline_layout, rank, trainable))
 
 
 @lru_cache(maxsize=4096)
-def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: int, rank: int,
-                     trainable: str) -> Tuple[ParamShard, ...]:
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: int, pipeline_layout: Optional[str],
+                     rank: int, trainable: str) -> Tuple[ParamShard, ...]:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pipeline_layout=pipeline_layout)
     h = dims.hidden
     latent_norms = (dims.q_lora_rank or 0) + dims.kv_lora_rank
     idx_norm = 2 * dims.dsa_indexer_head_dim if dims.indexer_params else 0
@@ -123,13 +129,17 @@ def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: 
 
     for i in rank_layers(dims, layout, rank):
         layer(bool(dims.moe_pattern[i]), dims.dsa_layers[i])
-    # MTP embeds the shifted tokens on the last rank: a copy of the embedding lives there (gradients summed with
+    # MTP embeds the shifted tokens on its rank: a copy of the embedding lives there (gradients summed with
     # the first rank's, megatron's shared-embedding all-reduce), optimizer state included
-    if rank == 0 or (rank == layout.pp - 1 and dims.mtp_depths):
+    mtp_rank = stage_rank(dims, layout, "m") if dims.mtp_depths else -1
+    loss_rank = stage_rank(dims, layout, "L")
+    if rank == stage_rank(dims, layout, "E") or rank == mtp_rank:
         add(dims.embedding_params // tp, "adamw")
-    if rank == layout.pp - 1:
+    if rank == loss_rank:  # MTP's heads too run on the last stage (megatron builds output_layer there only)
         add(dims.output_params // tp, "adamw")
+    if rank == rank_of_layer(dims, layout, dims.num_layers - 1):  # the decoder's final norm follows its last layer
         add(dims.final_norm_params, "adamw")
+    if rank == mtp_rank:
         for _ in range(dims.mtp_layers):
             layer(dims.mtp_layer_is_moe, bool(dims.indexer_params))
             add(2 * h * h // tp, "muon")  # eh_proj
@@ -184,22 +194,22 @@ def in_flight_chunks(layout: Layout, rank: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _layer_kinds(dims: ModelDims, pp: int, vpp: int, rank: int) -> Tuple[Tuple[int, int], ...]:
+def _layer_kinds(dims: ModelDims, pp: int, vpp: int, pipeline_layout: Optional[str],
+                 rank: int) -> Tuple[Tuple[int, int], ...]:
     """(first layer of the kind, count) per layer kind (MoE, DSA) of the rank: a kind's layers keep equal bytes."""
     kinds: Dict[Tuple[int, bool], List[int]] = {}
-    for i in rank_layers(dims, Layout(pp=pp, vpp=vpp), rank):
+    for i in rank_layers(dims, Layout(pp=pp, vpp=vpp, pipeline_layout=pipeline_layout), rank):
         kinds.setdefault((dims.moe_pattern[i], dims.dsa_layers[i]), []).append(i)
     return tuple((ids[0], len(ids)) for ids in kinds.values())
 
 
 def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
     """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
-    kinds = _layer_kinds(dims, layout.pp, layout.vpp, rank)
-    n_layers = sum(n for _, n in kinds)
+    kinds = _layer_kinds(dims, layout.pp, layout.vpp, layout.pipeline_layout, rank)
     per_kind = [(layer_terms(dims, layout, work, first, a, layout.recompute), n) for first, n in kinds]
     chunks = in_flight_chunks(layout, rank)
-    # chunks in flight x layers per chunk, at the rank's mean per-layer bytes
-    scale = chunks * (n_layers // layout.vpp) / n_layers
+    # chunks in flight x the rank's mean layers per chunk (its layers / VPP), at its mean per-layer bytes
+    scale = chunks / layout.vpp
     out: Dict[str, float] = {}
     for terms, n in per_kind:
         for k, v in terms.items():
@@ -211,9 +221,15 @@ def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int,
     # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
     # the loss runs before the first backward, so the two do not coexist
     transient = working_set(dims, layout, work, a)
-    if rank == layout.pp - 1:
+    loss_rank = stage_rank(dims, layout, "L")
+    mtp_rank = stage_rank(dims, layout, "m") if dims.mtp_depths else -1
+    if rank in (loss_rank, mtp_rank):
         head = head_terms(dims, layout, work, a)
         logits = {"output_logits_transient": head.pop("output_logits_transient")}
+        if rank != mtp_rank:  # MTP placed on the rank before (its stage ends before an L-only last stage)
+            head.pop("mtp", None)
+        if rank != loss_rank:  # the MTP rank: its depths (their heads' logits are the transient)
+            head, logits = {"mtp": head["mtp"]}, {}  # the heads' logits and loss run on the last stage
         out.update(head)
         if sum(logits.values()) > sum(transient.values()):
             transient = logits
@@ -255,7 +271,9 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
     (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config."""
     best: Optional[MemoryEstimate] = None
-    for rank in sorted({0, layout.pp - 1}):
+    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak
+    ranks = range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1})
+    for rank in ranks:
         terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, a == 2, zero2_grad_reduce)
         terms.update(activation_terms(dims, layout, work, rank, a))
         candidate = MemoryEstimate(terms, rank, tuple(rank_layers(dims, layout, rank)))

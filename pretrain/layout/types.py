@@ -22,6 +22,7 @@ Sizes count elements; memory counts bytes; bandwidths are bytes/s in one directi
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Dict, List, Literal, Optional, Tuple
 
 GiB = 1 << 30
@@ -236,6 +237,9 @@ class Layout:
     zero: Literal["ddp", "zero2"] = "zero2"
     output_loss_backend: Literal["unfused", "chunked", "liger"] = "chunked"
     output_chunk_size: int = 4096  # tokens per chunk with "chunked"
+    # megatron's `parallel.pipeline_model_parallel_layout` (e.g. "Et*20|t*20|t*19|t*19m*3L") when the stages are
+    # uneven; None: num_layers / (pp * vpp) decoder layers per virtual stage (`pipeline_stages`)
+    pipeline_layout: Optional[str] = None
 
     @property
     def gpus(self) -> int:
@@ -258,6 +262,10 @@ class Layout:
             f"parallel.tensor_model_parallel_size={self.tp}",
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'null'}",
+            f"parallel.pipeline_model_parallel_layout={self.pipeline_layout or 'null'}",
+            "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
+            "parallel.account_for_embedding_in_pipeline_split=false",
+            "parallel.account_for_loss_in_pipeline_split=false",
             f"parallel.context_parallel_size={self.cp}",
             f"parallel.expert_model_parallel_size={self.ep}",
             f"parallel.expert_tensor_parallel_size={self.etp}",
@@ -278,7 +286,45 @@ class Layout:
         rc = {"none": "norc", "selective": "sel", "full": "full"}[self.recompute]
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
                 f"mbs{self.micro_batch_size} m{self.num_microbatches} {rc}{' off' if self.activation_offload else ''}"
-                f" {self.optimizer}/{self.zero} {self.output_loss_backend}")
+                f" {self.optimizer}/{self.zero} {self.output_loss_backend}"
+                + (f" layout {self.pipeline_layout}" if self.pipeline_layout else ""))
+
+
+@lru_cache(maxsize=4096)
+def pipeline_stages(dims: ModelDims, layout: Layout) -> Tuple[str, ...]:
+    """The entries of every virtual stage (megatron's letters: E embedding, t decoder layer, m MTP depth, L output
+    layer and loss; stage i = vpp_rank x PP + pp_rank): `layout.pipeline_layout` parsed, or the even split."""
+    if layout.pipeline_layout:
+        from pretrain.config.pipeline_layout import parse_layout
+
+        return tuple("".join(s) for s in parse_layout(layout.pipeline_layout))
+    n = layout.pp * layout.vpp
+    if dims.num_layers % n:
+        raise ValueError(f"{dims.num_layers} layers over PP {layout.pp} x VPP {layout.vpp} do not split evenly; "
+                         "give the layout's pipeline_layout")
+    stages = ["t" * (dims.num_layers // n) for _ in range(n)]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * dims.mtp_depths + "L"
+    return tuple(stages)
+
+
+def rank_stages(dims: ModelDims, layout: Layout, rank: int) -> List[Tuple[str, int]]:
+    """(entries, index of its first decoder layer) of each virtual stage of pipeline rank `rank`."""
+    stages = pipeline_stages(dims, layout)
+    first, out = 0, []
+    for i, stage in enumerate(stages):
+        if i % layout.pp == rank:
+            out.append((stage, first))
+        first += stage.count("t")
+    return out
+
+
+def stage_rank(dims: ModelDims, layout: Layout, letter: str) -> int:
+    """The pipeline rank holding entry `letter` ("E", "m", "L"; -1 when no stage has it)."""
+    for i, stage in enumerate(pipeline_stages(dims, layout)):
+        if letter in stage:
+            return i % layout.pp
+    return -1
 
 
 @dataclass(frozen=True)

@@ -135,23 +135,38 @@ def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: i
     return sizes
 
 
-def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
-                    microbatches: Optional[int] = None) -> List[List[str]]:
-    """The balanced stages (lists of entry letters) for the config's PP x VPP."""
-    m, p = cfg.model, cfg.parallel
+def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE
+                 ) -> Tuple[List[str], List[float], List[bool]]:
+    """(entries, their costs per token, whether a stage may start at each) as the split sees them: with tied
+    embeddings the MTP block stays with the loss; a stage starts only at a "full" DSA indexer."""
+    m = cfg.model
     entries, costs = entry_costs(cfg, flop_per_byte)
     if m.share_embeddings_and_output_weights and m.mtp_num_layers:  # MTP stays with the loss
         entries, costs = entries[:-2] + [entries[-2] + "L"], costs[:-2] + [costs[-2] + costs[-1]]
     types = m.dsa_indexer_types if m.experimental_attention_variant == "dsa" else None
     can_start = [e != "t" or types is None or types[i - 1] == "full" for i, e in enumerate(entries)]
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
-    sizes = interleaved_split(costs, pp, vpp, m_count, can_start)
+    return entries, costs, can_start
+
+
+def balanced_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp: int, microbatches: int,
+                    can_start: Optional[Sequence[bool]] = None) -> List[List[str]]:
+    """The balanced stages (lists of entry letters) of `split_inputs`' entries over PP x VPP stages."""
+    sizes = interleaved_split(costs, pp, vpp, microbatches, can_start)
     out, start = [], 0
     for size in sizes:
         out.append([letter for e in entries[start:start + size] for letter in e])
         start += size
     return out
+
+
+def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
+                    microbatches: Optional[int] = None) -> List[List[str]]:
+    """The balanced stages (lists of entry letters) for the config's PP x VPP."""
+    p = cfg.parallel
+    entries, costs, can_start = split_inputs(cfg, flop_per_byte)
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    return balanced_stages(entries, costs, pp, vpp, m_count, can_start)
 
 
 def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE) -> List[float]:
