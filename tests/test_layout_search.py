@@ -113,11 +113,61 @@ def test_search_of_2048_gpus_runs_in_seconds(glm5):
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, elapsed
     assert result.considered > 10_000 and result.ranked
-    # 78 layers: only PP 1 or 2 divides both the layers and a power-of-two GPU count
+    # without the model's stage costs the search keeps even stages: of 78 layers over a power-of-two GPU count
+    # only PP 1 or 2 divides both
     assert result.refused["layers % (pp*vpp)"] > 0 and {c.layout.pp for c in result.ranked} <= {1, 2}
     best = result.ranked[0]
     assert all(c.step.tokens_per_s_per_gpu <= best.step.tokens_per_s_per_gpu for c in result.ranked)
     assert config_validator(cfg, work)(best.layout) is None
+
+
+def test_uneven_stages_open_pp4_and_pp8_on_2048_gpus(glm5):
+    """With the stage costs, a PP x VPP that does not divide the 78 layers gets pipeline_split's balanced
+    layout instead of a refusal: PP 4 and 8 layouts rank, each within the bubble bound, each layout string
+    placing every layer, the embedding, MTP and the loss (the config resolves it), the even splits kept."""
+    from pretrain.config.pipeline_layout import stage_entries
+    from pretrain.layout.search import pipeline_costs
+
+    cfg, dims = glm5
+    work = Workload(4096, 8192)
+    opts = SearchOptions(pipeline_costs=pipeline_costs(cfg, work), max_vpp=2, micro_batches=(1,))
+    result = search(dims, work, cluster_preset("h100-nvl-ib400", 2048), opts, stub_step)
+    found = {c.layout.pp for c in result.ranked}
+    assert {4, 8} <= found, found
+    assert result.refused["layers % (pp*vpp)"] == 0
+    validate = config_validator(cfg, work)
+    for pp in (4, 8):
+        best = next(c for c in result.ranked if c.layout.pp == pp)
+        lay = best.layout
+        assert lay.pipeline_layout and (lay.pp - 1) / (lay.vpp * lay.num_microbatches) <= opts.bubble_bound
+        par = replace(cfg.parallel, pipeline_model_parallel_size=lay.pp,
+                      virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+                      pipeline_model_parallel_layout=lay.pipeline_layout)
+        stages = stage_entries(cfg.model, par)
+        assert sum(s.count("t") for s in stages) == 78 and len(stages) == lay.pp * lay.vpp
+        assert validate(lay) is None, lay.short()
+        # the memory's rank layers are the layout's: every layer once over the pipeline ranks
+        from pretrain.layout.memory import rank_layers
+        assert sorted(i for r in range(lay.pp) for i in rank_layers(dims, lay, r)) == list(range(78))
+    assert all(c.layout.pipeline_layout is None for c in result.ranked if 78 % (c.layout.pp * c.layout.vpp) == 0)
+
+
+def test_check_stage_reads_the_configured_layout(glm5):
+    """check_stage takes a stage's uneven stages from its layout keys: its layers are checked as placed."""
+    from pretrain.layout.memory import rank_layers
+    from pretrain.layout.search import layout_of
+
+    cfg, dims = glm5
+    text = "Et*18|t*20|t*20|t*20m*3|L"
+    par = replace(cfg.parallel, pipeline_model_parallel_size=5, pipeline_model_parallel_layout=text)
+    stage = replace(cfg, parallel=par)
+    layout, _ = layout_of(stage, 5 * 8 * 64)
+    assert [len(rank_layers(dims, layout, r)) for r in range(5)] == [18, 20, 20, 20, 0]
+    reason = check_stage(stage, world_size=5 * 8 * 64)
+    assert reason is None or "layers" not in reason, reason
+    first = replace(cfg.parallel, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=18)
+    layout, _ = layout_of(replace(cfg, parallel=first), 4 * 8 * 64)
+    assert [len(rank_layers(dims, layout, r)) for r in range(4)] == [18, 20, 20, 20]
 
 
 def test_cli_refuses_to_rank_without_the_time_model(monkeypatch, capsys):

@@ -43,7 +43,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     from pretrain.config import load_config
-    from pretrain.layout.search import SearchOptions, config_validator, default_step_fn, search
+    from pretrain.layout.search import SearchOptions, config_validator, default_step_fn, pipeline_costs, search
     from pretrain.layout.types import ModelDims, cluster_preset
 
     cfg = load_config(args.config, args.overrides)
@@ -51,7 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cluster = cluster_preset(args.cluster, args.gpus)
     work = Workload(args.seq, args.global_batch)
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
-                         optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params)
+                         optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
+                         pipeline_costs=pipeline_costs(cfg, work))
     try:
         step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
     except (RuntimeError, FileNotFoundError, ValueError) as e:

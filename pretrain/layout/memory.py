@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from pretrain.layout.activations import layer_terms, working_set
-from pretrain.layout.types import GiB, Layout, ModelDims, Workload, rank_stages, stage_rank
+from pretrain.layout.types import GiB, Layout, ModelDims, Workload, pipeline_plan
 
 ZERO2_BUCKET_ELEMENTS = 40_000_000  # pretrain.optim.zero2_grads.DEFAULT_BUCKET_ELEMENTS (megatron's DDP bucket)
 ZERO2_BUCKETS_IN_FLIGHT = 2
@@ -82,25 +82,23 @@ class MemoryEstimate:
 def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
     """Decoder layers of pipeline rank `rank`, its virtual stages' in order (`types.pipeline_stages`: even,
     chunk j holds layers ((j PP + rank) c, ..., + c), c = L / (PP VPP); or as `layout.pipeline_layout` places them)."""
-    return [first + k for stage, first in rank_stages(dims, layout, rank) for k in range(stage.count("t"))]
-
-
-def rank_of_layer(dims: ModelDims, layout: Layout, layer: int) -> int:
-    """The pipeline rank holding decoder layer `layer`."""
-    return next(r for r in range(layout.pp) if layer in rank_layers(dims, layout, r))
+    return list(pipeline_plan(dims, layout).layers[rank])
 
 
 def rank_parameters(dims: ModelDims, layout: Layout, rank: int, trainable: str = "all") -> List[ParamShard]:
     """Parameter shards on pipeline rank `rank` (TP/EP/ETP split, see the module docstring), one per
     (optimizer, group); `trainable` "dsa_indexer" (the DSA warm-up) marks all but the indexers "frozen"."""
-    return list(_rank_parameters(dims, layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp,
-                                 layout.pipeline_layout, rank, trainable))
+    plan = pipeline_plan(dims, layout)
+    holds = (rank == plan.embedding_rank, rank == plan.mtp_rank, rank == plan.loss_rank, rank == plan.norm_rank)
+    return list(_rank_parameters(dims, layout.tp, layout.ep, layout.etp, plan.kinds[rank], holds, trainable))
 
 
 @lru_cache(maxsize=4096)
-def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: int, pipeline_layout: Optional[str],
-                     rank: int, trainable: str) -> Tuple[ParamShard, ...]:
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, pipeline_layout=pipeline_layout)
+def _rank_parameters(dims: ModelDims, tp: int, ep: int, etp: int, kinds: Tuple[Tuple[Tuple[int, bool], int], ...],
+                     holds: Tuple[bool, bool, bool, bool], trainable: str) -> Tuple[ParamShard, ...]:
+    """The shards of a rank with `kinds` ((MoE, DSA), count) of decoder layers holding (embedding, MTP, loss,
+    final norm) as `holds` says."""
+    layout = Layout(tp=tp, ep=ep, etp=etp)
     h = dims.hidden
     latent_norms = (dims.q_lora_rank or 0) + dims.kv_lora_rank
     idx_norm = 2 * dims.dsa_indexer_head_dim if dims.indexer_params else 0
@@ -127,19 +125,19 @@ def _rank_parameters(dims: ModelDims, tp: int, pp: int, vpp: int, ep: int, etp: 
         else:
             add(dims.dense_mlp_params // tp, "muon", largest=2 * h * dims.ffn_hidden // tp)
 
-    for i in rank_layers(dims, layout, rank):
-        layer(bool(dims.moe_pattern[i]), dims.dsa_layers[i])
+    for (moe, dsa), n in kinds:
+        for _ in range(n):
+            layer(bool(moe), dsa)
+    embedding, mtp, loss, norm = holds
     # MTP embeds the shifted tokens on its rank: a copy of the embedding lives there (gradients summed with
     # the first rank's, megatron's shared-embedding all-reduce), optimizer state included
-    mtp_rank = stage_rank(dims, layout, "m") if dims.mtp_depths else -1
-    loss_rank = stage_rank(dims, layout, "L")
-    if rank == stage_rank(dims, layout, "E") or rank == mtp_rank:
+    if embedding or mtp:
         add(dims.embedding_params // tp, "adamw")
-    if rank == loss_rank:  # MTP's heads too run on the last stage (megatron builds output_layer there only)
+    if loss:  # MTP's heads too run on the last stage (megatron builds output_layer there only)
         add(dims.output_params // tp, "adamw")
-    if rank == rank_of_layer(dims, layout, dims.num_layers - 1):  # the decoder's final norm follows its last layer
+    if norm:  # the decoder's final norm follows its last layer
         add(dims.final_norm_params, "adamw")
-    if rank == mtp_rank:
+    if mtp:
         for _ in range(dims.mtp_layers):
             layer(dims.mtp_layer_is_moe, bool(dims.indexer_params))
             add(2 * h * h // tp, "muon")  # eh_proj
@@ -193,19 +191,18 @@ def in_flight_chunks(layout: Layout, rank: int) -> int:
     return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
 
 
-@lru_cache(maxsize=4096)
-def _layer_kinds(dims: ModelDims, pp: int, vpp: int, pipeline_layout: Optional[str],
-                 rank: int) -> Tuple[Tuple[int, int], ...]:
-    """(first layer of the kind, count) per layer kind (MoE, DSA) of the rank: a kind's layers keep equal bytes."""
-    kinds: Dict[Tuple[int, bool], List[int]] = {}
-    for i in rank_layers(dims, Layout(pp=pp, vpp=vpp, pipeline_layout=pipeline_layout), rank):
-        kinds.setdefault((dims.moe_pattern[i], dims.dsa_layers[i]), []).append(i)
-    return tuple((ids[0], len(ids)) for ids in kinds.values())
+def _layer_kinds(dims: ModelDims, layout: Layout, rank: int) -> Tuple[Tuple[int, int], ...]:
+    """(a layer of the kind, count) per layer kind (MoE, DSA) of the rank: a kind's layers keep equal bytes."""
+    plan = pipeline_plan(dims, layout)
+    first = {}
+    for i in plan.layers[rank]:
+        first.setdefault((dims.moe_pattern[i], dims.dsa_layers[i]), i)
+    return tuple((first[kind], n) for kind, n in plan.kinds[rank])
 
 
 def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
     """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
-    kinds = _layer_kinds(dims, layout.pp, layout.vpp, layout.pipeline_layout, rank)
+    kinds = _layer_kinds(dims, layout, rank)
     per_kind = [(layer_terms(dims, layout, work, first, a, layout.recompute), n) for first, n in kinds]
     chunks = in_flight_chunks(layout, rank)
     # chunks in flight x the rank's mean layers per chunk (its layers / VPP), at its mean per-layer bytes
@@ -216,13 +213,13 @@ def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int,
             out[k] = out.get(k, 0.0) + v * n * scale
     if layout.activation_offload:  # saved tensors wait in host memory; two layers' worth stay
         total = sum(out.values())
-        resident = 2 * max(sum(t.values()) for t, _ in per_kind)
+        resident = 2 * max((sum(t.values()) for t, _ in per_kind), default=0.0)  # a rank may hold no layer
         out = {"offload_resident": min(total, resident)}
     # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
     # the loss runs before the first backward, so the two do not coexist
     transient = working_set(dims, layout, work, a)
-    loss_rank = stage_rank(dims, layout, "L")
-    mtp_rank = stage_rank(dims, layout, "m") if dims.mtp_depths else -1
+    plan = pipeline_plan(dims, layout)
+    loss_rank, mtp_rank = plan.loss_rank, plan.mtp_rank
     if rank in (loss_rank, mtp_rank):
         head = head_terms(dims, layout, work, a)
         logits = {"output_logits_transient": head.pop("output_logits_transient")}
@@ -271,8 +268,14 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
     (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config."""
     best: Optional[MemoryEstimate] = None
-    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak
-    ranks = range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1})
+    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak, but a
+    # rank of decoder layers only is outdone by an earlier rank (more in flight) with at least its layers of each kind
+    plan = pipeline_plan(dims, layout)
+    ranks = []
+    for r in range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1}):
+        mine = dict(plan.kinds[r])
+        if plan.special(r) or not any(all(dict(plan.kinds[q]).get(k, 0) >= n for k, n in mine.items()) for q in ranks):
+            ranks.append(r)
     for rank in ranks:
         terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, a == 2, zero2_grad_reduce)
         terms.update(activation_terms(dims, layout, work, rank, a))

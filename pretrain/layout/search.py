@@ -17,6 +17,7 @@ offload) and the first that fits is kept. Survivors are ranked by the time model
 from __future__ import annotations
 
 import itertools
+from functools import lru_cache
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -44,6 +45,10 @@ class SearchOptions:
     output_chunk_size: int = 4096
     trainable: str = "all"
     validate_top: int = 10  # candidates built as configs and validated, best first
+    # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
+    # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
+    # layers gets the balanced uneven stages; None: such splits are refused
+    pipeline_costs: Optional[Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]] = None
 
 
 @dataclass
@@ -77,8 +82,11 @@ def refusal(dims: ModelDims, layout: Layout, work: Workload) -> Optional[str]:
         (dims.vocab % tp == 0, "vocab % tp", f"vocab {dims.vocab} over TP {tp}"),
         (dims.ffn_hidden % tp == 0 and dims.shared_expert_ffn_hidden % tp == 0, "ffn % tp",
          f"FFN widths {dims.ffn_hidden}/{dims.shared_expert_ffn_hidden} over TP {tp}"),
-        (dims.num_layers % (pp * vpp) == 0, "layers % (pp*vpp)",
-         f"{dims.num_layers} layers over PP {pp} x VPP {vpp} (the planner models even stages only)"),
+        (pp * vpp <= dims.num_layers + 2, "stages > entries",
+         f"PP {pp} x VPP {vpp} stages for {dims.num_layers} layers, the embedding and the loss"),
+        (dims.num_layers % (pp * vpp) == 0 or layout.pipeline_layout is not None, "layers % (pp*vpp)",
+         f"{dims.num_layers} layers over PP {pp} x VPP {vpp} (uneven stages need the model's stage costs, "
+         "SearchOptions.pipeline_costs)"),
         (vpp == 1 or pp > 1, "vpp without pp", f"VPP {vpp} needs PP > 1"),
         (ep == 1 or dims.num_experts % ep == 0, "experts % ep", f"{dims.num_experts} experts over EP {ep}"),
         (etp == 1 or dims.expert_ffn_hidden % etp == 0, "expert width % etp",
@@ -114,8 +122,44 @@ def bubble_refusal(layout: Layout, bound: float) -> Optional[str]:
     return None
 
 
+def pipeline_costs(cfg, work: Workload) -> Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]:
+    """`SearchOptions.pipeline_costs` of `cfg` at the workload's sequence length (docs/parallelism.md's cost model)."""
+    import dataclasses
+
+    from pretrain.tools.pipeline_split import split_inputs
+
+    at_seq = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=work.seq_length))
+    entries, costs, can_start = split_inputs(at_seq)
+    return tuple(entries), tuple(costs), tuple(can_start)
+
+
+def uneven_layout(dims: ModelDims, pp: int, vpp: int, m: int, opts: SearchOptions) -> Optional[str]:
+    """The balanced `parallel.pipeline_model_parallel_layout` of PP x VPP stages at m micro-batches when the layers
+    do not split evenly (`pretrain.tools.pipeline_split.balanced_stages`); None where the even split holds or the
+    split cannot be made (the arithmetic refusal then says why)."""
+    if pp == 1 or dims.num_layers % (pp * vpp) == 0 or opts.pipeline_costs is None:
+        return None
+    if pp * vpp > len(opts.pipeline_costs[0]):
+        return None
+    return _uneven_layout(opts.pipeline_costs, pp, vpp, m if vpp > 1 else 1)
+
+
+@lru_cache(maxsize=1024)
+def _uneven_layout(costs: Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]], pp: int, vpp: int,
+                   m: int) -> Optional[str]:
+    from pretrain.config.pipeline_layout import format_layout
+    from pretrain.tools.pipeline_split import balanced_stages
+
+    entries, cost, can_start = costs
+    try:
+        return format_layout(balanced_stages(list(entries), list(cost), pp, vpp, m, list(can_start)))
+    except ValueError:  # no split meets the DSA stage-start constraints
+        return None
+
+
 def splits(dims: ModelDims, work: Workload, cluster: Cluster, opts: SearchOptions) -> Iterator[Layout]:
-    """Every parallel split of `cluster.gpus` (recompute left at none) the search considers."""
+    """Every parallel split of `cluster.gpus` (recompute left at none) the search considers; a PP x VPP that does
+    not divide the layers carries the balanced uneven stages (`uneven_layout`)."""
     w = cluster.gpus
     tps = [t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node and w % t == 0]
     for tp in tps:
@@ -130,7 +174,8 @@ def splits(dims: ModelDims, work: Workload, cluster: Cluster, opts: SearchOption
                     if mbs > 1 and work.seq_length > 8192:
                         continue  # long sequences: one per micro-batch
                     m = max(work.global_batch_size // (mbs * dp), 1)
-                    yield Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, micro_batch_size=mbs,
+                    uneven = uneven_layout(dims, pp, vpp, m, opts)
+                    yield Layout(pipeline_layout=uneven, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, micro_batch_size=mbs,
                                  num_microbatches=m, sequence_parallel=tp > 1, optimizer=opts.optimizer, zero=zero,
                                  output_loss_backend="chunked", output_chunk_size=opts.output_chunk_size)
 
@@ -240,8 +285,23 @@ def layout_of(cfg, world_size: int) -> Tuple[Layout, Workload]:
                     num_microbatches=max(t.global_batch_size // (t.micro_batch_size * dp), 1),
                     sequence_parallel=p.sequence_parallel, recompute=recompute,
                     activation_offload=m.activation_offload, optimizer=cfg.optimizer.optimizer, zero=zero,
-                    output_loss_backend=m.output_loss_backend, output_chunk_size=m.output_chunk_size or 4096)
+                    output_loss_backend=m.output_loss_backend, output_chunk_size=m.output_chunk_size or 4096,
+                    pipeline_layout=configured_layout(cfg))
     return layout, Workload(cfg.data.seq_length, t.global_batch_size)
+
+
+def configured_layout(cfg) -> Optional[str]:
+    """The config's uneven stages as a layout string (`parallel.pipeline_model_parallel_layout`, or
+    num_layers_in_first/last_pipeline_stage and account_for_embedding/loss_in_pipeline_split resolved by
+    `pretrain.config.pipeline_layout.stage_entries`); None when the config keeps megatron's even split."""
+    from pretrain.config.pipeline_layout import format_layout, stage_entries
+
+    p = cfg.parallel
+    if p.pipeline_model_parallel_layout is None and p.num_layers_in_first_pipeline_stage is None and (
+            p.num_layers_in_last_pipeline_stage is None and not p.account_for_embedding_in_pipeline_split
+            and not p.account_for_loss_in_pipeline_split):
+        return None
+    return format_layout(stage_entries(cfg.model, p))
 
 
 def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom: float = 0.10,
@@ -263,4 +323,5 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
-                          "layout_of", "refusal", "search", "splits"]
+                          "configured_layout", "layout_of", "pipeline_costs", "refusal", "search", "splits",
+                          "uneven_layout"]

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from pretrain.layout.calibration import Calibration, load_calibration
-from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
+from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload, pipeline_plan
 from pretrain.training.flops import peak_flops, training_flops_per_token
 
 __all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_flops", "offrank_rows"]
@@ -215,7 +215,7 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
     if dense_slots:
         parts["dense_mlp"] = dense_slots * layer_f["dense_mlp"] * t_rank / (calib["rate.dense_mlp"] * gemm_m)
     parts["glue"] = slot * t_elem * dims.hidden * calib["overhead.glue_s_per_token_layer_hidden"]
-    embeds = (1 if first else 0) + (mtp if last else 0)
+    embeds = (1 if first else 0) + mtp  # MTP embeds the shifted tokens on its rank
     parts["embedding"] = embeds * t_elem * dims.hidden * calib["overhead.embedding_s_per_token_hidden"]
     if last:
         backend = layout.output_loss_backend
@@ -224,7 +224,8 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         if pts:
             best = min(pts, key=lambda p: abs(math.log(p["hidden"] * p["vocab"]) - math.log(dims.hidden * dims.vocab)))
             rate = best["flops_per_s"]
-        parts["output_head"] = (1 + mtp) * head_f["output_head"] * t_rank / rate
+        parts["output_head"] = (1 + dims.mtp_depths) * head_f["output_head"] * t_rank / rate  # MTP's heads too
+    if mtp:
         parts["mtp_eh_proj"] = mtp * head_f["mtp_eh_proj"] * t_rank / calib["rate.mtp_eh_proj"]
 
     fwd = sum(t * share.get(k, share["attention_proj"]) for k, t in parts.items() if k not in ("output_head",))
@@ -288,14 +289,15 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
 
 # ------------------------------------------------------------------------------------------------ the step
 def _stages(dims: ModelDims, layout: Layout) -> List[Tuple[float, float, int, bool, bool]]:
-    """(decoder layers, MoE layers, MTP depths, first, last) per pipeline stage: layers split evenly (megatron's
-    default), the embedding on the first stage, MTP and the output heads on the last."""
-    pp = layout.pp
-    per = dims.num_layers / pp
+    """(decoder layers, MoE layers, MTP depths, first, last) per pipeline rank, its virtual stages together
+    (`types.pipeline_stages`: even, megatron's default, or `layout.pipeline_layout`): the embedding where E is,
+    the MTP depths where m is, the output heads (main and MTP) where L is."""
+    plan = pipeline_plan(dims, layout)
+    mtp_rank, first, last = plan.mtp_rank, plan.embedding_rank, plan.loss_rank
     out = []
-    for s in range(pp):
-        lo, hi = round(s * per), round((s + 1) * per)
-        out.append((hi - lo, sum(dims.moe_pattern[lo:hi]), dims.mtp_depths if s == pp - 1 else 0, s == 0, s == pp - 1))
+    for r, layers in enumerate(plan.layers):
+        out.append((len(layers), sum(dims.moe_pattern[i] for i in layers), dims.mtp_depths if r == mtp_rank else 0,
+                    r == first, r == last))
     return out
 
 

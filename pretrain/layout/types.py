@@ -290,41 +290,67 @@ class Layout:
                 + (f" layout {self.pipeline_layout}" if self.pipeline_layout else ""))
 
 
-@lru_cache(maxsize=4096)
 def pipeline_stages(dims: ModelDims, layout: Layout) -> Tuple[str, ...]:
     """The entries of every virtual stage (megatron's letters: E embedding, t decoder layer, m MTP depth, L output
     layer and loss; stage i = vpp_rank x PP + pp_rank): `layout.pipeline_layout` parsed, or the even split."""
-    if layout.pipeline_layout:
+    return pipeline_plan(dims, layout).stages
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Where the model sits over the pipeline ranks (`pipeline_plan`); a rank is -1 where nothing holds the piece."""
+
+    stages: Tuple[str, ...]  # entries per virtual stage
+    layers: Tuple[Tuple[int, ...], ...]  # decoder layers per pipeline rank, its virtual stages' in order
+    stage_layers: Tuple[Tuple[int, ...], ...]  # decoder layers per virtual stage
+    embedding_rank: int
+    mtp_rank: int
+    loss_rank: int
+    norm_rank: int  # the decoder's final norm: with its last layer
+    kinds: Tuple[Tuple[Tuple[Tuple[int, bool], int], ...], ...]  # per rank: ((MoE, DSA), count) of its layers
+
+    def special(self, rank: int) -> bool:
+        """Whether the rank holds more than decoder layers (embedding, MTP, loss or the final norm)."""
+        return rank in (self.embedding_rank, self.mtp_rank, self.loss_rank, self.norm_rank)
+
+
+def pipeline_plan(dims: ModelDims, layout: Layout) -> PipelinePlan:
+    return _plan(dims, layout.pp, layout.vpp, layout.pipeline_layout)
+
+
+@lru_cache(maxsize=4096)
+def _plan(dims: ModelDims, pp: int, vpp: int, pipeline_layout: Optional[str]) -> PipelinePlan:
+    if pipeline_layout:
         from pretrain.config.pipeline_layout import parse_layout
 
-        return tuple("".join(s) for s in parse_layout(layout.pipeline_layout))
-    n = layout.pp * layout.vpp
-    if dims.num_layers % n:
-        raise ValueError(f"{dims.num_layers} layers over PP {layout.pp} x VPP {layout.vpp} do not split evenly; "
-                         "give the layout's pipeline_layout")
-    stages = ["t" * (dims.num_layers // n) for _ in range(n)]
-    stages[0] = "E" + stages[0]
-    stages[-1] += "m" * dims.mtp_depths + "L"
-    return tuple(stages)
-
-
-def rank_stages(dims: ModelDims, layout: Layout, rank: int) -> List[Tuple[str, int]]:
-    """(entries, index of its first decoder layer) of each virtual stage of pipeline rank `rank`."""
-    stages = pipeline_stages(dims, layout)
-    first, out = 0, []
-    for i, stage in enumerate(stages):
-        if i % layout.pp == rank:
-            out.append((stage, first))
+        stages = ["".join(s) for s in parse_layout(pipeline_layout)]
+    else:
+        n = pp * vpp
+        if dims.num_layers % n:
+            raise ValueError(f"{dims.num_layers} layers over PP {pp} x VPP {vpp} do not split evenly; "
+                             "give the layout's pipeline_layout")
+        stages = ["t" * (dims.num_layers // n) for _ in range(n)]
+        stages[0] = "E" + stages[0]
+        stages[-1] += "m" * dims.mtp_depths + "L"
+    stage_layers, first = [], 0
+    for stage in stages:
+        stage_layers.append(tuple(range(first, first + stage.count("t"))))
         first += stage.count("t")
-    return out
+    layers = tuple(tuple(i for v in range(r, len(stages), pp) for i in stage_layers[v]) for r in range(pp))
 
+    def rank_of(letter: str) -> int:
+        return next((i % pp for i, s in enumerate(stages) if letter in s), -1)
 
-def stage_rank(dims: ModelDims, layout: Layout, letter: str) -> int:
-    """The pipeline rank holding entry `letter` ("E", "m", "L"; -1 when no stage has it)."""
-    for i, stage in enumerate(pipeline_stages(dims, layout)):
-        if letter in stage:
-            return i % layout.pp
-    return -1
+    norm = next((r for r in range(pp) if dims.num_layers - 1 in layers[r]), -1)
+    kinds = []
+    for rank_layers in layers:
+        count: Dict[Tuple[int, bool], int] = {}
+        for i in rank_layers:
+            key = (dims.moe_pattern[i], dims.dsa_layers[i])
+            count[key] = count.get(key, 0) + 1
+        kinds.append(tuple(sorted(count.items())))
+    return PipelinePlan(tuple(stages), layers, tuple(stage_layers), rank_of("E"), rank_of("m"), rank_of("L"), norm,
+                        tuple(kinds))
 
 
 @dataclass(frozen=True)
