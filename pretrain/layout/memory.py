@@ -268,14 +268,17 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
     (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config."""
     best: Optional[MemoryEstimate] = None
-    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak, but a
-    # rank of decoder layers only is outdone by an earlier rank (more in flight) with at least its layers of each kind
+    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak (a rank
+    # of decoder layers only whose layers match an earlier such rank's, kind by kind, is its twin with fewer in
+    # flight: skipped; twins only, since ZeRO-2's ownership slack makes bytes not monotone in the layers held)
     plan = pipeline_plan(dims, layout)
-    ranks = []
+    ranks, seen = [], set()
     for r in range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1}):
-        mine = dict(plan.kinds[r])
-        if plan.special(r) or not any(all(dict(plan.kinds[q]).get(k, 0) >= n for k, n in mine.items()) for q in ranks):
+        if plan.special(r):
             ranks.append(r)
+        elif plan.kinds[r] not in seen:
+            ranks.append(r)
+            seen.add(plan.kinds[r])
     for rank in ranks:
         terms = state_terms(rank_parameters(dims, layout, rank, trainable), layout, a == 2, zero2_grad_reduce)
         terms.update(activation_terms(dims, layout, work, rank, a))
