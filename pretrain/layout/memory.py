@@ -14,13 +14,15 @@ Dense parameters are sharded over DP x CP, expert parameters over the expert-dat
 share holds all of it (`zero2_ownership_slack`: the largest tensor beyond the share, at TP = 1 the embedding). Parameter shards: attention, dense and shared-expert
 FFNs and the MTP projection / TP; latent norms, the DSA indexer and the router replicated over TP; routed
 experts: E / EP experts of width F_e / ETP; embedding and output layer vocab-parallel (/ TP) on the first
-and last stage (with MTP the last stage holds a copy of the embedding too).
+and last stage; with MTP, its layers and a copy of the embedding on its stage (the last, or the one before an
+output-only last stage); the final norm with the last decoder layer. Stages: even (L / (PP VPP) layers each)
+or as `Layout.pipeline_layout` places them (`types.pipeline_plan`).
 
 Activations (`pretrain.layout.activations`): one micro-batch's saved tensors per layer, times the micro-batches
 in flight on the rank: 1F1B keeps min(PP - r, m) on pipeline rank r; megatron's interleaved schedule keeps
-min(2 (PP - r - 1) + (VPP - 1) PP + 1, m VPP) model chunks (L / (PP VPP) layers each), which on the first rank is
-L (1 + (PP - 1) / (PP VPP)) layers' worth. Activation offloading leaves two layers' worth on the GPU (the one
-running, the one prefetched). The last rank adds the final norm, the MTP depths and the output loss (unfused:
+min(2 (PP - r - 1) + (VPP - 1) PP + 1, m VPP) model chunks (the rank's layers / VPP each), which on the first
+rank of even stages is L (1 + (PP - 1) / (PP VPP)) layers' worth. Activation offloading leaves two layers' worth on the GPU (the one
+running, the one prefetched). The MTP rank adds its depths, the last rank the final norm and the output loss (unfused:
 fp32 softmax [t, V / TP] per head kept; chunked: the fp32 weight-gradient accumulator; liger: a bf16 weight
 gradient). Transient on top: one layer's backward working set, or on the last rank the output loss's logits
 (all of them unfused, a chunk's otherwise) if larger. Outside the allocator: a runtime reserve (CUDA context,
@@ -264,7 +266,7 @@ def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> D
 
 def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
              zero2_grad_reduce: str = "microbatch") -> MemoryEstimate:
-    """Peak bytes per GPU over the pipeline ranks (the first and the last hold the most), by named term.
+    """Peak bytes per GPU over the pipeline ranks (with even stages the first and the last hold the most), by term.
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
     (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config."""
     best: Optional[MemoryEstimate] = None

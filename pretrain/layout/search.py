@@ -4,12 +4,15 @@ For W GPUs: TP in {1, 2, 4, 8} within a node, CP, PP dividing W / (TP CP), DP = 
 the experts with EP x ETP dividing TP CP DP, micro-batch, recompute and offload. Cheap arithmetic refuses first,
 with a reason (the rules of `pretrain.config.cross_checks`, which the best candidates then pass through for real):
 
-    heads % TP, vocab % TP, ffn % TP, layers % (PP VPP), experts % EP, expert width % ETP,
+    heads % TP, vocab % TP, ffn % TP, PP VPP stages over the model's entries, layers % (PP VPP) unless the
+    stages are uneven, experts % EP, expert width % ETP,
     TP CP DP % (EP ETP), seq % (2 CP), global batch % (micro-batch x DP), micro-batches % PP with VPP,
     bubble (PP - 1) / (VPP m) over the bound, memory (`memory.estimate`) + runtime reserve over
     (1 - headroom) x GPU memory.
 
-Within one parallel split the recompute options are tried from the fastest (none) to the leanest (full +
+A PP x VPP that does not divide the layers gets uneven stages, `pretrain.tools.pipeline_split`'s balanced split
+at the layout's micro-batches (`uneven_layout`, carried as `Layout.pipeline_layout`). Within one parallel split
+the recompute options are tried from the fastest (none) to the leanest (full +
 offload) and the first that fits is kept. Survivors are ranked by the time model's tokens/s per GPU
 (`pretrain.layout.timing.step_time`); the best are built as configs and validated (`validate_config`).
 """
