@@ -262,7 +262,8 @@ class Layout:
             f"parallel.tensor_model_parallel_size={self.tp}",
             f"parallel.pipeline_model_parallel_size={self.pp}",
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'null'}",
-            f"parallel.pipeline_model_parallel_layout={self.pipeline_layout or 'null'}",
+            # quoted: the layout's | and * must survive a shell; YAML drops the quotes
+            f"parallel.pipeline_model_parallel_layout={repr(self.pipeline_layout) if self.pipeline_layout else 'null'}",
             "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
             "parallel.account_for_embedding_in_pipeline_split=false",
             "parallel.account_for_loss_in_pipeline_split=false",
