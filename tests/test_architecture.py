@@ -28,8 +28,9 @@ LAYERS: List[Tuple[str, ...]] = [
     ("pretrain.model",),
     ("pretrain.optim",),
     ("pretrain.training",),
-    ("pretrain.convert", "pretrain.layout"),
-    ("pretrain.tools", "pretrain.train", "pretrain.curriculum", "pretrain.ablate", "pretrain.eval", "benchmarks"),
+    ("pretrain.convert",),
+    ("pretrain.tools", "pretrain.layout", "pretrain.train", "pretrain.curriculum", "pretrain.ablate", "pretrain.eval",
+     "benchmarks"),
 ]
 
 
