@@ -127,10 +127,12 @@ def rank_coords() -> dict:
 
 
 def global_param_names(model) -> Dict[str, str]:
-    """Stage-local parameter / buffer name -> the single-rank model's name (decoder layers renumbered)."""
+    """Stage-local (or virtual-stage chunk-local) parameter / buffer name -> the single-rank model's name (decoder
+    layers renumbered)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offset, prefix = get_transformer_layer_offset(model.config), "decoder.layers."
+    offset = get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+    prefix = "decoder.layers."
     names = {}
     for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith(prefix):

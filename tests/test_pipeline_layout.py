@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.parallel_helpers import BASE_OVERRIDES, RANK_ENV, SEED, SEQ, TINY, TOL, check_grad, rel_err
+from tests.parallel_helpers import (BASE_OVERRIDES, RANK_ENV, SEED, SEQ, TINY, TOL, check_grad, global_param_names,
+                                    rel_err)
 
 EMBEDDING = "embedding.word_embeddings.weight"
 CUT = ["model.num_layers=3", "model.moe_layer_freq=[0,1,1]"]
@@ -47,21 +48,6 @@ def _batches(tokens: torch.Tensor) -> List[dict]:
         out.append({"tokens": inputs, "labels": labels, "loss_mask": torch.ones(labels.shape),
                     "position_ids": torch.arange(SEQ).unsqueeze(0), "attention_mask": None})
     return out
-
-
-def _global_names(chunk) -> Dict[str, str]:
-    """Chunk-local parameter / buffer names -> the one-rank model's (decoder layers renumbered)."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    offset, prefix = get_transformer_layer_offset(chunk.config, vp_stage=chunk.vp_stage), "decoder.layers."
-    names = {}
-    for name, _ in list(chunk.named_parameters()) + list(chunk.named_buffers()):
-        if name.startswith(prefix):
-            layer, rest = name[len(prefix):].split(".", 1)
-            names[name] = f"{prefix}{int(layer) + offset}.{rest}"
-        else:
-            names[name] = name
-    return names
 
 
 def _schedule(chunks, batches: List[dict]) -> List[torch.Tensor]:
@@ -112,7 +98,7 @@ def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
 
     chunks = build_model_chunks(cfg)
     copies = [c.embedding.word_embeddings.weight.detach().clone() for c in chunks if hasattr(c, "embedding")]
-    names = [_global_names(c) for c in chunks]
+    names = [global_param_names(c) for c in chunks]
     with torch.no_grad():
         for chunk, chunk_names in zip(chunks, names):
             for name, t in list(chunk.named_parameters()) + list(chunk.named_buffers()):
