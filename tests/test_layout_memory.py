@@ -28,6 +28,12 @@ def _fake_world(world: int, rank: int, parallel) -> None:
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():  # a process group an earlier test of this pytest process left behind
+        from parallel.initialize import destroy_parallel
+
+        destroy_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
