@@ -126,6 +126,18 @@ def rank_coords() -> dict:
     }
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Norm weights and expert biases away from their init (seeded), so a mixed-up one shows."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+
+
 def global_param_names(model) -> Dict[str, str]:
     """Stage-local (or virtual-stage chunk-local) parameter / buffer name -> the single-rank model's name (decoder
     layers renumbered)."""
@@ -180,14 +192,7 @@ def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
     initialize_parallel(cfg.parallel, seed=SEED)
     try:
         model = build_model(cfg)
-        gen = torch.Generator().manual_seed(SEED + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            for name, b in model.named_buffers():
-                if name.endswith("expert_bias"):
-                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+        perturb_norms_and_biases(model)
         state = state_of(model)
         loss = _forward_backward(model, tokens)
         # The same step without the MoE aux loss, to show its share of the router gradients.

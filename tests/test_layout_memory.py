@@ -32,8 +32,6 @@ def _fake_world(world: int, rank: int, parallel) -> None:
         from parallel.initialize import destroy_parallel
 
         destroy_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,

@@ -24,6 +24,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.parallel_helpers import (BASE_OVERRIDES, RANK_ENV, SEED, SEQ, TINY, TOL, check_grad, global_param_names,
+                                    perturb_norms_and_biases,
                                     rel_err)
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -73,14 +74,7 @@ def rank_reference(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
     initialize_parallel(cfg.parallel, seed=SEED)
     try:
         model = build_model(cfg)
-        gen = torch.Generator().manual_seed(SEED + 1)
-        with torch.no_grad():  # norms and expert biases away from their init, so a mixed-up one shows
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            for name, b in model.named_buffers():
-                if name.endswith("expert_bias"):
-                    b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+        perturb_norms_and_biases(model)
         state = {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())
                  if not n.endswith("local_tokens_per_expert")}
         losses = _schedule([model], _batches(tokens))
