@@ -178,3 +178,23 @@ def test_groups_spanning_nodes_use_the_network(proxy):
     two_nodes = step_time(dims, lay, Workload(4096, 64), dataclasses.replace(base.with_gpus(8), gpus_per_node=4), cal)
     assert two_nodes.tp_comm == pytest.approx(one_node.tp_comm, rel=1e-9)
     assert two_nodes.dp_comm_exposed > one_node.dp_comm_exposed
+
+
+def test_expert_tensor_parallelism_gathers_the_received_rows(proxy):
+    """ETP > 1: megatron's alltoall dispatcher all-gathers the rows a rank received over the expert-TP group and
+    reduce-scatters the experts' output (forward and backward): 4 ring collectives per MoE layer of etp x the
+    topk x tokens-per-rank rows, inside a node. Counted by hand at EP=1, where no all-to-all runs."""
+    _, dims = proxy
+    cal = load_calibration("h200")
+    cl = CLUSTERS["h200-nvl-ib400"].with_gpus(4)
+    work = Workload(4096, 16)
+    m, mbs, tp, etp = 4, 2, 4, 4
+    base = Layout(tp=tp, sequence_parallel=True, micro_batch_size=mbs, num_microbatches=m, zero="ddp")
+    none = step_time(dims, base, work, cl, cal)
+    gathered = step_time(dims, dataclasses.replace(base, etp=etp), work, cl, cal)
+    assert none.ep_a2a == 0
+    moe_slots = sum(dims.moe_pattern) + (dims.mtp_depths if dims.mtp_layer_is_moe else 0)
+    rows = etp * mbs * 4096 / tp * dims.topk
+    bw = cl.intra_node_bw * cal["collective.busbw_fraction_intra"]
+    one = rows * dims.hidden * 2 * (etp - 1) / etp / bw + cal["collective.latency_s"]
+    assert gathered.ep_a2a == pytest.approx(m * moe_slots * 4 * one, rel=1e-9)

@@ -23,6 +23,8 @@ proportionally slower (an assumption). Communication (ring formulas; `bw` per GP
     CP: all-gather of the 576-wide latent (+ indexer keys) per layer, reduce-scatter of its gradient
     EP: 4 all-to-alls per MoE layer (dispatch, combine, forward and backward) of the rows sent off-rank:
         alltoall T_r x topk x (ep - 1) / ep; alltoall_dedup T_r x (ep - 1) x (1 - C(E - E/ep, k) / C(E, k))
+    ETP: the dispatcher's all-gather of the received rows over the expert-TP group and the reduce-scatter of the
+        experts' output (forward and backward): 4 ring collectives of etp x T_r x topk rows per MoE layer
     DP: DDP all-reduce (ZeRO-2: reduce-scatter per micro-batch + bf16 all-gather of parameters) of the rank's
         gradients; exposed beyond `dp.overlap_fraction_of_backward` of the overlapping backward.
 
@@ -206,7 +208,9 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         parts["attention_core"] *= factor
         parts["dsa_indexer"] *= factor
     if moe_slots:
-        rows_per_expert = t_rank * dims.topk * ep / dims.num_experts
+        # a rank's experts see the rows of its EP group, gathered over its ETP group (each ETP rank runs every row
+        # through its 1/etp of the expert's width): ep x etp ranks' t_rank x topk rows over the experts
+        rows_per_expert = t_rank * dims.topk * ep * layout.etp / dims.num_experts
         parts["routed_experts"] = moe_slots * layer_f["routed_experts"] * t_rank / (
             calib["rate.routed_experts"] * small_m(rows_per_expert))
         parts["shared_expert"] = moe_slots * layer_f["shared_expert"] * t_rank / (calib["rate.shared_expert"] * gemm_m)
@@ -274,6 +278,14 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         comm_ep = moe_slots * 4 * (rows * dims.hidden * BF16 / bw + lat)
         if ep > 2:
             notes.append(f"all-to-all bandwidth measured at EP=2, used at EP={ep}")
+    if layout.etp > 1 and moe_slots:
+        # megatron's alltoall dispatcher all-gathers the received rows over the expert-TP group after the
+        # all-to-all and reduce-scatters the experts' output before the combine (forward; the reverse backward):
+        # 4 ring collectives of etp x the t_rank x topk rows a rank receives at balanced routing, per MoE layer;
+        # the ETP group is the innermost of the expert grid (stride 1)
+        bw, _ = _group_bw(cluster, calib, layout.etp, 1)
+        gathered = layout.etp * t_rank * dims.topk * dims.hidden * BF16
+        comm_ep += moe_slots * 4 * _ring(gathered, layout.etp, bw, lat)
     gpu = total_compute + recompute + offload + comm_tp - tp_serial + comm_cp + comm_ep
     host = slot * calib["host.launch_s_per_layer_microbatch"]
     if layout.recompute == "full":  # the recomputed forward launches its kernels again
