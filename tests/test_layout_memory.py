@@ -179,6 +179,10 @@ def saved_bytes(cfg, b: int, s: int, monkeypatch) -> int:
     from pretrain.training.saved_activations import SavedTensors
 
     compat.install()
+    # megatron's fused activations are torch.compile'd (jit_fuser); a compiled function that an earlier test ran
+    # under a dispatch mode (FlopCounterMode in test_flops) falls back to eager, which saves more than the fused
+    # graph the model describes: start from a fresh compile cache
+    torch._dynamo.reset()
     monkeypatch.setattr(core_attention, "sdpa_kernel",
                         lambda backends, set_priority=False: sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
     initialize_parallel(cfg.parallel, seed=7)
