@@ -25,6 +25,7 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         divisible("model.num_query_groups", m.num_query_groups, tp, "parallel.tensor_model_parallel_size")
     divisible("model.vocab_size", m.vocab_size, tp, "parallel.tensor_model_parallel_size")
     divisible("model.ffn_hidden_size", m.ffn_hidden_size, tp, "parallel.tensor_model_parallel_size")
+    check_moe_overlap(m, p)
     if m.num_moe_experts is None:
         require(ep == 1, "parallel.expert_model_parallel_size > 1 needs an MoE model: set model.num_moe_experts, "
                           "or set parallel.expert_model_parallel_size=1")
@@ -51,6 +52,32 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "vocab-parallel); use output_loss_backend=chunked with model.output_chunk_size under TP",
     )
     check_pipeline_layout(m, p)
+
+
+def check_moe_overlap(m: ModelConfig, p: ParallelConfig) -> None:
+    """The all-to-all overlaps of pretrain/model/moe_overlap.py run on the per-rank EP dispatch only."""
+    ep = p.expert_model_parallel_size
+    require(m.moe_overlap_chunks >= 1, f"model.moe_overlap_chunks must be >= 1 (got {m.moe_overlap_chunks}); 1 is off")
+    for key, on in (("moe_shared_expert_overlap", m.moe_shared_expert_overlap),
+                    ("moe_overlap_chunks", m.moe_overlap_chunks > 1)):
+        if not on:
+            continue
+        require(m.moe_token_dispatcher_type == "alltoall_dedup" and ep > 1,
+                f"model.{key} overlaps the all-to-all of model.moe_token_dispatcher_type=alltoall_dedup with "
+                f"parallel.expert_model_parallel_size > 1 (got {m.moe_token_dispatcher_type}, EP={ep}); "
+                "set both or turn it off")
+        recomputed = sorted(set(m.recompute_modules or []) & {"moe", "shared_experts"})
+        require(not recomputed and m.recompute_granularity != "full",
+                f"model.{key} cannot run with model.recompute_granularity={m.recompute_granularity} / "
+                f"model.recompute_modules {recomputed} (the MoE layer would re-run around its in-flight "
+                "all-to-alls); drop one of them")
+    require(not m.moe_shared_expert_overlap or m.moe_shared_expert_intermediate_size is not None,
+            "model.moe_shared_expert_overlap needs a shared expert (model.moe_shared_expert_intermediate_size)")
+    require(not p.overlap_moe_expert_parallel_comm,
+            "parallel.overlap_moe_expert_parallel_comm (megatron-core's combined 1F1B) is not supported: its schedule "
+            "plan schedules one node per MTP layer module (ours applies one layer mtp_num_layers times) and our forward "
+            "step has no schedule-plan mode (docs/parallelism.md); use model.moe_shared_expert_overlap or "
+            "model.moe_overlap_chunks")
 
 
 def check_pipeline_layout(m: ModelConfig, p: ParallelConfig) -> None:

@@ -122,6 +122,10 @@ class ModelConfig:
     """"auto": alltoall on GPU, allgather on CPU; "alltoall_dedup" (ours, EP > 1): a token sent once per expert rank."""
     moe_router_force_load_balancing: bool = False
     """Benchmarks only: random router logits (balanced load, untrained routing); never for training runs."""
+    moe_shared_expert_overlap: bool = False
+    """The shared expert runs while the dispatch all-to-all is in flight (alltoall_dedup, EP > 1; docs/parallelism.md)."""
+    moe_overlap_chunks: int = 1
+    """Ours: split each micro-batch's tokens after routing; one chunk's all-to-all runs under another's experts (1: off)."""
     moe_grouped_gemm: bool = True
     """torch._grouped_mm experts; false: megatron's SequentialMLP (a loop over experts)."""
     # --- MTP -------------------------------------------------------------------------------
@@ -222,6 +226,8 @@ class ParallelConfig:
     """Split norms/dropout activations along the sequence over TP (needed by MoE with TP > 1)."""
     overlap_grad_reduce: bool = True
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """megatron-core's combined 1F1B (EP all-to-all under another micro-batch); refused: docs/parallelism.md says why."""
     grad_reduce_in_fp32: bool = True
     """megatron DDP: reduce gradients in fp32; false: in the weights' dtype (accumulation stays fp32, ZeRO-2 too)."""
     distributed_timeout_minutes: int = 30

@@ -44,6 +44,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     output_chunk_size: Optional[int] = None
     output_grad_weight_fp32: bool = True
     moe_alltoall_dedup: bool = False
+    moe_overlap_chunks: int = 1
 
     def __post_init__(self):
         with compat.dsa_config_check_without_cp(self):  # our DSA layer supports CP; megatron's asserts

@@ -114,12 +114,11 @@ class DedupTokenDispatcher(LocalTokenDispatcher):
     def _dedup(self) -> bool:
         return self.ep_size > 1
 
-    # ----------------------------------------------------------------------------- dispatch
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        if not self._dedup():
-            return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        self.hidden_shape = hidden_states.shape
-        x = hidden_states.view(-1, self.hidden_shape[-1])
+    # ------------------------------------------------- the steps, with an explicit plan (moe_overlap)
+    def plan_dispatch(self, hidden_states, routing_map, probs):
+        """(plan, rows to send [sum M, H], their meta [sum M, 2 L]) for tokens [.., H] and their routing [T, E]."""
+        hidden = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, hidden)
         tokens, ep, local = routing_map.shape[0], self.ep_size, self.num_local_experts
         topk = self.config.moe_router_topk
         per_rank = routing_map.view(tokens, ep, local)
@@ -137,12 +136,42 @@ class DedupTokenDispatcher(LocalTokenDispatcher):
         pair_index = send_token * ep + send // tokens
         meta = torch.cat([probs.reshape(tokens * ep, local).index_select(0, pair_index),
                           per_rank.reshape(tokens * ep, local).index_select(0, pair_index).to(probs.dtype)], dim=1)
-        self._plan = {"input_splits": input_splits, "output_splits": output_splits, "pairs": pairs,
-                      "send_token": send_token, "token_sends": token_sends,
-                      "tokens_per_expert": received[:, 1:].sum(dim=0)}
+        plan = {"input_splits": input_splits, "output_splits": output_splits, "pairs": pairs,
+                "send_token": send_token, "token_sends": token_sends,
+                "tokens_per_expert": received[:, 1:].sum(dim=0)}
+        return plan, PermuteTokens.apply(x, send_token, token_sends), meta
+
+    def expand(self, plan, hidden_states, meta):
+        """Received rows and meta -> (rows per local expert, tokens per local expert, their probabilities)."""
+        local = self.num_local_experts
+        received = hidden_states.shape[0]
+        recv_probs, recv_mask = meta[:, :local], meta[:, local:] > 0.5
+        pairs = torch.nonzero_static(recv_mask.t().reshape(-1), size=plan["pairs"]).squeeze(1)  # e N + n
+        pair_row = pairs % max(received, 1)
+        row_pairs = slot_map(pairs, received, local, min(self.config.moe_router_topk, local))
+        plan["pair_row"], plan["row_pairs"] = pair_row, row_pairs
+        expert_probs = recv_probs.t().reshape(-1).index_select(0, pairs)
+        return PermuteTokens.apply(hidden_states, pair_row, row_pairs), plan["tokens_per_expert"], expert_probs
+
+    @staticmethod
+    def presum(plan, expert_output):
+        """One row per received (token, rank): the fp32 sum of its local experts' weighted outputs."""
+        return UnpermuteTokens.apply(expert_output, plan["pair_row"], plan["row_pairs"])
+
+    @staticmethod
+    def gather_combined(plan, returned):
+        """Rows back from every rank -> [T, H]: each token's rows summed (fp32)."""
+        return UnpermuteTokens.apply(returned, plan["send_token"], plan["token_sends"])
+
+    # ----------------------------------------------------- megatron's dispatcher interface
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if not self._dedup():
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self._plan, rows, meta = self.plan_dispatch(hidden_states, routing_map, probs)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
-        return PermuteTokens.apply(x, send_token, token_sends), meta
+        return rows, meta
 
     def token_dispatch(self, hidden_states, probs):
         if not self._dedup():
@@ -154,25 +183,14 @@ class DedupTokenDispatcher(LocalTokenDispatcher):
     def dispatch_postprocess(self, hidden_states, probs):
         if not self._dedup():
             return super().dispatch_postprocess(hidden_states, probs)
-        plan, local = self._plan, self.num_local_experts
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(hidden_states)
-        received = hidden_states.shape[0]
-        recv_probs, recv_mask = probs[:, :local], probs[:, local:] > 0.5
-        pairs = torch.nonzero_static(recv_mask.t().reshape(-1), size=plan["pairs"]).squeeze(1)  # e N + n
-        pair_row = pairs % max(received, 1)
-        row_pairs = slot_map(pairs, received, local, min(self.config.moe_router_topk, local))
-        plan["pair_row"], plan["row_pairs"] = pair_row, row_pairs
-        expert_probs = recv_probs.t().reshape(-1).index_select(0, pairs)
-        return PermuteTokens.apply(hidden_states, pair_row, row_pairs), plan["tokens_per_expert"], expert_probs
+        return self.expand(self._plan, hidden_states, probs)
 
-    # ----------------------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states):
         if not self._dedup():
             return super().combine_preprocess(hidden_states)
-        plan = self._plan
-        # pre-sum: one row per received (token, rank), fp32 sum of its local experts' weighted outputs
-        return UnpermuteTokens.apply(hidden_states, plan["pair_row"], plan["row_pairs"])
+        return self.presum(self._plan, hidden_states)
 
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
         if not self._dedup():
@@ -187,7 +205,7 @@ class DedupTokenDispatcher(LocalTokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(hidden_states)
             self.shared_experts.post_forward_comm()
-        output = UnpermuteTokens.apply(hidden_states, plan["send_token"], plan["token_sends"]).view(self.hidden_shape)
+        output = self.gather_combined(plan, hidden_states).view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
         return output
