@@ -18,9 +18,12 @@ starts and position origins over the whole sequence), which is not split: every 
 Chunk assignments (`parallel.cp_load_balance`): with packed documents the zigzag pairs no longer hold equal work
 (measured on packed real documents: docs/long_context.md). `split_sequence`, `local_positions`,
 `gather_sequence`, `split_batch` and `pretrain.model.documents.query_blocks` take an optional `assignment`, each
-rank's chunk ids of n equal chunks (n a multiple of cp, as many per rank), in place of the zigzag split; positions
-stay global, so attention, RoPE by position and the loss are unchanged by it. The training step does not choose one
-yet (RoPE tables, MTP's roll and the DSA indexer's key gather still assume the zigzag split).
+rank's chunk ids of n equal chunks (n a multiple of cp, as many per rank, each rank's in increasing order), in place
+of the zigzag split; positions stay global, so attention, RoPE by position and the loss are unchanged by it.
+Training chooses it with `parallel.cp_chunk_assignment: work`: the step computes each micro-batch's assignment from
+its document starts and carries it in the document layout (`pretrain.model.documents.with_assignment`), where every
+consumer reads it (the split, RoPE positions, the gathers, attention pieces, the DSA indexer's keys and
+`roll_sequence`, MTP's shift of tokens and labels).
 
 Attention (MLA, DSA, GQA) all-gathers what is small per token over the CP group, never the
 queries: MLA's compressed latent and rope key (kv_lora_rank + qk_pos_emb_head_dim = 576 numbers per
@@ -193,6 +196,23 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Optional[dist.ProcessGroup
     return _GatherSequence.apply(x, dim, group, assignment)
 
 
+def roll_sequence(t: torch.Tensor, group: Optional[dist.ProcessGroup], assignment=None):
+    """This rank's tokens t [..., s] (last dim: its chunks of the sequence) shifted one token left in the global
+    sequence, position g taking g + 1's value and the last position 0 (`torch.roll(-1)` with the wrapped entry
+    zeroed, as megatron's MTP `roll_tensor` does), for any chunk `assignment` (zigzag when None) -> (rolled, its
+    sum). Each chunk's first token is all-gathered (cp x chunks per rank values per row); no gradient flows."""
+    size, rank = cp_size_and_rank(group)
+    n, mine = rank_chunks(size, rank, assignment)
+    local = t.reshape(*t.shape[:-1], len(mine), t.shape[-1] // len(mine))
+    heads = local[..., 0].contiguous()
+    blocks = [torch.empty_like(heads) for _ in range(size)]
+    dist.all_gather(blocks, heads, group=group)
+    first = {k: block[..., i] for j, block in enumerate(blocks) for i, k in enumerate(rank_chunks(size, j, assignment)[1])}
+    following = [first[k + 1] if k + 1 < n else torch.zeros_like(heads[..., 0]) for k in mine]
+    rolled = torch.cat([local[..., 1:], torch.stack(following, dim=-1).unsqueeze(-1)], dim=-1).reshape(t.shape)
+    return rolled, rolled.sum()
+
+
 def global_token_count(count: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """A token count summed over the CP group (no gradient), for token means over the whole sequence."""
     if cp_size_and_rank(group)[0] == 1:
@@ -218,6 +238,7 @@ __all__ = [
     "local_positions",
     "query_runs",
     "rank_chunks",
+    "roll_sequence",
     "split_batch",
     "split_sequence",
 ]

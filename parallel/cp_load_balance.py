@@ -16,6 +16,10 @@ to a constant), not for packed documents. `work`: workload-aware assignment, as 
 long-context training (its exact rule is not given; here longest processing time first under equal chunk counts):
 chunks in decreasing work, each to the rank with the least work that still has room. It is a permutation of
 equal-size chunks, so every rank keeps S / cp tokens and positions stay global.
+
+Training (`parallel.cp_chunk_assignment: work`, docs/long_context.md): `assign` computes the assignment of each
+micro-batch on the host from its document starts (the same on every CP rank: the batch and the rule are), balancing
+the dense work W_k summed over the micro-batch's rows (dense attention and the DSA indexer, the quadratic terms).
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ def balance(work: Sequence[int], cp: int) -> Assignment:
     return tuple(tuple(sorted(chunks)) for chunks in held)
 
 
+def assign(starts: torch.Tensor, cp: int, chunks_per_rank: int):
+    """The `work` assignment of a micro-batch with document starts [b, S] (host) over `cp` ranks holding
+    `chunks_per_rank` chunks each, or None (keep the zigzag split) where its documents are not isolated: one
+    causal window, which the zigzag split balances exactly."""
+    if cp == 1 or not bool(starts.any()):
+        return None
+    return balance(chunk_work(starts, cp * chunks_per_rank).tolist(), cp)
+
+
 def rank_work(work: Sequence[int], assignment: Assignment) -> List[int]:
     """Work per rank of an assignment."""
     return [sum(int(work[k]) for k in chunks) for chunks in assignment]
@@ -74,4 +87,4 @@ def imbalance(loads: Sequence[int]) -> float:
     return max(loads) / mean - 1 if mean > 0 else 0.0
 
 
-__all__ = ["Assignment", "balance", "chunk_work", "imbalance", "rank_work", "token_work", "zigzag"]
+__all__ = ["Assignment", "assign", "balance", "chunk_work", "imbalance", "rank_work", "token_work", "zigzag"]

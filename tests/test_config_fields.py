@@ -74,6 +74,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "model.output_loss_backend": {"unfused", "chunked", "liger"},
         "model.activation_offload_backend": {"torch", "deepspeed"},
         "train.trainable_params": {"all", "dsa_indexer"},
+        "parallel.cp_chunk_assignment": {"zigzag", "work"},
         "optimizer.optimizer": {"adam", "muon"},
         "optimizer.muon_ns_dtype": {"bfloat16", "float32"},
         "optimizer.zero2_grad_reduce": {"microbatch", "step", "microbatch_scatter"},

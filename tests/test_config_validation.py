@@ -40,6 +40,16 @@ BAD = [
                                "parallel.context_parallel_size=2"], "parallel.context_parallel_size > 1 with MLA"),
     ("cp-sp-seq", ["data.seq_length=12", "parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=4",
                    "parallel.sequence_parallel=true"], "data.seq_length / parallel.context_parallel_size"),
+    ("cp-work-seq", ["parallel.context_parallel_size=2", "parallel.cp_chunk_assignment=work",
+                     "parallel.cp_chunks_per_rank=3"], "data.seq_length (128) must be divisible by parallel.context_"
+                                                       "parallel_size x parallel.cp_chunks_per_rank (6)"),
+    ("cp-work-gqa", GQA + ["model.num_query_groups=2", "parallel.context_parallel_size=2",
+                           "parallel.cp_chunk_assignment=work"], "parallel.cp_chunk_assignment=work needs MLA"),
+    ("cp-chunks-zigzag", ["parallel.cp_chunks_per_rank=4"],
+     "parallel.cp_chunks_per_rank=4 needs parallel.cp_chunk_assignment=work"),
+    ("cp-chunks-zero", ["parallel.cp_chunk_assignment=work", "parallel.cp_chunks_per_rank=0"],
+     "parallel.cp_chunks_per_rank (0) must be at least 1"),
+    ("cp-chunk-assignment", ["parallel.cp_chunk_assignment=lpt"], "set it to one of: zigzag, work"),
     ("experts%ep", ["model.num_moe_experts=6", "parallel.expert_model_parallel_size=4"], "model.num_moe_experts"),
     ("topk>experts", ["model.moe_router_topk=9"], "model.moe_router_topk"),
     ("freq-length", ["model.moe_layer_freq=[0,1,1]"], "model.moe_layer_freq"),
@@ -93,6 +103,22 @@ def test_validation_rule(overrides, key):
     with pytest.raises(ConfigError) as e:
         tiny(*overrides)
     assert key in str(e.value)
+
+
+def test_cp_work_assignment_validates_and_says_when_it_cannot_help(caplog):
+    """parallel.cp_chunk_assignment=work: a valid key for MLA / DSA at CP > 1; without isolated documents
+    (data.reset_attention_mask=false) the log says once that the zigzag split stays."""
+    import logging
+
+    from pretrain.notices import forget_said
+
+    forget_said()
+    with caplog.at_level(logging.INFO, logger="pretrain.config"):
+        for extra in ([], ["data.reset_attention_mask=true"]):
+            cfg = tiny("parallel.context_parallel_size=2", "parallel.cp_chunk_assignment=work", *extra)
+            validate_config(cfg, world_size=2)
+    assert (cfg.parallel.cp_chunk_assignment, cfg.parallel.cp_chunks_per_rank) == ("work", None)
+    assert caplog.text.count("without data.reset_attention_mask") == 1
 
 
 def test_choice_error_lists_the_options():

@@ -65,6 +65,9 @@ CASES = {
     "memory": SPARSE + ["model.mtp_num_layers=2", "model.recompute_granularity=full", "model.recompute_method=uniform",
                         "model.recompute_num_layers=1", "model.activation_offload=true",
                         "model.output_loss_backend=chunked", "model.output_chunk_size=5"],
+    # dense MLA (no DSA) on packed documents (window positions: megatron's MLA at CP = 1 takes no others) with MTP,
+    # merged blocks: the chunk-assignment runs' dense case
+    "packed_mla_mtp": ["model.experimental_attention_variant=null", "model.mtp_num_layers=2", "model.cp_attention=merged"],
 }
 LAYOUTS = {
     "cp2": ["parallel.context_parallel_size=2"],
@@ -73,8 +76,13 @@ LAYOUTS = {
                 "parallel.sequence_parallel=true"],
     "pp2_cp2": ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
     "ep2_cp2": ["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+    # chunks assigned by work per micro-batch (`parallel.cp_load_balance`), not the zigzag split
+    "cp2_work": ["parallel.context_parallel_size=2", "parallel.cp_chunk_assignment=work", "parallel.cp_chunks_per_rank=4"],
+    "cp4_work": ["parallel.context_parallel_size=4", "parallel.cp_chunk_assignment=work", "parallel.cp_chunks_per_rank=2"],
 }
-RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse")]
+WORK_CASES = ("packed", "packed_warmup", "packed_mla_mtp")  # run under cp2_work in the CP = 2 spawn
+RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse"),
+          ("cp4_work", "packed")]
 CORE_CHECKS = {("cp2", "mla"), ("cp4", "packed")}  # runs after which the core attention check runs on those ranks
 
 
@@ -97,7 +105,7 @@ def make_batch(case: str) -> Dict[str, torch.Tensor]:
         starts = [[0, 5, 19, 20], [0, 11, 30]]
         batch["cu_seqlens"] = torch.tensor([row * SEQ + s for row, row_starts in enumerate(starts)
                                             for s in row_starts] + [BATCH * SEQ], dtype=torch.int32)
-        if case != "packed_gqa":  # positions restart per document (GQA takes window positions only)
+        if case not in ("packed_gqa", "packed_mla_mtp"):  # positions restart per document (not for GQA / MLA)
             bounds = [row_starts + [SEQ] for row_starts in starts]
             batch["position_ids"] = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])])
                                                  for b in bounds])
@@ -147,7 +155,9 @@ def model_step(cfg, batch: dict, ref_state: dict = None) -> dict:
     DSAMetrics.clear()
     get_moe_layer_wise_logging_tracker().clear()  # sized by the first model that records (layers + MTP)
     losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group()),
+        forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group(),
+                                  cp_chunk_assignment=cfg.parallel.cp_chunk_assignment,
+                                  cp_chunks_per_rank=cfg.parallel.cp_chunks_per_rank),
         data_iterator=iter([batch]), model=ddp, num_microbatches=1,
         seq_length=SEQ, micro_batch_size=BATCH, decoder_seq_length=SEQ, forward_only=False)
     lm = torch.zeros(2, dtype=torch.float64)
@@ -278,8 +288,9 @@ def reference() -> dict:
 @pytest.fixture(scope="module")
 def cp2(reference) -> dict:
     states = {case: r["state"] for case, r in reference.items()}
-    results = run_ranks(rank_models, 2, [("cp2", case) for case in CASES], states, env=RANK_ENV)
-    return {case: [r[("cp2", case)] for r in results] for case in CASES}
+    runs = [("cp2", case) for case in CASES] + [("cp2_work", case) for case in WORK_CASES]
+    results = run_ranks(rank_models, 2, runs, states, env=RANK_ENV)
+    return {case if layout == "cp2" else (layout, case): [r[(layout, case)] for r in results] for layout, case in runs}
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +367,7 @@ def test_reference_is_meaningful(reference):
     """The cases can fail: finite losses near log(vocab), trained indexers, unequal loss masks."""
     for case, ref in reference.items():
         assert math.isclose(ref["loss"], math.log(VOCAB), rel_tol=0.15), case
-        trains_indexer = case not in ("mla", "mla_merged", "gqa", "packed_gqa")
+        trains_indexer = case not in ("mla", "mla_merged", "gqa", "packed_gqa", "packed_mla_mtp")
         assert bool(ref["indexer"]) == trains_indexer, case
         indexer_grads = [g for n, g in ref["grads"].items() if ".indexer." in n]
         if trains_indexer:
@@ -406,7 +417,30 @@ def test_core_attention_matches_cp1(request, layout, case):
                 assert err <= TOL, f"CP={cp} rank {rank} documents={documents} balanced={balanced} {name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("layout, case", RUNS_4)
+@pytest.mark.parametrize("layout, case", [("cp2_work", case) for case in WORK_CASES] + [("cp4_work", "packed")])
+def test_chunks_assigned_by_work_match_single_rank(request, reference, layout, case):
+    """`parallel.cp_chunk_assignment: work`: the training step assigns each rank chunks of the packed batch by their
+    causal work (not the zigzag split); split, RoPE positions, the latent and indexer-key gathers, document pieces,
+    DSA top-k, MTP's shift of tokens and labels and the loss follow it: losses and every gradient equal CP = 1's."""
+    from parallel.cp_load_balance import zigzag
+    from pretrain.model.documents import layout_assignment
+    from pretrain.training.step import with_chunk_assignment, with_documents
+
+    cfg = config(case, layout)
+    cp = cfg.parallel.context_parallel_size
+    batch = with_chunk_assignment(with_documents(make_batch(case)), cp, cfg.parallel.cp_chunk_assignment,
+                                  cfg.parallel.cp_chunks_per_rank)
+    assignment = layout_assignment(batch["document_layout"], cp)
+    assert assignment is not None and len(assignment[0]) == cfg.parallel.cp_chunks_per_rank
+    if len(assignment[0]) == 2:  # as many chunks as the zigzag split: a different assignment
+        assert set(assignment) != set(zigzag(cp))
+    ranks = request.getfixturevalue("cp2")[(layout, case)] if cp == 2 else request.getfixturevalue("four_ranks")[layout]
+    assert all(r["cp"] == cp for r in ranks)
+    worst = check_against_reference(reference[case], ranks)
+    print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")
+
+
+@pytest.mark.parametrize("layout, case", RUNS_4[:-1])
 def test_four_ranks_match_single_rank(four_ranks, reference, layout, case):
     worst = check_against_reference(reference[case], four_ranks[layout])
     print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")

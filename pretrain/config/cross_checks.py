@@ -6,9 +6,16 @@ Rules follow megatron-core's own asserts (TransformerConfig, ModelParallelConfig
 
 from __future__ import annotations
 
+import logging
+
 from pretrain.config.errors import require
 from pretrain.config.pipeline_layout import LAYOUT_KEY, stage_entries
-from pretrain.config.schema import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from pretrain.config.schema import (
+    CP_WORK_CHUNKS_PER_RANK, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig,
+)
+from pretrain.notices import say_once
+
+_log = logging.getLogger(__name__)
 
 
 def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
@@ -119,6 +126,7 @@ def check_sequence(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
 def check_context_parallel(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
     """Context parallelism (`parallel.context_parallel`): 2 x cp equal chunks per sequence, and an
     attention whose keys the layer all-gathers (MLA with a query latent, DSA, GQA)."""
+    check_cp_chunks(m, d, p)
     cp = p.context_parallel_size
     if cp == 1:
         return
@@ -142,6 +150,33 @@ def check_context_parallel(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> 
         "model.window_size (sliding-window attention) is not implemented with parallel.context_parallel_size > 1; "
         "set one of them back (window_size=null or context_parallel_size=1)",
     )
+
+
+def check_cp_chunks(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:
+    """`parallel.cp_chunk_assignment` / `parallel.cp_chunks_per_rank` (`parallel.cp_load_balance`): the work
+    assignment cuts every sequence into cp x chunks-per-rank equal chunks and rotates queries and keys by their global
+    positions in the latent MLA layer (GQA takes megatron's RoPE table of the zigzag split)."""
+    cp, per, work = p.context_parallel_size, p.cp_chunks_per_rank, p.cp_chunk_assignment == "work"
+    require(per is None or per >= 1, f"parallel.cp_chunks_per_rank ({per}) must be at least 1, or null")
+    require(work or per in (None, 2),
+            f"parallel.cp_chunks_per_rank={per} needs parallel.cp_chunk_assignment=work (the zigzag split holds 2 "
+            "chunks per rank); set cp_chunks_per_rank to null or set cp_chunk_assignment=work")
+    if not work:
+        return
+    if cp == 1:
+        say_once(_log, "parallel.cp_chunk_assignment=work does nothing with parallel.context_parallel_size=1 (one rank "
+                 "holds the whole sequence)")
+        return
+    n = cp * (per or CP_WORK_CHUNKS_PER_RANK)
+    require(d.seq_length % n == 0,
+            f"data.seq_length ({d.seq_length}) must be divisible by parallel.context_parallel_size x "
+            f"parallel.cp_chunks_per_rank ({n}) with parallel.cp_chunk_assignment=work; change one of them")
+    require(m.multi_latent_attention,
+            "parallel.cp_chunk_assignment=work needs MLA (model.multi_latent_attention=true): GQA's RoPE comes from "
+            "megatron's table of the zigzag split; set cp_chunk_assignment=zigzag")
+    if not d.reset_attention_mask:
+        say_once(_log, "parallel.cp_chunk_assignment=work without data.reset_attention_mask: documents attend to "
+                 "each other, one causal window per sequence, which the zigzag split already balances; batches keep it")
 
 
 def check_documents(m: ModelConfig, d: DataConfig, p: ParallelConfig) -> None:

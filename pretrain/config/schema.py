@@ -198,6 +198,12 @@ class ModelConfig:
     """Dtype of the model's weights (bfloat16 needs bf16: true; main weights stay fp32)."""
 
 
+# Chunks per CP rank of `parallel.cp_chunk_assignment: work` when `parallel.cp_chunks_per_rank` is null: on packed
+# stdlib windows (32K-128K, CP 2-8) 8 per rank leave at most 0.6% imbalance of dense attention work, 2 per rank up
+# to 60% (docs/long_context.md).
+CP_WORK_CHUNKS_PER_RANK = 8
+
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
@@ -218,6 +224,10 @@ class ParallelConfig:
     """Count the output layer and loss as one decoder layer when splitting layers over stages."""
     context_parallel_size: int = 1
     """CP: ranks that split each sequence (2 x CP chunks); attention all-gathers the latent KV / indexer keys."""
+    cp_chunk_assignment: Literal["zigzag", "work"] = "zigzag"
+    """CP chunks per rank: zigzag (2, megatron's split) or work (balanced per batch over packed documents)."""
+    cp_chunks_per_rank: Optional[int] = None
+    """Chunks each CP rank holds; null: 2 (zigzag) or 8 (work); with work, S divisible by CP x this."""
     expert_model_parallel_size: int = 1
     """EP: ranks that split the routed experts."""
     expert_tensor_parallel_size: int = 1

@@ -51,7 +51,9 @@ from parallel.context_parallel import (
 )
 from pretrain.model.blockwise_attention import Rows, blockwise_attention, bottom_right_rows, choose_kernel
 from pretrain.model.document_attention import document_attention
-from pretrain.model.documents import AttentionPlan, attention_plan, is_document_layout, query_blocks
+from pretrain.model.documents import (
+    AttentionPlan, attention_plan, is_document_layout, layout_assignment, query_blocks,
+)
 from pretrain.model.sliding_window import combine, sliding_window_mask
 from pretrain.notices import say_once
 
@@ -108,10 +110,13 @@ class SDPACoreAttention(MegatronModule):
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         cp_size, cp_rank = cp_size_and_rank(self.cp_group)
+        # the batch's CP chunks (`parallel.cp_chunk_assignment`), carried by its document layout; None: zigzag
+        assignment = layout_assignment(attention_mask, cp_size) if is_document_layout(attention_mask) else None
         if cp_size > 1:
-            key, value = gather_sequence(key, 0, self.cp_group), gather_sequence(value, 0, self.cp_group)
+            key, value = (gather_sequence(t, 0, self.cp_group, assignment) for t in (key, value))
         if is_document_layout(attention_mask):
-            plan = attention_plan(attention_mask, query_blocks(query.shape[0], cp_size, cp_rank, key.shape[0]))
+            plan = attention_plan(attention_mask, query_blocks(query.shape[0], cp_size, cp_rank, key.shape[0],
+                                                               assignment))
             if plan.positions_reset and type(self) is SDPACoreAttention:
                 # megatron's MLA / GQA rotated q and k by window positions before this (config check_documents)
                 raise ValueError("per-document positions (data.reset_position_ids=true) reach RoPE only in the latent "
@@ -121,8 +126,9 @@ class SDPACoreAttention(MegatronModule):
             attention_mask = None  # positions only (applied by the RoPE before this): causal attention
         if cp_size > 1:
             if attention_mask is None and self.window_size is None:
-                return self.attend_cp_causal(query, key, value, cp_size, cp_rank)
-            visible = causal_visibility(local_positions(query.shape[0], cp_size, cp_rank, query.device), key.shape[0])
+                return self.attend_cp_causal(query, key, value, cp_size, cp_rank, assignment)
+            visible = causal_visibility(local_positions(query.shape[0], cp_size, cp_rank, query.device, assignment),
+                                        key.shape[0])
             attention_mask = ~visible if attention_mask is None else attention_mask | ~visible
         return self.attend(query, key, value, attention_mask, mask_type)
 

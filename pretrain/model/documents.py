@@ -16,6 +16,11 @@ RoPE depends only on the distance between a query and a key, so within isolated 
 change nothing but rounding; they change the result where documents see each other (`reset_position_ids` without
 `reset_attention_mask`), which is what tests/test_hf_parity.py checks against transformers.
 
+With a context-parallel chunk assignment (`parallel.cp_chunk_assignment: work`, `parallel.cp_load_balance`) the
+layout has a third row: layout[b, 2, :n] = the n chunk ids rank by rank (each rank's in increasing order), -1 after
+(`with_assignment`; read back by `layout_assignment`, the same for every row b). Carried in the tensor, it survives
+activation checkpointing (which detaches its inputs) and reaches every layer and stage that gets the layout.
+
 It travels in megatron's `attention_mask` argument (a tensor there, so megatron's activation checkpointing
 keeps it), from `pretrain.training.step` to every attention layer; a [b, 2, S] int32 tensor is never one of
 megatron's masks (those are bool or float [b|1, 1, s, s]). Under context parallelism it is not split: each rank
@@ -62,7 +67,37 @@ def document_layout(cu_seqlens: Optional[torch.Tensor], position_ids: Optional[t
 
 def is_document_layout(mask) -> bool:
     """Whether an `attention_mask` argument is a document layout (else: None or one of megatron's masks)."""
-    return torch.is_tensor(mask) and mask.dtype == torch.int32 and mask.dim() == 3 and mask.shape[1] == 2
+    return torch.is_tensor(mask) and mask.dtype == torch.int32 and mask.dim() == 3 and mask.shape[1] in (2, 3)
+
+
+def with_assignment(layout: torch.Tensor, assignment) -> torch.Tensor:
+    """`layout` [b, 2, S] with a context-parallel chunk `assignment` (per rank its chunk ids) as its third row."""
+    ids = [k for chunks in assignment for k in chunks]
+    row = torch.full((layout.shape[0], 1, layout.shape[-1]), -1, dtype=layout.dtype, device=layout.device)
+    row[:, 0, :len(ids)] = torch.tensor(ids, dtype=layout.dtype)
+    return torch.cat([layout[:, :2], row], dim=1)
+
+
+def host_layout(layout: torch.Tensor) -> torch.Tensor:
+    """The layout as int64 on the host: one device-to-host copy per layout tensor (cached on it)."""
+    host = getattr(layout, "_host_copy", None)
+    if host is None:
+        host = layout.detach().to("cpu", torch.int64)
+        layout._host_copy = host
+    return host
+
+
+def layout_assignment(layout: Optional[torch.Tensor], cp_size: int):
+    """The chunk assignment a layout carries (`with_assignment`) for `cp_size` ranks, or None: the zigzag split."""
+    if cp_size == 1 or layout is None or not is_document_layout(layout) or layout.shape[1] < 3:
+        return None
+    row = host_layout(layout)[0, 2]
+    ids = row[row >= 0].tolist()
+    if len(ids) % cp_size or sorted(ids) != list(range(len(ids))):
+        raise ValueError(f"the document layout's chunk assignment ({len(ids)} chunk ids) does not share its chunks "
+                         f"equally over {cp_size} context-parallel ranks")
+    per = len(ids) // cp_size
+    return tuple(tuple(ids[r * per:(r + 1) * per]) for r in range(cp_size))
 
 
 def query_blocks(s: int, cp_size: int = 1, cp_rank: int = 0, t: Optional[int] = None,
@@ -110,7 +145,7 @@ def attention_plan(layout: torch.Tensor, blocks: Sequence[Tuple[int, int, int]])
         layout._document_plans = cache
     if key in cache:
         return cache[key]
-    host = layout.detach().to("cpu", torch.int64)
+    host = host_layout(layout)
     pieces, max_q, max_k = [], 1, 1
     for row in host:
         bounds = _document_bounds(row[0]).tolist()
@@ -147,8 +182,11 @@ __all__ = [
     "AttentionPlan",
     "attention_plan",
     "document_layout",
+    "host_layout",
     "is_document_layout",
+    "layout_assignment",
     "query_blocks",
     "rope_positions",
     "segment_starts",
+    "with_assignment",
 ]

@@ -14,7 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from parallel.context_parallel import cp_size_and_rank, global_token_count
 from pretrain.compat import MTPLogitsWithoutLabels, gpt_model_mtp_block_class
 from pretrain.model.dsa import link_shared_indexers
-from pretrain.model.mtp import SharedDepthMTPBlock
+from pretrain.model.mtp import SharedDepthMTPBlock, roll_left
 from pretrain.model.output_loss import head_loss
 
 
@@ -43,9 +43,9 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
         masked loss sum / tokens x mtp_loss_scaling_factor / depths through `MTPLossAutoScaler`), but no
         depth and no main head ever materializes [tokens, vocab] logits. Under context parallelism (any
         backend) the roll crosses chunk boundaries (megatron's `roll_tensor` exchanges the boundary
-        tokens between CP ranks) and each depth's loss is a token mean over the whole sequence: the
-        rank's sum x cp / the token count summed over CP (DDP averages over DP x CP), where megatron
-        would average the ranks' own means."""
+        tokens between CP ranks; `mtp.roll_left` follows a batch's chunk assignment) and each depth's loss is a
+        token mean over the whole sequence: the rank's sum x cp / the token count summed over CP (DDP averages over
+        DP x CP), where megatron would average the ranks' own means."""
         args = (hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin)
         kwargs = dict(mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
                       attention_mask=attention_mask, inference_params=inference_params,
@@ -60,7 +60,6 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
         from megatron.core.transformer.multi_token_prediction import (
             MTPLossAutoScaler,
             MTPLossLoggingHelper,
-            roll_tensor,
         )
 
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -81,10 +80,8 @@ class GLM5Model(MTPLogitsWithoutLabels, GPTModel):
             mtp_labels = labels.clone()
             mtp_mask = torch.ones_like(mtp_labels) if loss_mask is None else loss_mask
             for depth in range(depths):
-                mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=self.cp_group,
-                                            packed_seq_params=packed_seq_params)
-                mtp_mask, num_tokens = roll_tensor(mtp_mask, shifts=-1, dims=-1, cp_group=self.cp_group,
-                                                   packed_seq_params=packed_seq_params)
+                mtp_labels, _ = roll_left(mtp_labels, self.cp_group, attention_mask, packed_seq_params)
+                mtp_mask, num_tokens = roll_left(mtp_mask, self.cp_group, attention_mask, packed_seq_params)
                 depth_sum, _ = self._head_loss(states[depth + 1], mtp_labels, mtp_mask, backend, chunk, weight)
                 if cp_size > 1:
                     depth_sum, num_tokens = depth_sum * cp_size, global_token_count(num_tokens, self.cp_group)

@@ -40,7 +40,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from parallel.context_parallel import causal_visibility, cp_size_and_rank, gather_sequence, local_positions
 from pretrain.model.core_attention import SDPACoreAttention
 from pretrain.model.documents import (
-    AttentionPlan, attention_plan, is_document_layout, query_blocks, rope_positions,
+    AttentionPlan, attention_plan, is_document_layout, layout_assignment, query_blocks, rope_positions,
 )
 from pretrain.model.notices import warn_once
 
@@ -102,13 +102,14 @@ class LatentMLASelfAttention(MLASelfAttention):
         q_pe, k_pe = rope(q_pe), rope(k_pe.unsqueeze(2))
         positions = None
         cp_size, cp_rank = cp_size_and_rank(self.pg_collection.cp)
+        assignment = layout_assignment(layout, cp_size)  # the batch's CP chunks (None: the zigzag split)
         if cp_size > 1:  # every rank's latent keys, in global order: one all-gather of c + d_rope per token
-            keys = gather_sequence(torch.cat([latent, k_pe[:, :, 0]], dim=-1), 0, self.pg_collection.cp)
+            keys = gather_sequence(torch.cat([latent, k_pe[:, :, 0]], dim=-1), 0, self.pg_collection.cp, assignment)
             latent, k_pe = keys[..., :cfg.kv_lora_rank], keys[..., cfg.kv_lora_rank:].unsqueeze(2)
-            positions = local_positions(s, cp_size, cp_rank, q.device)
+            positions = local_positions(s, cp_size, cp_rank, q.device, assignment)
         documents = None  # the plan of isolated documents (None: causal over the whole window)
         if layout is not None:
-            plan = attention_plan(layout, query_blocks(s, cp_size, cp_rank))
+            plan = attention_plan(layout, query_blocks(s, cp_size, cp_rank, assignment=assignment))
             documents = plan if plan.isolated else None
 
         recompute = self.checkpoint_core_attention and self.training  # recompute_modules: core_attn
@@ -144,10 +145,15 @@ class LatentMLASelfAttention(MLASelfAttention):
             starts = cu.long()[torch.bucketize(token, cu[1:-1].to(token.dtype), right=True)].to(torch.int32)[None]
             layout = torch.stack([starts, starts], dim=1)
         positions = None
-        if layout is not None and attention_plan(layout, query_blocks(s, cp_size, cp_rank)).positions_reset:
-            query_positions = local_positions(s, cp_size, cp_rank, device)
+        assignment = layout_assignment(layout, cp_size)
+        if layout is not None and attention_plan(layout, query_blocks(s, cp_size, cp_rank,
+                                                                      assignment=assignment)).positions_reset:
+            query_positions = local_positions(s, cp_size, cp_rank, device, assignment)
             positions = rope_positions(layout, query_positions)  # [b, s], each < the global length
-        # megatron's rotary modules return this CP rank's positions unless asked for the whole table (packed_seq)
+        elif assignment is not None:  # global positions of a chunk assignment: rows of the whole table
+            positions = local_positions(s, cp_size, cp_rank, device, assignment)[None]
+        # megatron's rotary modules return this CP rank's positions (of the zigzag split) unless asked for the whole
+        # table (packed_seq)
         length = s * cp_size
         if cfg.rope_type == "rope":
             freqs, mscale = self.rotary_pos_emb(length, packed_seq=positions is not None), 1.0
@@ -209,11 +215,12 @@ class LatentCoreAttention(SDPACoreAttention):
         None when documents may attend to each other. `x`, `qr`, `rope`, `recompute_attention`: what the layer
         hands every core (DSA's indexer reads them); dense attention needs none of them."""
         return self.attend_latent(q_nope, q_pe, latent, k_pe, kv_up_weight, bool_mask(attention_mask), documents,
-                                  query_positions)[0]
+                                  query_positions, layout_assignment(layout, cp_size_and_rank(self.cp_group)[0]))[0]
 
-    def attend_latent(self, q_nope, q_pe, latent, k_pe, kv_up_weight, attention_mask, documents, query_positions):
+    def attend_latent(self, q_nope, q_pe, latent, k_pe, kv_up_weight, attention_mask, documents, query_positions,
+                      assignment=None):
         """Dense attention over the up-projected latent -> (out [s, b, h * dv], query, key), `attention_mask` a
-        bool megatron mask (True = masked) or None."""
+        bool megatron mask (True = masked) or None; `assignment`: the batch's CP chunks (None: the zigzag split)."""
         s, b, h, dn = q_nope.shape
         t, c, dv = latent.shape[0], latent.shape[-1], self.config.v_head_dim
         k_nope, value = F.linear(latent, kv_up_weight.view(h * (dn + dv), c)).view(t, b, h, dn + dv).split([dn, dv],
@@ -225,7 +232,7 @@ class LatentCoreAttention(SDPACoreAttention):
         if documents is not None:  # within each query's document, no mask tensor
             out = self.attend_documents(query, key, value, documents)
         elif mask is None and cp_size > 1:  # causal in global positions, no mask tensor
-            out = self.attend_cp_causal(query, key, value, cp_size, cp_rank)
+            out = self.attend_cp_causal(query, key, value, cp_size, cp_rank, assignment)
         else:
             if query_positions is not None:  # a caller's dense mask under CP: its rows AND global causal
                 visible = causal_visibility(query_positions.to(query.device), t).unsqueeze(0)

@@ -52,6 +52,7 @@ from pretrain.model.dsa import DSACoreAttention, DSAMLASelfAttention
 from pretrain.model.latent_attention import LatentCoreAttention, LatentMLASelfAttention
 from pretrain.model.experts import GroupedGemmExperts
 from pretrain.model.moe_layer import GLM5MoELayer
+from pretrain.model.mtp import ChunkAssignedMTPLayer
 
 
 class _TorchBackend(LocalSpecProvider):
@@ -217,5 +218,6 @@ def mtp_block_spec(config, backend, moe_pattern: List[int]) -> Optional[MultiTok
     mtp_layer = get_mtp_layer_spec_for_backend(
         transformer_layer_spec=layer_spec(config, backend, bool(moe_pattern[-1])), backend=backend
     )
+    mtp_layer.module = ChunkAssignedMTPLayer  # megatron's layer, its shift over the batch's CP chunks
     n_layers = 1 if config.mtp_use_repeated_layer else config.mtp_num_layers
     return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * n_layers)

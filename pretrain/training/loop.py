@@ -167,7 +167,9 @@ class Trainer:
         for aux in self.aux_losses:
             aux.prepare(loss_scale, self.num_microbatches)
         return self.schedule(
-            forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group()),
+            forward_step_func=partial(forward_step, cp_group=ps.get_context_parallel_group(),
+                                      cp_chunk_assignment=self.cfg.parallel.cp_chunk_assignment,
+                                      cp_chunks_per_rank=self.cfg.parallel.cp_chunks_per_rank),
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_microbatches,

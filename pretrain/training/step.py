@@ -9,15 +9,21 @@ gradient through megatron's loss auto-scalers inside the model.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core.utils import unwrap_model
 
 from parallel.context_parallel import cp_size_and_rank, global_token_count, split_batch
-from pretrain.model.documents import document_layout
+from parallel.cp_load_balance import assign
+from pretrain.config.schema import CP_WORK_CHUNKS_PER_RANK
+from pretrain.model.documents import document_layout, layout_assignment, with_assignment
+from pretrain.notices import say_once
 from pretrain.training.profile_scopes import scope
+
+_log = logging.getLogger(__name__)
 
 
 def _to_device(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -61,17 +67,40 @@ def with_documents(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return batch if layout is None else dict(batch, document_layout=layout)
 
 
-def forward_step(data_iterator, model, *, cp_group):
+def with_chunk_assignment(batch: Dict[str, torch.Tensor], cp_size: int, cp_chunk_assignment: str = "zigzag",
+                          cp_chunks_per_rank: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """`parallel.cp_chunk_assignment: work`: the batch whose document layout carries the chunk assignment that
+    balances its causal work over the CP ranks (`parallel.cp_load_balance.assign`, computed on the host from the
+    document starts, so every CP rank computes the same). Batches without isolated documents keep the zigzag split,
+    which balances one causal window exactly (said once)."""
+    if cp_size == 1 or cp_chunk_assignment == "zigzag":
+        return batch
+    layout = batch.get("document_layout")
+    assignment = assign(layout[:, 0], cp_size, cp_chunks_per_rank or CP_WORK_CHUNKS_PER_RANK) if layout is not None else None
+    if assignment is None:
+        say_once(_log, "parallel.cp_chunk_assignment=work: a micro-batch without isolated documents keeps the zigzag "
+                 "split (it balances one causal window exactly)")
+        return batch
+    return dict(batch, document_layout=with_assignment(layout, assignment))
+
+
+def forward_step(data_iterator, model, *, cp_group, cp_chunk_assignment: str = "zigzag",
+                 cp_chunks_per_rank: Optional[int] = None):
     """Stages that need data (first: tokens; last: labels and MTP's tokens) read a batch; under
-    context parallelism each rank keeps its two chunks of the sequence (`parallel.context_parallel`).
+    context parallelism each rank keeps its chunks of the sequence (`parallel.context_parallel`): two by the zigzag
+    split, or those the batch's chunk assignment gives it (`with_chunk_assignment`, `parallel.cp_chunk_assignment`).
     Every stage's attention needs the documents of packed sequences: stages between the first and the last
-    read the batch too (for its document layout) when they are given a data iterator.
-    `cp_group`: the context-parallel group (None without CP), bound by the caller
-    (`partial(forward_step, cp_group=...)`); megatron's schedules pass the iterator and the model."""
+    read the batch too (for its document layout and chunk assignment) when they are given a data iterator.
+    `cp_group`: the context-parallel group (None without CP), bound by the caller with the config's
+    `parallel.cp_chunk_assignment` and `parallel.cp_chunks_per_rank` (`partial(forward_step, cp_group=...)`);
+    megatron's schedules pass the iterator and the model."""
     unwrapped = unwrap_model(model)
     needs_data = unwrapped.pre_process or unwrapped.post_process or data_iterator is not None
-    batch = _to_device(with_documents(next(data_iterator))) if needs_data else {}
-    batch = split_batch(batch, *cp_size_and_rank(cp_group))
+    cp_size, cp_rank = cp_size_and_rank(cp_group)
+    batch = with_documents(next(data_iterator)) if needs_data else {}
+    batch = with_chunk_assignment(batch, cp_size, cp_chunk_assignment, cp_chunks_per_rank)
+    assignment = layout_assignment(batch.get("document_layout"), cp_size)  # read on the host: no device sync
+    batch = split_batch(_to_device(batch), cp_size, cp_rank, assignment)
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),

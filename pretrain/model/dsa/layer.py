@@ -48,9 +48,9 @@ from typing import Optional
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from parallel.context_parallel import gather_sequence
+from parallel.context_parallel import cp_size_and_rank, gather_sequence
 from pretrain.compat.dsa import IndexerLossAutoScaler
-from pretrain.model.documents import AttentionPlan, segment_starts
+from pretrain.model.documents import AttentionPlan, layout_assignment, segment_starts
 from pretrain.model.dsa.backend import select_backend
 from pretrain.model.dsa.indexer import LightningIndexer, VisibleKeys, default_chunk, pack_indices, unpack_indices
 from pretrain.model.dsa.indexer_split import RowSplit
@@ -98,6 +98,8 @@ class DSACoreAttention(LatentCoreAttention):
         c, dv = latent.shape[-1], cfg.v_head_dim
         attention_mask = bool_mask(attention_mask)
         segment_ids = segment_starts(layout) if documents is not None else None  # equal within a document
+        # the batch's CP chunks (`parallel.cp_chunk_assignment`; None: the zigzag split): the indexer keys' gather
+        assignment = layout_assignment(layout, cp_size_and_rank(self.cp_group)[0])
         keys = VisibleKeys(s, t, q_nope.device, attention_mask=attention_mask, segment_ids=segment_ids,
                            query_positions=query_positions)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
@@ -121,7 +123,7 @@ class DSACoreAttention(LatentCoreAttention):
             channel = None
             if self.indexer is not None:
                 with torch.no_grad():  # the indexer loss recomputes the projection in backward
-                    indices, lse = backend.topk(*self._index_inputs(x, qr, rope, split), cfg.dsa_indexer_topk,
+                    indices, lse = backend.topk(*self._index_inputs(x, qr, rope, split, assignment), cfg.dsa_indexer_topk,
                                                 my_keys, chunk, with_lse=True)
                 kept = pack_indices(indices, t)  # what backward keeps: one storage for every function here
                 if split is not None:  # every rank's rows (in the kept form: int16 up to 65,535 keys)
@@ -130,7 +132,7 @@ class DSACoreAttention(LatentCoreAttention):
                 # kept past the forward only for the 'shared' layers that read it ([b, s, topk] per layer)
                 self.last_indices = (indices, kept) if self.shared_by_others else None
                 if train_indexer:  # the KL and its gradient come in backward, from the attention's own P
-                    spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope, split),
+                    spec = DeferredKL(project=lambda x_, qr_: self._index_inputs(x_, qr_, rope, split, assignment),
                                       plan=lambda idx, target, lse_, **kw: backend.sparse_kl_plan(
                                           idx, target, sparse_chunk, lse=lse_, **kw),
                                       coeff=coeff, layer=self.layer_number, tp_group=self.tp_group, split=split)
@@ -142,9 +144,9 @@ class DSACoreAttention(LatentCoreAttention):
                                      kept_indices=kept)
             return out
 
-        indexed = self._index_inputs(x, qr, rope, split) if train_indexer else None
+        indexed = self._index_inputs(x, qr, rope, split, assignment) if train_indexer else None
         out, query, key = self.attend_latent(q_nope, q_pe, latent, k_pe, kv_up_weight, attention_mask, documents,
-                                             query_positions)
+                                             query_positions, assignment)
         if train_indexer:
             query, key = query.detach().transpose(0, 1), key.detach().transpose(0, 1)
             if sparse_loss:  # KL over the indexer's selection, target = dense attention renormalized on it
@@ -181,16 +183,16 @@ class DSACoreAttention(LatentCoreAttention):
                                           indexer_fp8=getattr(cfg, "dsa_indexer_fp8", False))
         return self.backend
 
-    def _index_inputs(self, x, qr, rope, split: Optional[RowSplit] = None):
+    def _index_inputs(self, x, qr, rope, split: Optional[RowSplit] = None, assignment=None):
         """The indexer's q_I, k_I, w from detached inputs over the full sequence (q_I and w at the TP rank's rows
-        only, given `split`)."""
+        only, given `split`); under CP the keys of every rank, gathered in the chunk `assignment` (None: zigzag)."""
         x, qr = x.detach(), qr.detach()
         if self.config.sequence_parallel and group_size(self.tp_group) > 1:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False, group=self.tp_group)
         q, k, w = self.indexer.project(x, qr, rope, split)
         # Context parallelism: every rank's indexer keys [b, t, d_I] (this rank's queries score all of them).
-        return q, gather_sequence(k, 1, self.cp_group), w
+        return q, gather_sequence(k, 1, self.cp_group, assignment), w
 
     def _indexer_weights(self):
         """The indexer's trained weights: its loss's gradient reaches them from forward (`indexer_loss`)."""
