@@ -116,13 +116,14 @@ def test_config_to_dict_sections():
     assert d["model"]["moe_layer_freq"] == [0, 1]
 
 
-def test_width_slice_has_every_glm5_layer_dimension():
-    """configs/scaling/glm5-width.yaml: GLM-5's layer dimensions (the transformers reference config), cut to one
-    dense and one MoE layer; only depth, MTP and the pretraining attention mode may differ from the 744B config."""
+@pytest.mark.parametrize("name,pattern", [("glm5-width.yaml", [0, 1]), ("glm5-width-128k.yaml", [0, 0])])
+def test_width_slices_have_every_glm5_layer_dimension(name, pattern):
+    """configs/scaling/glm5-width*.yaml: GLM-5's layer dimensions (the transformers reference config), cut to two
+    layers; only depth, MTP, the attention mode and the output loss may differ from the 744B config."""
     import transformers
 
     hf = transformers.GlmMoeDsaConfig()
-    m = load_config(MODELS.parent / "scaling" / "glm5-width.yaml").model
+    m = load_config(MODELS.parent / "scaling" / name).model
     dims = {"hidden_size": hf.hidden_size, "ffn_hidden_size": hf.intermediate_size,
             "num_attention_heads": hf.num_attention_heads, "vocab_size": hf.vocab_size,
             "q_lora_rank": hf.q_lora_rank, "kv_lora_rank": hf.kv_lora_rank, "qk_head_dim": hf.qk_nope_head_dim,
@@ -130,9 +131,10 @@ def test_width_slice_has_every_glm5_layer_dimension():
             "num_moe_experts": hf.n_routed_experts, "moe_router_topk": hf.num_experts_per_tok,
             "moe_ffn_hidden_size": hf.moe_intermediate_size,
             "moe_shared_expert_intermediate_size": hf.n_shared_experts * hf.moe_intermediate_size,
-            "dsa_indexer_n_heads": hf.index_n_heads, "dsa_indexer_head_dim": hf.index_head_dim}
+            "dsa_indexer_n_heads": hf.index_n_heads, "dsa_indexer_head_dim": hf.index_head_dim,
+            "dsa_indexer_topk": hf.index_topk}
     assert {k: getattr(m, k) for k in dims} == dims
-    assert (m.num_layers, moe_layer_pattern(m)) == (2, [0, 1])
+    assert (m.num_layers, moe_layer_pattern(m)) == (2, pattern)
     full = load_config(GLM5).model
     differ = {f.name for f in dataclasses.fields(m) if getattr(m, f.name) != getattr(full, f.name)}
     assert differ <= {"num_layers", "moe_layer_freq", "mtp_num_layers", "rotary_base", "dsa_sparse_attention",
