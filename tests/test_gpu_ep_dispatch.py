@@ -3,7 +3,9 @@
 glm5-tiny's MoE layer with 16 experts, top-4, EP = 2, 4,096 tokens per rank, the trained-router path (real top-k
 routing): the same weights and tokens through `DedupTokenDispatcher` and through megatron-core's own
 `MoEAlltoAllTokenDispatcher` methods; outputs, input gradients and every parameter gradient agree within bf16
-rounding of reordered sums. Also the rows handed to the all-to-all: fewer with the per-rank dispatch.
+rounding of reordered sums. Also the rows handed to the all-to-all: fewer with the per-rank dispatch. The same layer
+with both all-to-all overlaps on (`pretrain/model/moe_overlap.py`: shared expert under the async dispatch, two chunks
+after routing, NCCL async work) against the plain per-rank dispatch, in the same bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def rank_compare(rank: int, world_size: int) -> dict:
         x = torch.randn(SEQ, BATCH, cfg.model.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
         grad = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g)
         results = {}
-        for name in ("dedup", "megatron"):
+        for name in ("dedup", "overlap", "megatron"):
+            # the overlapped forward (moe_overlap_chunks=2 + moe_shared_expert_overlap) on the same weights
+            layer.shared_under_dispatch, layer.overlap_chunks = (True, 2) if name == "overlap" else (False, 1)
             if name == "megatron":
                 layer.token_dispatcher.__class__ = MoEAlltoAllTokenDispatcher  # megatron's own methods
             rows = []
@@ -71,5 +75,13 @@ def test_dedup_matches_megatron_alltoall_in_bf16_on_two_gpus():
             scale = ref["grads"][name].abs().max()
             torch.testing.assert_close(ours["grads"][name] / scale, ref["grads"][name] / scale, rtol=2e-2, atol=2e-2,
                                        msg=f"rank {rank} {name}")
+        over = res["overlap"]
+        torch.testing.assert_close(over["out"], ours["out"], rtol=2e-2, atol=2e-2, msg=f"rank {rank} overlap output")
+        torch.testing.assert_close(over["dx"], ours["dx"], rtol=2e-2, atol=2e-2, msg=f"rank {rank} overlap input grad")
+        assert over["grads"].keys() == ours["grads"].keys()
+        for name in ours["grads"]:
+            scale = ours["grads"][name].abs().max()
+            torch.testing.assert_close(over["grads"][name] / scale, ours["grads"][name] / scale, rtol=2e-2, atol=2e-2,
+                                       msg=f"rank {rank} overlap {name}")
         # dispatch rows: ours once per (token, rank) <= megatron's once per (token, expert) = tokens x k
         assert ours["rows"] and ours["rows"][0] < SEQ * BATCH * TOPK
