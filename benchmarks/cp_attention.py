@@ -11,6 +11,16 @@ forward + backward. Timed side by side on one GPU, every rank's queries in turn 
 - `mask` (with `--mask`): one SDPA call with the explicit [S / cp, S] global-causal mask;
 - `ideal`: 1 / cp of one causal SDPA call over the whole sequence (cuDNN on Hopper), what a perfect split costs.
 Target (issue: CP attention at the speed of one causal call): merged / ideal <= 1.10.
+
+With `--documents N` each (S, cp) also times attention within packed documents (`attend_documents`, the path of
+`data.reset_attention_mask: true`) on N windows of the synthetic-long blend of benchmarks/cp_balance.py (log-normal
+document lengths, median 8,192 tokens), the slowest rank per window summed over the windows, for the chunk
+assignments of `parallel.cp_chunk_assignment`: `zigzag` (two chunks per rank) and `work` (`--chunks-per-rank`, 8 by
+default, assigned by work as training does: `parallel.cp_load_balance.assign`); `doc_ideal` is 1 / cp of the same
+attention over the whole window on one rank. What `work` buys: doc_zigzag_ms / doc_work_ms; what its smaller pieces
+cost: doc_work_ms / doc_ideal_ms against the pair-count imbalance of cp_balance.py.
+
+    python benchmarks/cp_attention.py --seqs 32768,131072 --cp 2,4 --documents 8 --out cp_attention_documents.json
 """
 
 from __future__ import annotations
@@ -75,6 +85,46 @@ def measure(attn, s: int, cp: int, heads: int, reps: int, with_mask: bool) -> di
     return row
 
 
+def measure_documents(attn, s: int, cp: int, heads: int, reps: int, windows: int, chunks_per_rank: int,
+                      device: str = "cuda") -> dict:
+    """Document attention (forward + backward, ms) per chunk assignment, the slowest rank of each window summed over
+    `windows` packed windows (module docstring)."""
+    import torch
+
+    from benchmarks.cp_balance import synthetic_windows
+    from parallel.context_parallel import split_sequence
+    from parallel.cp_load_balance import assign, chunk_work, imbalance, rank_work, zigzag
+    from pretrain.model.documents import attention_plan, query_blocks
+
+    q, k, v = (torch.randn(s, 1, heads, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    row = {"seq": s, "cp": cp, "heads": heads, "windows": windows, "chunks_per_rank": chunks_per_rank}
+    totals = {"doc_zigzag_ms": 0.0, "doc_work_ms": 0.0, "doc_ideal_ms": 0.0}
+    pairs = {"zigzag": [], "work": []}
+    for starts in synthetic_windows(s, windows, 8192.0, 1.5, seed=s):
+        layout = torch.stack([starts, torch.zeros_like(starts)]).to(device, torch.int32)[None]  # [1, 2, S]
+        whole = attention_plan(layout, query_blocks(s))
+        totals["doc_ideal_ms"] += timed(lambda: attn.attend_documents(q, k, v, whole).sum().backward(), reps) / cp
+        q.grad = k.grad = v.grad = None
+        work_assignment = assign(starts[None], cp, chunks_per_rank) or zigzag(cp)
+        for name, assignment in (("zigzag", None), ("work", work_assignment)):
+            per_rank = []
+            for rank in range(cp):
+                mine = split_sequence(q.detach(), 0, cp, rank, assignment).requires_grad_()
+                plan = attention_plan(layout, query_blocks(s // cp, cp, rank, assignment=assignment))
+                per_rank.append(timed(lambda: attn.attend_documents(mine, k, v, plan).sum().backward(), reps))
+                k.grad = v.grad = None
+            totals[f"doc_{name}_ms"] += max(per_rank)
+            chunks = assignment or zigzag(cp)
+            pairs[name].append(imbalance(rank_work(chunk_work(starts, len(chunks) * len(chunks[0])).tolist(), chunks)))
+    row.update(totals)
+    row["doc_zigzag_over_work"] = totals["doc_zigzag_ms"] / totals["doc_work_ms"]
+    for name in ("zigzag", "work"):
+        row[f"doc_{name}_over_ideal"] = totals[f"doc_{name}_ms"] / totals["doc_ideal_ms"]
+        row[f"pairs_{name}_imbalance_mean"] = sum(pairs[name]) / len(pairs[name])
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", default="32768")
@@ -82,6 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--mask", action="store_true", help="also time the explicit-mask path (slow)")
+    parser.add_argument("--documents", type=int, default=0,
+                        help="also time attention within packed documents on this many windows per (S, cp)")
+    parser.add_argument("--chunks-per-rank", type=int, default=8, help="chunks per rank of the work assignment")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import torch
@@ -102,6 +155,11 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
             torch.cuda.empty_cache()
+            if args.documents:
+                row = measure_documents(attn, s, cp, args.heads, args.reps, args.documents, args.chunks_per_rank)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
