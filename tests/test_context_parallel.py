@@ -19,7 +19,11 @@ packed documents, the zigzag split and chunks assigned by work, `parallel.cp_loa
 at CP = 2 and 4 against its CP = 1 result: outputs and the gradients of q, k and v at 1e-5. CP = 2 runs every case;
 4 ranks run CP = 4, TP = 2 x CP = 2 (with sequence parallelism,
 which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both replicas get the whole
-batch, so the DP average is the reference again, experts included). Training with ZeRO-2 over DP x CP and checkpoints
+batch, so the DP average is the reference again, experts included). Chunks assigned by work
+(`parallel.cp_chunk_assignment: work`: the training step's per-micro-batch assignment, carried in the document layout)
+run the packed cases (DSA sparse, DSA dense KL, and dense MLA with MTP and merged blocks, window positions) at CP = 2
+with 4 chunks per rank in the CP = 2 spawn and DSA sparse at CP = 4 with 2 per rank in the 4-rank spawn, each
+assignment checked to differ from the zigzag split. Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
 """
 
