@@ -479,3 +479,28 @@ def test_chunk_work_counts_attended_pairs_and_balance_assigns_every_chunk_once()
     assert imbalance(rank_work(one_document, zigzag(cp))) == 0.0
     with pytest.raises(ValueError, match="cannot be shared equally"):
         balance([1, 2, 3], 2)
+
+
+def test_work_assignment_rides_in_the_layout_and_windows_without_documents_keep_zigzag(caplog):
+    """The step's assignment (`with_chunk_assignment`) is the LPT balance of the batch's chunk work, carried as the
+    layout's third row (rows 0 and 1 untouched) and read back whole; batches without isolated documents, and the
+    zigzag key, leave the batch as it was (the former said once in the log)."""
+    import logging
+
+    from parallel.cp_load_balance import balance, chunk_work
+    from pretrain.model.documents import layout_assignment
+    from pretrain.notices import forget_said
+    from pretrain.training.step import with_chunk_assignment, with_documents
+
+    batch = with_documents(make_batch("packed"))
+    got = with_chunk_assignment(batch, 2, "work", 4)["document_layout"]
+    assert got.shape == (BATCH, 3, SEQ) and torch.equal(got[:, :2], batch["document_layout"])
+    assert layout_assignment(got, 2) == balance(chunk_work(batch["document_layout"][:, 0], 8).tolist(), 2)
+    assert layout_assignment(got, 1) is None and layout_assignment(batch["document_layout"], 2) is None
+    assert with_chunk_assignment(batch, 2, "zigzag", None) is batch
+    forget_said()
+    plain = with_documents(make_batch("mla"))
+    with caplog.at_level(logging.INFO, logger="pretrain.training.step"):
+        assert with_chunk_assignment(plain, 2, "work", 4) is plain
+        assert with_chunk_assignment(plain, 2, "work", 4) is plain
+    assert caplog.text.count("keeps the zigzag split") == 1
