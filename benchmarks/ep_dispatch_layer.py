@@ -1,7 +1,7 @@
 """One MoE layer of glm5-proxy, forward + backward, under expert parallelism: megatron's alltoall dispatcher against
 the per-rank one (`alltoall_dedup`, pretrain/model/ep_dispatch.py), with the router's own routing and with forced
 balance. The layer alone isolates the dispatch from the rest of the step that the scaling run
-(`bash benchmarks/multi_gpu.sh ep_dispatch OUT_DIR`) measures.
+(`python benchmarks/scaling.py --out OUT_DIR --only ep,balance`) measures.
 
     torchrun --nproc-per-node 2 benchmarks/ep_dispatch_layer.py --out ep_dispatch_layer.json
 

@@ -4,16 +4,15 @@
 #   bash benchmarks/multi_gpu.sh equivalence OUT_DIR   # TP=2 (+SP), PP=2, CP=2, DP=4, EP=4, TP=2 x CP=2
 #   bash benchmarks/multi_gpu.sh zero2 OUT_DIR         # ZeRO-2 fp32 / bf16 reductions, per micro-batch / step;
 #                                                      # resume from its own checkpoint at DP=4 and at DP=2
-#   bash benchmarks/multi_gpu.sh scaling OUT_DIR       # 1 GPU, DP=4 (DDP, ZeRO-2), EP=4 x DP=4, TP=2 x DP=2,
-#                                                      # CP=2 x DP=2 (32K)
-#   bash benchmarks/multi_gpu.sh ep_dispatch OUT_DIR   # 2 GPUs: 1 GPU vs EP=2 with megatron's alltoall dispatcher
-#                                                      # and with alltoall_dedup, trained router and forced balance
+#
+# Throughput (weak scaling of every layout against one GPU, the EP dispatchers and overlaps, forced balance) is
+# benchmarks/scaling.py's: `python benchmarks/scaling.py --out OUT_DIR` (2 or 4 GPUs).
 #
 # equivalence / zero2: a 4-layer cut of glm5-proxy (dense layer 0, 3 MoE layers, 3 MTP depths), Muon, 10 steps of
 # 8 x 4,096 tokens, every run started from one checkpoint (`init`, one step on one GPU; `checkpoint.pretrained`
 # reshards it). `ref` is one GPU; `floor` is one GPU with micro-batch 2, the same arithmetic in another order: the
 # bf16 noise every layout is measured against. The table and its pass rule: benchmarks/multi_gpu_compare.py.
-# Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so only `scaling` and `ep_dispatch` time anything.
+# Runs that need fewer GPUs share the host (CUDA_VISIBLE_DEVICES), so nothing here is a timing.
 # EXTRA adds overrides to every run (EXTRA=model.moe_router_force_load_balancing=true: any mode with forced MoE
 # balance). A CPU rehearsal on gloo (the tiny model trains with AdamW, whose ZeRO is
 # megatron's CUDA-only distributed optimizer: hence Muon):
@@ -21,8 +20,8 @@
 #   EXTRA="model.bf16=false model.params_dtype=float32 optimizer.optimizer=muon" \
 #   bash benchmarks/multi_gpu.sh equivalence /tmp/mg
 set -euo pipefail
-mode=${1:?usage: multi_gpu.sh equivalence|zero2|scaling|ep_dispatch OUT_DIR}
-out=${2:?usage: multi_gpu.sh equivalence|zero2|scaling|ep_dispatch OUT_DIR}
+mode=${1:?usage: multi_gpu.sh equivalence|zero2 OUT_DIR}
+out=${2:?usage: multi_gpu.sh equivalence|zero2 OUT_DIR}
 mkdir -p "$out"
 MODEL=${MODEL:-configs/models/glm5-proxy.yaml}
 CUT=${CUT-model.num_layers=4 model.moe_layer_freq=[0,1,1,1]}
@@ -31,7 +30,7 @@ EXTRA=${EXTRA:-}
 read -r -a cut <<<"$CUT"
 read -r -a extra <<<"$EXTRA"
 port=29600
-save=1  # every run keeps its checkpoint (the weights compared); scaling runs save none
+save=1  # every run keeps its checkpoint (the weights compared)
 
 launch() {  # NAME GPU_LIST [overrides...]: one torchrun over the listed GPUs, log in OUT/NAME.log
     local name=$1 gpus=$2; shift 2
@@ -98,45 +97,12 @@ equivalence | zero2)
     python -m benchmarks.multi_gpu_compare "$out" --config "$MODEL" --overrides "${cut[*]} ${extra[*]}" \
         --runs "${runs[@]}"
     ;;
-scaling)
-    save=
-    # Weak scaling: 8 micro-batches of 4K per data-parallel rank per step; at 32K 2 micro-batches of 32K, with full
-    # recompute (one GPU holds 32K of glm5-proxy only with it) on both sides.
-    common=("${extra[@]}" train.train_iters=12 train.micro_batch_size=1 train.eval_interval=null
-            optimizer.lr_warmup_iters=2 logging.log_interval=4)
-    long=(data.seq_length=32768 train.train_iters=6 model.recompute_granularity=full model.recompute_method=uniform
-          model.recompute_num_layers=1)
-    launch gpu1 0 train.global_batch_size=8
-    launch dp4 0,1,2,3 train.global_batch_size=32
-    # GLM-5's setup, Muon with ZeRO-2: each rank owns a quarter of the update's work
-    launch dp4_zero2 0,1,2,3 train.global_batch_size=32 "${zero2[@]}"
-    launch ep4 0,1,2,3 train.global_batch_size=32 parallel.expert_model_parallel_size=4
-    launch tp2dp2 0,1,2,3 train.global_batch_size=16 "${tp2[@]}"
-    launch gpu1_32k 0 train.global_batch_size=2 "${long[@]}"
-    launch cp2dp2_32k 0,1,2,3 train.global_batch_size=4 parallel.context_parallel_size=2 "${long[@]}"
-    python benchmarks/summarize_scaling.py "$out" gpu1 dp4:4 dp4_zero2:4 ep4:4 tp2dp2:4 gpu1_32k:1:gpu1_32k \
-        cp2dp2_32k:4:gpu1_32k
-    ;;
-ep_dispatch)
-    save=
-    # glm5-proxy's own settings (Muon, micro-batch 4 at 4K), 8 micro-batches per data-parallel rank; each EP=2 run
-    # against the 1-GPU run with the same routing: the trained router, and forced balance (random router logits,
-    # benchmarks only) that separates routing imbalance from communication.
-    common=("${extra[@]}" train.train_iters=8 train.eval_interval=null optimizer.lr_warmup_iters=2
-            logging.log_interval=1)
-    balanced=(model.moe_router_force_load_balancing=true)
-    ep2=(train.global_batch_size=64 parallel.expert_model_parallel_size=2)
-    launch gpu1 0 train.global_batch_size=32
-    launch gpu1_bal 0 train.global_batch_size=32 "${balanced[@]}"
-    launch ep2_a2a 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall
-    launch ep2_dedup 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall_dedup
-    launch ep2_a2a_bal 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall "${balanced[@]}"
-    launch ep2_dedup_bal 0,1 "${ep2[@]}" model.moe_token_dispatcher_type=alltoall_dedup "${balanced[@]}"
-    python benchmarks/summarize_scaling.py "$out" gpu1 gpu1_bal:1:gpu1_bal ep2_a2a:2:gpu1 ep2_dedup:2:gpu1 \
-        ep2_a2a_bal:2:gpu1_bal ep2_dedup_bal:2:gpu1_bal
+scaling | ep_dispatch)
+    echo "multi_gpu.sh $mode moved to benchmarks/scaling.py: python benchmarks/scaling.py --out $out" >&2
+    exit 2
     ;;
 *)
-    echo "unknown mode $mode (equivalence | zero2 | scaling | ep_dispatch)" >&2
+    echo "unknown mode $mode (equivalence | zero2)" >&2
     exit 2
     ;;
 esac

@@ -1,4 +1,5 @@
-"""Table of a train_scaling.sh / multi_gpu.sh scaling run: median throughput over steps 3.., per GPU, MFU, memory.
+"""Table of a scaling run folder of the former train_scaling.sh / multi_gpu.sh scaling (benchmarks/scaling.py now
+writes its own table): median throughput over steps 3.., per GPU, MFU, memory.
 
     python benchmarks/summarize_scaling.py OUT_DIR gpu1 dp4 ...          (first run = the 1-GPU baseline)
     python benchmarks/summarize_scaling.py OUT_DIR gpu1 dp4:4 gpu1_32k cp2dp2_32k:4:gpu1_32k

@@ -1,0 +1,309 @@
+"""Weak scaling of a config on one host of N GPUs (2 or 4): every parallel layout against one GPU, in one call.
+
+    python benchmarks/scaling.py --out OUT_DIR                       # every run this host can make
+    python benchmarks/scaling.py --out OUT_DIR --only ep,ep_overlap  # a selection (the baselines it needs run too)
+    python benchmarks/scaling.py --out OUT_DIR --dry-run             # the plan and the torchrun commands, no GPU
+
+Each run trains `--config` (default glm5-proxy, mock tokens, its own optimizer and micro-batch size: the config's
+best single-GPU setting) for `--iters` steps with the same work per data-parallel rank as the 1-GPU baseline:
+M micro-batches per step per data-parallel rank (per pipeline for PP). Runs (N = the GPUs used; layouts that use
+fewer than N model-parallel ranks fill the rest with data parallelism):
+
+    gpu1                   1 GPU, M = 8                     (the baseline of every 4K run)
+    ddp_m8, ddp_m32        DP = N, megatron DDP, M = 8 / 32
+    zero2_m8, zero2_m32    DP = N, ZeRO-2 (optimizer.use_distributed_optimizer), M = 8 / 32
+    ep_a2a                 EP = N x DP = N, megatron's alltoall dispatcher
+    ep                     EP = N x DP = N, alltoall_dedup (one row per token and destination rank)
+    ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
+    ep_overlap             ep + both overlaps
+    gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
+    pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout, x DP = N / 2
+    tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
+    gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2
+
+`--only` takes run names or groups (baseline, dp, ep, ep_overlap, balance, pp, tp, cp); the 1-GPU baselines a
+selected run is compared with run in the same call. Every run is one `torchrun ... -m pretrain.train`; a run
+that fails is reported and the others go on. Reported per run, from rank 0's metrics.jsonl (steps 3 .. iters;
+the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its ratio to the baseline, MFU,
+peak memory (rank 0), and for EP runs the all-to-all share: NCCL all-to-all kernel time over the profiled steps
+(overlapped or not: compare it with the tokens/s to see how much of it is hidden). Results merge into
+OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date), so runs split over several calls (`--only`)
+fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+DEFAULT_CONFIG = "configs/models/glm5-proxy.yaml"
+GROUPS = {
+    "baseline": ["gpu1"],
+    "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32"],
+    "ep": ["ep_a2a", "ep", "ep_overlap"],
+    "ep_overlap": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
+    "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
+    "pp": ["pp2"],
+    "tp": ["tp2"],
+    "cp": ["gpu1_32k", "cp2_32k"],
+}
+DEDUP = ["model.moe_token_dispatcher_type=alltoall_dedup"]
+OVERLAP = ["model.moe_shared_expert_overlap=true", "model.moe_overlap_chunks=2"]
+BALANCED = ["model.moe_router_force_load_balancing=true"]
+ZERO2 = ["optimizer.use_distributed_optimizer=true"]
+TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "model.output_loss_backend=chunked",
+       "model.output_chunk_size=4096"]
+LONG = ["data.seq_length=32768", "train.micro_batch_size=1", "model.recompute_granularity=full",
+        "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+
+
+@dataclass
+class Run:
+    name: str
+    gpus: int
+    microbatches: int  # per data-parallel rank (per pipeline) per step
+    dp: int
+    baseline: str
+    overrides: List[str] = field(default_factory=list)
+    profile_a2a: bool = False
+
+
+def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
+    """Every run for a host of n GPUs, by name (module docstring)."""
+    half = n // 2
+    ep = [f"parallel.expert_model_parallel_size={n}"]
+    runs = [
+        Run("gpu1", 1, 8, 1, "gpu1"),
+        Run("ddp_m8", n, 8, n, "gpu1"),
+        Run("ddp_m32", n, 32, n, "gpu1"),
+        Run("zero2_m8", n, 8, n, "gpu1", ZERO2),
+        Run("zero2_m32", n, 32, n, "gpu1", ZERO2),
+        Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], True),
+        Run("ep", n, 8, n, "gpu1", ep + DEDUP, True),
+        Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], True),
+        Run("ep_chunks", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[1:], True),
+        Run("ep_overlap", n, 8, n, "gpu1", ep + DEDUP + OVERLAP, True),
+        Run("gpu1_bal", 1, 8, 1, "gpu1_bal", BALANCED),
+        Run("ep_bal", n, 8, n, "gpu1_bal", ep + DEDUP + BALANCED, True),
+        Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, True),
+        Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
+        Run("tp2", n, 8, half, "gpu1", TP2),
+        Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
+        Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + ["parallel.context_parallel_size=2"]),
+    ]
+    for run in runs:
+        mbs = 1 if "train.micro_batch_size=1" in run.overrides else micro_batch
+        run.overrides = [f"train.global_batch_size={mbs * run.microbatches * run.dp}"] + run.overrides
+    return {run.name: run for run in runs}
+
+
+def select(runs: Dict[str, Run], only: Optional[str]) -> List[Run]:
+    """The runs `--only` names (run names or groups), with the baselines they are compared with, in plan order."""
+    if not only:
+        return list(runs.values())
+    wanted = set()
+    for word in only.split(","):
+        word = word.strip()
+        if word in GROUPS:
+            wanted.update(GROUPS[word])
+        elif word in runs:
+            wanted.add(word)
+        else:
+            raise SystemExit(f"--only: unknown run or group {word!r}; runs: {', '.join(runs)}; "
+                             f"groups: {', '.join(GROUPS)}")
+    wanted.update(runs[name].baseline for name in list(wanted))
+    return [run for name, run in runs.items() if name in wanted]
+
+
+def balanced_pp_layout(config: str, microbatches: int, extra: List[str]) -> List[str]:
+    """PP = 2 x VPP = 2 overrides from `python -m pretrain.tools.pipeline_split` (its last line)."""
+    cmd = [sys.executable, "-m", "pretrain.tools.pipeline_split", "--config", config, "--pp", "2", "--vpp", "2",
+           "--microbatches", str(microbatches)] + extra
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()
+    line = out[-1]
+    assert line.startswith("overrides: "), out
+    return [word.replace("'", "") for word in shlex.split(line[len("overrides: "):], posix=False)]
+
+
+def torchrun_command(run: Run, args, port: int) -> List[str]:
+    common = [f"train.train_iters={args.iters}", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
+              "logging.log_interval=1", "checkpoint.save=null", f"logging.run_dir={args.out}/{run.name}",
+              f"data.data_cache_path={args.out}/data_cache"]
+    if run.profile_a2a:  # the last two steps, on rank 0: the all-to-all share
+        common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
+    return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
+             "--config", args.config] + common + run.overrides + args.extra)
+
+
+def check_configs(commands, config: str) -> None:
+    """Every run's config loads and passes the layout checks for its world size (CPU, before any launch)."""
+    from pretrain.config import ConfigError, load_config, validate_config
+
+    for run, cmd in commands:
+        overrides = cmd[cmd.index("--config") + 2:]
+        try:
+            validate_config(load_config(config, overrides), world_size=run.gpus)
+        except ConfigError as err:
+            raise SystemExit(f"run {run.name}: {err}") from None
+
+
+def a2a_share(run_dir: Path) -> Optional[float]:
+    """NCCL all-to-all kernel time / the profiled steps' time, from rank 0's Chrome trace (None without one)."""
+    traces = sorted((run_dir / "profile").glob("trace_rank0_*.json*"))
+    if not traces:
+        return None
+    opener = gzip.open if traces[-1].suffix == ".gz" else open
+    with opener(traces[-1], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    step = sum(e.get("dur", 0) for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+               and e.get("cat") == "user_annotation")
+    a2a = sum(e.get("dur", 0) for e in events if e.get("cat") == "kernel"
+              and "nccl" in e.get("name", "").lower()
+              and any(k in e.get("name", "") for k in ("AllToAll", "SendRecv")))
+    return a2a / step if step else None
+
+
+def summarize(run: Run, run_dir: Path, iters: int) -> dict:
+    """Medians over steps 3 .. iters (the two profiled last steps left out) of rank 0's metrics.jsonl."""
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    last = iters - 2 if run.profile_a2a else iters
+    rows = [r for r in rows if "tokens_per_sec" in r and 3 <= r.get("step", 0) <= last] or rows[-1:]
+    mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
+    return {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "steps": len(rows),
+            "tokens_per_sec_per_gpu": statistics.median(r["tokens_per_sec"] for r in rows) / run.gpus,
+            "mfu": statistics.median(mfu) if mfu else None,
+            "mem_peak_gb": max(r.get("mem_peak_gb") or 0.0 for r in rows),
+            "a2a_share": a2a_share(run_dir) if run.profile_a2a else None,
+            "overrides": run.overrides}
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "unknown"
+
+
+def write_tables(out: Path, results: List[dict], meta: dict) -> str:
+    """Merge into OUT/scaling.json (runs by name) and rewrite OUT/scaling.md; returns the markdown."""
+    path = out / "scaling.json"
+    old = json.loads(path.read_text()) if path.exists() else {"runs": {}, "calls": []}
+    old["runs"].update({r["run"]: dict(r, call=len(old["calls"])) for r in results})
+    old["calls"].append(meta)
+    path.write_text(json.dumps(old, indent=2) + "\n")
+    lines = ["| run | GPUs | tokens/s per GPU | vs 1 GPU | MFU | peak memory | all-to-all share | call |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    runs = old["runs"]
+    for r in runs.values():
+        if "error" in r:
+            lines.append(f"| {r['run']} | {r['gpus']} | failed: {r['error']} | | | | | {r['call']} |")
+            continue
+        base = runs.get(r["baseline"], {})
+        same_call = base.get("call") == r["call"] and "tokens_per_sec_per_gpu" in base
+        ratio = f"{r['tokens_per_sec_per_gpu'] / base['tokens_per_sec_per_gpu']:.2f}" if same_call else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        share = f"{100 * r['a2a_share']:.0f}%" if r.get("a2a_share") is not None else "-"
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['tokens_per_sec_per_gpu']:,.0f} | {ratio} | {mfu} | "
+                     f"{r['mem_peak_gb']:.1f} GiB | {share} | {r['call']} |")
+    calls = [f"- call {i}: `{c['command']}` on {c['gpu']}, {c['date']}" for i, c in enumerate(old["calls"])]
+    text = "\n".join(["# Weak scaling (benchmarks/scaling.py)", "", *calls, "",
+                      "Ratios compare runs with their 1-GPU baseline of the same call.", "", *lines, ""])
+    (out / "scaling.md").write_text(text)
+    return text
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="results directory (runs, scaling.json, scaling.md)")
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--gpus", type=int, help="GPUs to use, 2 or 4 (default: every visible GPU)")
+    parser.add_argument("--only", help="comma-separated runs or groups (" + ", ".join(GROUPS) + ")")
+    parser.add_argument("--iters", type=int, default=8, help="steps per run (medians over steps 3 ..)")
+    parser.add_argument("--micro-batch", type=int, help="micro-batch size of the 4K runs (default: the config's)")
+    parser.add_argument("--run-timeout", type=int, default=300, help="seconds before a run is stopped")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    parser.add_argument("extra", nargs="*", help="overrides added to every run (section.key=value)")
+    args = parser.parse_args(argv)
+    if args.gpus is None:
+        args.gpus = 2 if args.dry_run else _visible_gpus()
+    if args.gpus not in (2, 4):
+        parser.error(f"--gpus must be 2 or 4 (got {args.gpus}); the plan is written for one host of 2 or 4 GPUs")
+    if args.iters < 6:
+        parser.error(f"--iters must be at least 6 (got {args.iters}): steps 1-2 warm up, the last two may be profiled")
+    return args
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pretrain.config import load_config
+
+    micro_batch = args.micro_batch or load_config(args.config, args.extra).train.micro_batch_size
+    if args.micro_batch:
+        args.extra = args.extra + [f"train.micro_batch_size={args.micro_batch}"]
+    runs = plan_runs(args.gpus, micro_batch, [])
+    chosen = select(runs, args.only)
+    if any(run.name == "pp2" for run in chosen):
+        layout = balanced_pp_layout(args.config, 8, args.extra)
+        runs = plan_runs(args.gpus, micro_batch, layout)
+        chosen = [runs[run.name] for run in chosen]
+    print(f"{len(chosen)} runs on {args.gpus} GPUs, {args.iters} steps each, config {args.config}:")
+    for run in chosen:
+        print(f"  {run.name:<15} {run.gpus} GPU(s), {run.microbatches} micro-batches per DP rank, "
+              f"vs {run.baseline}: {' '.join(run.overrides)}")
+    out = Path(args.out)
+    commands = [(run, torchrun_command(run, args, 29700 + i)) for i, run in enumerate(chosen)]
+    check_configs(commands, args.config)
+    if args.dry_run:
+        for run, cmd in commands:
+            print(f"[{run.name}] " + " ".join(shlex.quote(word) for word in cmd))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for run, cmd in commands:
+        started = time.time()
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(run.gpus)))
+        log = out / f"{run.name}.log"
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {run.name}", flush=True)
+        try:
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.run_timeout,
+                                      cwd=ROOT)
+            if proc.returncode:
+                raise RuntimeError(f"exit {proc.returncode}, see {log.name}")
+            row = summarize(run, out / run.name, args.iters)
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as err:
+            row = {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "error": str(err).splitlines()[0]}
+        row["wall_s"] = round(time.time() - started, 1)
+        results.append(row)
+        print(f"  {json.dumps({k: v for k, v in row.items() if k != 'overrides'})}", flush=True)
+    meta = {"command": "python benchmarks/scaling.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            "gpu": gpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    print(write_tables(out, results, meta))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""benchmarks/scaling.py on CPU: the dry run's plan (every run's config passes the layout checks for its GPUs),
+`--only` with its baselines, argument refusals, and the table from fake run directories (ratios within one call,
+the all-to-all share from a Chrome trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import scaling
+
+
+def dry_run(capsys, *argv):
+    assert scaling.main(["--out", "unused", "--dry-run", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_dry_run_plans_every_layout_on_two_and_four_gpus(capsys):
+    for gpus in (2, 4):
+        out = dry_run(capsys, "--gpus", str(gpus))
+        commands = {line.split("]")[0][1:]: line for line in out.splitlines() if line.startswith("[")}
+        assert set(commands) == set(scaling.plan_runs(gpus, 4, []))
+        assert f"--nproc-per-node {gpus} " in commands["ep"] and "--nproc-per-node 1 " in commands["gpu1"]
+        assert f"parallel.expert_model_parallel_size={gpus}" in commands["ep_overlap"]
+        assert "model.moe_shared_expert_overlap=true model.moe_overlap_chunks=2" in commands["ep_overlap"]
+        assert "pipeline_model_parallel_layout=" in commands["pp2"]
+        assert "virtual_pipeline_model_parallel_size=2" in commands["pp2"]
+        # weak scaling: 8 micro-batches of 4 per data-parallel rank (PP: per pipeline)
+        assert "train.global_batch_size=32 " in commands["gpu1"] + " "
+        assert f"train.global_batch_size={32 * gpus} " in commands["ddp_m8"] + " "
+        assert f"train.global_batch_size={128 * gpus} " in commands["zero2_m32"] + " "
+        assert f"train.global_batch_size={16 * gpus} " in commands["pp2"] + " "
+
+
+def test_only_adds_the_baselines(capsys):
+    out = dry_run(capsys, "--only", "ep_bal,tp")
+    names = [line.split("]")[0][1:] for line in out.splitlines() if line.startswith("[")]
+    assert names == ["gpu1", "gpu1_bal", "ep_bal", "tp2"]
+
+
+@pytest.mark.parametrize("argv, message", [(["--gpus", "3"], "--gpus must be 2 or 4"),
+                                           (["--only", "ep9"], "unknown run or group 'ep9'"),
+                                           (["--iters", "4"], "--iters must be at least 6")])
+def test_bad_arguments_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as err:
+        scaling.main(["--out", "unused", "--dry-run", *argv])
+    assert message in str(err.value) + capsys.readouterr().err
+
+
+def fake_run(out, name, tokens_per_sec, a2a_us=None):
+    run_dir = out / name
+    (run_dir / "profile").mkdir(parents=True)
+    rows = [{"step": s, "tokens_per_sec": tokens_per_sec if s >= 3 else 1.0, "mfu": 0.3, "mem_peak_gb": 10.0 + s}
+            for s in range(1, 9)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if a2a_us is not None:
+        events = [{"name": "ProfilerStep#7", "cat": "user_annotation", "dur": 1000},
+                  {"name": "ProfilerStep#8", "cat": "user_annotation", "dur": 1000},
+                  {"name": "ncclDevKernel_SendRecv(ncclDevComm*)", "cat": "kernel", "dur": a2a_us},
+                  {"name": "ncclDevKernel_AllReduce_Sum_f32", "cat": "kernel", "dur": 700},
+                  {"name": "sm90_gemm", "cat": "kernel", "dur": 900}]
+        (run_dir / "profile" / "trace_rank0_steps7-8.json").write_text(json.dumps({"traceEvents": events}))
+
+
+def test_table_ratios_and_all_to_all_share(tmp_path):
+    runs = scaling.plan_runs(2, 4, [])
+    fake_run(tmp_path, "gpu1", 1000.0)
+    fake_run(tmp_path, "ep", 1800.0, a2a_us=500)
+    meta = {"command": "python benchmarks/scaling.py --only ep", "gpu": "2 x test", "date": "today"}
+    rows = [scaling.summarize(runs[name], tmp_path / name, 8) for name in ("gpu1", "ep")]
+    assert rows[1]["a2a_share"] == pytest.approx(0.25)  # 500 us of NCCL all-to-all in 2 x 1000 us
+    assert rows[0]["tokens_per_sec_per_gpu"] == 1000.0 and rows[1]["tokens_per_sec_per_gpu"] == 900.0
+    assert rows[1]["mem_peak_gb"] == 16.0  # steps 3 .. 6: the profiled steps 7-8 are left out
+    text = scaling.write_tables(tmp_path, rows, meta)
+    assert "| ep | 2 | 900 | 0.90 | 30.0% | 16.0 GiB | 25% | 0 |" in text and "2 x test" in text
+    # a second call with its own baseline: the first call's runs keep their ratios only against their own call
+    fake_run(tmp_path / "again", "gpu1", 500.0)
+    again = scaling.summarize(runs["gpu1"], tmp_path / "again" / "gpu1", 8)
+    text = scaling.write_tables(tmp_path, [again], dict(meta, command="second"))
+    assert "| ep | 2 | 900 | - |" in text and "| gpu1 | 1 | 500 | 1.00 |" in text
+    assert len(json.loads((tmp_path / "scaling.json").read_text())["calls"]) == 2
