@@ -22,8 +22,8 @@ which the MoE layer needs), PP = 2 x CP = 2 and EP = 2 x CP = 2 (DP = 2: both re
 batch, so the DP average is the reference again, experts included). Chunks assigned by work
 (`parallel.cp_chunk_assignment: work`: the training step's per-micro-batch assignment, carried in the document layout)
 run the packed cases (DSA sparse, DSA dense KL, and dense MLA with MTP and merged blocks, window positions) at CP = 2
-with 4 chunks per rank in the CP = 2 spawn and DSA sparse at CP = 4 with 2 per rank in the 4-rank spawn, each
-assignment checked to differ from the zigzag split. Training with ZeRO-2 over DP x CP and checkpoints
+with 4 chunks per rank in the CP = 2 spawn, DSA sparse at CP = 4 with 2 per rank and dense MLA with MTP at
+TP = 2 (sequence parallel) x CP = 2 in the 4-rank spawn, each assignment checked to differ from the zigzag split. Training with ZeRO-2 over DP x CP and checkpoints
 across CP sizes: tests/test_context_parallel_training.py.
 """
 
@@ -83,10 +83,13 @@ LAYOUTS = {
     # chunks assigned by work per micro-batch (`parallel.cp_load_balance`), not the zigzag split
     "cp2_work": ["parallel.context_parallel_size=2", "parallel.cp_chunk_assignment=work", "parallel.cp_chunks_per_rank=4"],
     "cp4_work": ["parallel.context_parallel_size=4", "parallel.cp_chunk_assignment=work", "parallel.cp_chunks_per_rank=2"],
+    "tp2_cp2_work": ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+                     "parallel.sequence_parallel=true", "parallel.cp_chunk_assignment=work",
+                     "parallel.cp_chunks_per_rank=4"],
 }
 WORK_CASES = ("packed", "packed_warmup", "packed_mla_mtp")  # run under cp2_work in the CP = 2 spawn
-RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse"),
-          ("cp4_work", "packed")]
+RUNS_4 = [("cp4", "packed"), ("tp2_cp2", "mtp"), ("pp2_cp2", "dsa_warmup"), ("ep2_cp2", "dsa_sparse")]
+WORK_RUNS_4 = [("cp4_work", "packed"), ("tp2_cp2_work", "packed_mla_mtp")]  # in the 4-rank spawn too
 CORE_CHECKS = {("cp2", "mla"), ("cp4", "packed")}  # runs after which the core attention check runs on those ranks
 
 
@@ -300,8 +303,9 @@ def cp2(reference) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks(reference) -> dict:
     states = {case: reference[case]["state"] for _, case in RUNS_4}
-    results = run_ranks(rank_models, 4, RUNS_4, states, env=RANK_ENV)
-    return {layout: [r[(layout, case)] for r in results] for layout, case in RUNS_4}
+    states.update({case: reference[case]["state"] for _, case in WORK_RUNS_4})
+    results = run_ranks(rank_models, 4, RUNS_4 + WORK_RUNS_4, states, env=RANK_ENV)
+    return {layout: [r[(layout, case)] for r in results] for layout, case in RUNS_4 + WORK_RUNS_4}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,7 +425,7 @@ def test_core_attention_matches_cp1(request, layout, case):
                 assert err <= TOL, f"CP={cp} rank {rank} documents={documents} balanced={balanced} {name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("layout, case", [("cp2_work", case) for case in WORK_CASES] + [("cp4_work", "packed")])
+@pytest.mark.parametrize("layout, case", [("cp2_work", case) for case in WORK_CASES] + WORK_RUNS_4)
 def test_chunks_assigned_by_work_match_single_rank(request, reference, layout, case):
     """`parallel.cp_chunk_assignment: work`: the training step assigns each rank chunks of the packed batch by their
     causal work (not the zigzag split); split, RoPE positions, the latent and indexer-key gathers, document pieces,
@@ -438,13 +442,14 @@ def test_chunks_assigned_by_work_match_single_rank(request, reference, layout, c
     assert assignment is not None and len(assignment[0]) == cfg.parallel.cp_chunks_per_rank
     if len(assignment[0]) == 2:  # as many chunks as the zigzag split: a different assignment
         assert set(assignment) != set(zigzag(cp))
-    ranks = request.getfixturevalue("cp2")[(layout, case)] if cp == 2 else request.getfixturevalue("four_ranks")[layout]
+    ranks = (request.getfixturevalue("cp2")[(layout, case)] if layout == "cp2_work"
+             else request.getfixturevalue("four_ranks")[layout])
     assert all(r["cp"] == cp for r in ranks)
     worst = check_against_reference(reference[case], ranks)
     print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")
 
 
-@pytest.mark.parametrize("layout, case", RUNS_4[:-1])
+@pytest.mark.parametrize("layout, case", RUNS_4)
 def test_four_ranks_match_single_rank(four_ranks, reference, layout, case):
     worst = check_against_reference(reference[case], four_ranks[layout])
     print(f"\n{layout} {case}: worst relative max-abs gradient error {worst:.2e}")
