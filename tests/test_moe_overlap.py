@@ -24,11 +24,8 @@ from tests.parallel_helpers import BASE_OVERRIDES, RANK_ENV, TINY, make_batch, r
 TOL = 1e-5
 EP = ["parallel.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall_dedup",
       "model.moe_aux_loss_coeff=1e-2"]
-VARIANTS = {
-    "shared": ["model.moe_shared_expert_overlap=true"],
-    "chunks": ["model.moe_overlap_chunks=2"],
-    "both": ["model.moe_shared_expert_overlap=true", "model.moe_overlap_chunks=2"],
-}
+VARIANTS = {"shared": (True, 1), "chunks": (False, 2), "both": (True, 2)}  # (shared under dispatch, chunks)
+BOTH = ["model.moe_shared_expert_overlap=true", "model.moe_overlap_chunks=2"]
 
 
 def load(*overrides):
@@ -62,10 +59,15 @@ def rank_variants(rank: int, world_size: int) -> dict:
         plain = build_model(cfg)
         state = plain.state_dict()
         results = {"plain": step(plain, tokens)}
-        for name, extra in VARIANTS.items():
-            model = build_model(load(*EP, *extra))
-            model.load_state_dict(state)
-            assert model.decoder.layers[1].mlp.overlap_chunks == (2 if "chunks=2" in " ".join(extra) else 1)
+        model = build_model(load(*EP, *BOTH))  # the keys build the overlapped layers ...
+        model.load_state_dict(state)
+        layers = [m for m in model.modules() if isinstance(m, moe_layer.GLM5MoELayer)]
+        assert layers and all(m.shared_under_dispatch and m.overlap_chunks == 2 for m in layers)
+        for name, (shared, chunks) in VARIANTS.items():  # ... and each overlap runs alone on the same model
+            for m in layers:
+                m.shared_under_dispatch, m.overlap_chunks = shared, chunks
+            for p in model.parameters():
+                p.grad = None
             results[name] = step(model, tokens)
         build_model(load(*EP, "model.moe_router_force_load_balancing=true"))
         results["warnings"] = [r.getMessage() for r in records if r.levelno == logging.WARNING]

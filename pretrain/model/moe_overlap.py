@@ -119,11 +119,15 @@ def overlapped_forward(layer, hidden_states: torch.Tensor, padding_mask: Optiona
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     group = dispatcher.ep_group
+    # every chunk's plan first: each exchanges its split sizes and copies them to the host, which would otherwise
+    # wait behind the previous chunk's in-flight rows
+    plans = [dispatcher.plan_dispatch(x[start:end], routing_map[start:end], probs[start:end])
+             for start, end in chunk_bounds(x.shape[0], chunks)]
     flights = []
-    for start, end in chunk_bounds(x.shape[0], chunks):
-        plan, rows, meta = dispatcher.plan_dispatch(x[start:end], routing_map[start:end], probs[start:end])
+    for plan, rows, meta in plans:
         splits = (plan["output_splits"], plan["input_splits"])
         flights.append((plan, AllToAllInFlight(group, rows, *splits), AllToAllInFlight(group, meta, *splits)))
+    del plans
     if shared_under_dispatch:
         shared = layer.shared_experts_compute(hidden_states)
     combines = []
