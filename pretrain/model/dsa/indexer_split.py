@@ -24,8 +24,9 @@ partial sum, all-reduced over the TP group once per layer and micro-batch with t
 every rank holds the whole gradient as before (no `sequence_parallel` tag, which megatron's
 `finalize_model_grads` honours only under sequence parallelism).
 
-Context parallelism (`parallel.context_parallel`) already splits the rows: a CP rank's queries are its two
-chunks of the sequence, scored against the all-gathered keys, and its KL covers those rows only. Under TP x CP
+Context parallelism (`parallel.context_parallel`) already splits the rows: a CP rank's queries are its chunks of
+the sequence (two by the zigzag split, or the batch's chunks assigned by work, `parallel.cp_chunk_assignment`, each
+rank's in increasing order), scored against the all-gathered keys, and its KL covers those rows only. Under TP x CP
 the split above cuts the CP rank's s local rows again (their global positions increase along the rows, so the
 paired pieces still balance).
 
