@@ -9,9 +9,13 @@ Each rank holds `--tokens` tokens (micro-batch x sequence, 4 x 4096 by default: 
 the layer's weights are the same for every dispatcher (one build, the dispatcher's class swapped). Times are CUDA-event
 medians over `--iters` calls after `--warmup`, per rank, and the table shows the slowest rank's (the all-to-all waits
 for it). `rows` is what each rank hands to the dispatch all-to-all per layer call (the combine returns as many; megatron
-sends tokens x top-k). CPU rehearsal (gloo; megatron's alltoall dispatcher needs CUDA, so dedup only):
+sends tokens x top-k). `--overlaps` also times `alltoall_dedup` with the all-to-all overlaps of
+pretrain/model/moe_overlap.py (shared: the shared expert under the dispatch; chunks: two chunks after routing; both):
+    torchrun --nproc-per-node 2 benchmarks/ep_dispatch_layer.py --dispatchers alltoall_dedup \
+        --overlaps none,shared,chunks,both --out ep_overlap_layer.json
+CPU rehearsal (gloo; megatron's alltoall dispatcher needs CUDA, so dedup only):
     torchrun --nproc-per-node 2 benchmarks/ep_dispatch_layer.py --config configs/models/glm5-tiny.yaml --tokens 64 \
-        --iters 2 --warmup 1 --dispatchers alltoall_dedup
+        --iters 2 --warmup 1 --dispatchers alltoall_dedup --overlaps none,both
 """
 
 from __future__ import annotations
@@ -29,15 +33,24 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+OVERLAPS = {"none": (False, 1), "shared": (True, 1), "chunks": (False, 2), "both": (True, 2)}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/models/glm5-proxy.yaml")
     parser.add_argument("--tokens", type=int, default=4 * 4096, help="tokens per rank per layer call")
     parser.add_argument("--dispatchers", default="alltoall,alltoall_dedup")
+    parser.add_argument("--overlaps", default="none",
+                        help="with alltoall_dedup: comma-separated none, shared, chunks, both (moe_overlap.py)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", help="results JSON (rank 0 writes it)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.overlaps.split(",")) - set(OVERLAPS)
+    if unknown:
+        parser.error(f"--overlaps: unknown {sorted(unknown)}; choose from {', '.join(OVERLAPS)}")
+    return args
 
 
 def build_layer(config: str, ep: int):
@@ -112,17 +125,22 @@ def main(argv=None) -> None:
         layer.config.moe_router_force_load_balancing = balanced  # the router reads it per call
         for name in args.dispatchers.split(","):
             layer.token_dispatcher.__class__ = classes[name]
-            ms = time_layer(layer, x, grad, args.iters, args.warmup)
-            slowest = [None] * world
-            dist.all_gather_object(slowest, ms)
-            results.append({"dispatcher": name, "forced_balance": balanced, "ms_fwd_bwd_slowest_rank": max(slowest),
-                             "ms_fwd_bwd_per_rank": slowest, "rows_dispatched_rank0": rows[name]})
+            for overlap in args.overlaps.split(",") if name == "alltoall_dedup" else ["none"]:
+                # the layer's own switches, as model.moe_shared_expert_overlap / model.moe_overlap_chunks set them
+                layer.shared_under_dispatch, layer.overlap_chunks = OVERLAPS[overlap]
+                ms = time_layer(layer, x, grad, args.iters, args.warmup)
+                slowest = [None] * world
+                dist.all_gather_object(slowest, ms)
+                results.append({"dispatcher": name, "overlap": overlap, "forced_balance": balanced,
+                                "ms_fwd_bwd_slowest_rank": max(slowest), "ms_fwd_bwd_per_rank": slowest,
+                                "rows_dispatched_rank0": rows[name]})
+            layer.shared_under_dispatch, layer.overlap_chunks = OVERLAPS["none"]
     if rank == 0:
         device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         print(f"{args.config}: one MoE layer fwd+bwd, EP={world}, {args.tokens} tokens per rank, {device_name}")
-        print(f"{'dispatcher':<16}{'balance':>9}{'ms (slowest rank)':>19}{'rows rank 0':>13}")
+        print(f"{'dispatcher':<16}{'overlap':>8}{'balance':>9}{'ms (slowest rank)':>19}{'rows rank 0':>13}")
         for r in results:
-            print(f"{r['dispatcher']:<16}{'forced' if r['forced_balance'] else 'router':>9}"
+            print(f"{r['dispatcher']:<16}{r['overlap']:>8}{'forced' if r['forced_balance'] else 'router':>9}"
                   f"{r['ms_fwd_bwd_slowest_rank']:>19.2f}{r['rows_dispatched_rank0']:>13,}")
         if args.out:
             with open(args.out, "w") as f:
