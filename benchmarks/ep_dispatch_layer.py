@@ -42,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=4 * 4096, help="tokens per rank per layer call")
     parser.add_argument("--dispatchers", default="alltoall,alltoall_dedup")
     parser.add_argument("--overlaps", default="none",
-                        help="with alltoall_dedup: comma-separated none, shared, chunks, both (moe_overlap.py)")
+                        help="alltoall_dedup with: none, shared, chunks, both (comma-separated; moe_overlap.py)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", help="results JSON (rank 0 writes it)")
