@@ -26,9 +26,9 @@ selected run is compared with run in the same call. Every run is one `torchrun .
 that fails is reported and the others go on. Reported per run, from rank 0's metrics.jsonl (medians over steps
 3 .. iters; the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its
 ratio to the baseline, MFU, peak memory (rank 0), and for EP runs the all-to-all share: NCCL all-to-all kernel
-time over the profiled steps (overlapped or not: compare it with the tokens/s to see how much of it is hidden). Results merge into
-OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date), so runs split over several calls (`--only`)
-fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
+time over the profiled steps (overlapped or not: compare it with the tokens/s to see how much of it is hidden).
+Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date), so runs split over several
+calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
 """
 
 from __future__ import annotations
