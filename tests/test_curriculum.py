@@ -264,18 +264,22 @@ def test_pruning_deletes_a_stages_checkpoints_only_once_the_next_stage_finished(
 
 
 def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
-    """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks; the 744B plan's
-    hand-written 5,376-GPU layouts pass at 4K and idle too much of the pipeline from 32K on (one line, exit 2)."""
+    """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks; the 744B plan, laid out
+    for 1,792 H100, passes there; on 5,376 GPUs (3 x) its DSA stages' 14 sequences no longer split over DP (one
+    line, exit 2)."""
     from pretrain.curriculum.__main__ import main
 
     assert main(["--plan", str(ROOT / "configs/curriculum/tiny.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "1"]) == 0
     assert "layouts: every stage fits 1 x h100-nvl-ib400" in capsys.readouterr().out
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
+                 "--gpus", "1792", "--cluster", "h100-nvl-ib400"]) == 0
+    assert "layouts: every stage fits 1792 x h100-nvl-ib400" in capsys.readouterr().out
+    assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "5376"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("plan error: stage 3 (mid-32k): tp8 pp6")
-    assert "bubble: (PP - 1) / (VPP x m) = 5 / (1 x 36) = 14% over 10%" in err[0]
+    assert len(err) == 1 and err[0].startswith("plan error: stage 6 (dsa-warmup): tp4 pp1")
+    assert "global batch % (mbs*dp): global batch 14 over micro-batch 1 x DP 42" in err[0]
     # the same plan on too few GPUs for its layout: the divisibility rule, not a traceback
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "48"]) == 2

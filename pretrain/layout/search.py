@@ -307,6 +307,23 @@ def configured_layout(cfg) -> Optional[str]:
     return format_layout(stage_entries(cfg.model, p))
 
 
+def stage_memory(cfg, layout: Layout, work: Workload) -> MemoryEstimate:
+    """The memory model's estimate of a resolved config run under `layout` (`layout_of`)."""
+    return estimate(ModelDims.from_config(cfg), layout, work, a=2 if cfg.model.bf16 else 4,
+                    trainable=cfg.train.trainable_params, zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce)
+
+
+def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
+    """The time model's step of a resolved config under `layout` on `cluster` (the config's recompute modules and
+    ZeRO-2 reduce, the cluster's GPU-kind calibration)."""
+    from pretrain.layout import timing
+
+    variant = {"selective_modules": tuple(cfg.model.recompute_modules or ("core_attn", "moe")),
+               "zero2_grad_reduce": cfg.optimizer.zero2_grad_reduce}
+    return timing.step_time(ModelDims.from_config(cfg), layout, work, cluster,
+                            timing.load_calibration(cluster.gpu_kind), variant=variant)
+
+
 def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom: float = 0.10,
                 bubble_bound: float = 0.10) -> Optional[str]:
     """One line saying why a stage's config cannot run well on `world_size` GPUs of `cluster` (memory over
@@ -318,13 +335,10 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
     dims = ModelDims.from_config(cfg)
     reason = refusal(dims, layout, work) or bubble_refusal(layout, bubble_bound)
     if reason is None:
-        zero2_reduce = cfg.optimizer.zero2_grad_reduce
-        mem = estimate(dims, layout, work, a=2 if cfg.model.bf16 else 4, trainable=cfg.train.trainable_params,
-                       zero2_grad_reduce=zero2_reduce)
-        reason = memory_refusal(mem, gpus.memory_bytes, headroom)
+        reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom)
     return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
                           "configured_layout", "layout_of", "pipeline_costs", "refusal", "search", "splits",
-                          "uneven_layout"]
+                          "stage_memory", "stage_step", "uneven_layout"]
