@@ -73,7 +73,7 @@ def with_chunk_assignment(batch: Dict[str, torch.Tensor], cp_size: int, cp_chunk
     balances its causal work over the CP ranks (`parallel.cp_load_balance.assign`, computed on the host from the
     document starts, so every CP rank computes the same). Batches without isolated documents keep the zigzag split,
     which balances one causal window exactly (said once)."""
-    if cp_size == 1 or cp_chunk_assignment == "zigzag":
+    if cp_size == 1 or cp_chunk_assignment == "zigzag" or not batch:  # not batch: a stage that reads no data
         return batch
     layout = batch.get("document_layout")
     assignment = assign(layout[:, 0], cp_size, cp_chunks_per_rank or CP_WORK_CHUNKS_PER_RANK) if layout is not None else None
