@@ -97,6 +97,9 @@ def test_check_stage_for_the_curriculum(glm5):
                  model__recompute_granularity="full", model__recompute_method="uniform", model__recompute_num_layers=1,
                  model__output_loss_backend="chunked", model__output_chunk_size=4096)
     assert check_stage(good, world_size=1536) is None  # the model config's example layout: TP 8 x PP 6 x DP 32
+    # one GPU more: DP 32 would still divide the batch, but megatron needs TP x PP x CP x DP = the world size
+    reason = check_stage(good, world_size=1537)
+    assert reason is not None and "world size % (tp*pp*cp): 1537 GPUs over TP x PP x CP = 48" in reason, reason
     dsa = stage(parallel__context_parallel_size=8, data__seq_length=202752, train__global_batch_size=14,
                 model__recompute_granularity="full", model__recompute_method="uniform", model__recompute_num_layers=1,
                 model__output_loss_backend="chunked", model__output_chunk_size=8192)

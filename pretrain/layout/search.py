@@ -333,7 +333,11 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
     gpus = cluster_preset(cluster, world_size)
     layout, work = layout_of(cfg, world_size)
     dims = ModelDims.from_config(cfg)
-    reason = refusal(dims, layout, work) or bubble_refusal(layout, bubble_bound)
+    p = cfg.parallel
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    reason = (f"world size % (tp*pp*cp): {world_size} GPUs over TP x PP x CP = {model_parallel}"
+              if world_size % model_parallel else None)  # layout_of's DP rounds down: the rest would idle
+    reason = reason or refusal(dims, layout, work) or bubble_refusal(layout, bubble_bound)
     if reason is None:
         reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom)
     return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
