@@ -20,13 +20,24 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout, x DP = N / 2
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2
+    cp2_32k_merged         cp2_32k with model.cp_attention=merged (block + causal square, lse-merged)
+    gpu1_32k_docs, cp2_32k_docs, cp2_32k_docs_work
+                           packed documents isolated (data.reset_attention_mask, own positions); the last with
+                           merged attention and chunks assigned by work (parallel.cp_chunk_assignment=work)
+    gpu1_32k_dsa, cp2_32k_dsa                  DSA sparse (indexer top-k + sparse KL) at 32K
+    gpu1_128k, cp2_128k, gpu1_128k_docs, cp2_128k_docs, cp2_128k_docs_work
+                           the same at 128K with DSA sparse, 1 micro-batch per step, full recompute, Liger loss;
+                           on 4 GPUs also cp4_128k and cp4_128k_docs_work (CP = 4)
 
 `--only` takes run names or groups (baseline, dp, ep, ep_overlap, balance, pp, tp, cp); the 1-GPU baselines a
 selected run is compared with run in the same call. Every run is one `torchrun ... -m pretrain.train`; a run
 that fails is reported and the others go on. Reported per run, from rank 0's metrics.jsonl (medians over steps
 3 .. iters; the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its
-ratio to the baseline, MFU, peak memory (rank 0), and for EP runs the all-to-all share: NCCL all-to-all kernel
-time over the profiled steps (overlapped or not: compare it with the tokens/s to see how much of it is hidden).
+ratio to the baseline, MFU, peak memory (rank 0), and the share of the step in the layout's collective: for EP
+runs NCCL all-to-all kernel time, for CP runs NCCL all-gather kernel time (the latent and DSA key gathers; the
+CP runs keep DP <= 2 and ZeRO-2 off, so no parameter gather counts), over the profiled steps, overlapped or not:
+compare it with the tokens/s to see how much of it is hidden. The mock data's documents (megatron's mock
+dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
 Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date), so runs split over several
 calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
 """
@@ -59,7 +70,10 @@ GROUPS = {
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
     "pp": ["pp2"],
     "tp": ["tp2"],
-    "cp": ["gpu1_32k", "cp2_32k"],
+    "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
+           "gpu1_32k_dsa", "cp2_32k_dsa"],
+    "cp_long": ["gpu1_128k", "cp2_128k", "gpu1_128k_docs", "cp2_128k_docs", "cp2_128k_docs_work", "cp4_128k",
+                "cp4_128k_docs_work"],
 }
 DEDUP = ["model.moe_token_dispatcher_type=alltoall_dedup"]
 OVERLAP = ["model.moe_shared_expert_overlap=true", "model.moe_overlap_chunks=2"]
@@ -67,8 +81,14 @@ BALANCED = ["model.moe_router_force_load_balancing=true"]
 ZERO2 = ["optimizer.use_distributed_optimizer=true"]
 TP2 = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "model.output_loss_backend=chunked",
        "model.output_chunk_size=4096"]
-LONG = ["data.seq_length=32768", "train.micro_batch_size=1", "model.recompute_granularity=full",
-        "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+FULL_RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+LONG = ["data.seq_length=32768", "train.micro_batch_size=1"] + FULL_RECOMPUTE
+DSA_SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=1e-3",
+              "model.dsa_indexer_use_sparse_loss=true"]
+LONG_128K = ["data.seq_length=131072", "train.micro_batch_size=1", "model.output_loss_backend=liger"] + FULL_RECOMPUTE \
+    + DSA_SPARSE
+DOCS = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
+BALANCED_CP = ["model.cp_attention=merged", "parallel.cp_chunk_assignment=work"]
 
 
 @dataclass
@@ -79,32 +99,49 @@ class Run:
     dp: int
     baseline: str
     overrides: List[str] = field(default_factory=list)
-    profile_a2a: bool = False
+    profile: str = ""  # "a2a" (EP) or "allgather" (CP): the collective whose share of the step is reported
 
 
 def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
     """Every run for a host of n GPUs, by name (module docstring)."""
     half = n // 2
     ep = [f"parallel.expert_model_parallel_size={n}"]
+    cp2 = ["parallel.context_parallel_size=2"]
     runs = [
         Run("gpu1", 1, 8, 1, "gpu1"),
         Run("ddp_m8", n, 8, n, "gpu1"),
         Run("ddp_m32", n, 32, n, "gpu1"),
         Run("zero2_m8", n, 8, n, "gpu1", ZERO2),
         Run("zero2_m32", n, 32, n, "gpu1", ZERO2),
-        Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], True),
-        Run("ep", n, 8, n, "gpu1", ep + DEDUP, True),
-        Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], True),
-        Run("ep_chunks", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[1:], True),
-        Run("ep_overlap", n, 8, n, "gpu1", ep + DEDUP + OVERLAP, True),
+        Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], "a2a"),
+        Run("ep", n, 8, n, "gpu1", ep + DEDUP, "a2a"),
+        Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], "a2a"),
+        Run("ep_chunks", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[1:], "a2a"),
+        Run("ep_overlap", n, 8, n, "gpu1", ep + DEDUP + OVERLAP, "a2a"),
         Run("gpu1_bal", 1, 8, 1, "gpu1_bal", BALANCED),
-        Run("ep_bal", n, 8, n, "gpu1_bal", ep + DEDUP + BALANCED, True),
-        Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, True),
+        Run("ep_bal", n, 8, n, "gpu1_bal", ep + DEDUP + BALANCED, "a2a"),
+        Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, "a2a"),
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
-        Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + ["parallel.context_parallel_size=2"]),
+        Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2, "allgather"),
+        Run("cp2_32k_merged", n, 2, half, "gpu1_32k", LONG + cp2 + BALANCED_CP[:1], "allgather"),
+        Run("gpu1_32k_docs", 1, 2, 1, "gpu1_32k_docs", LONG + DOCS),
+        Run("cp2_32k_docs", n, 2, half, "gpu1_32k_docs", LONG + DOCS + cp2, "allgather"),
+        Run("cp2_32k_docs_work", n, 2, half, "gpu1_32k_docs", LONG + DOCS + cp2 + BALANCED_CP, "allgather"),
+        Run("gpu1_32k_dsa", 1, 2, 1, "gpu1_32k_dsa", LONG + DSA_SPARSE),
+        Run("cp2_32k_dsa", n, 2, half, "gpu1_32k_dsa", LONG + DSA_SPARSE + cp2, "allgather"),
+        Run("gpu1_128k", 1, 1, 1, "gpu1_128k", LONG_128K),
+        Run("cp2_128k", n, 1, half, "gpu1_128k", LONG_128K + cp2, "allgather"),
+        Run("gpu1_128k_docs", 1, 1, 1, "gpu1_128k_docs", LONG_128K + DOCS),
+        Run("cp2_128k_docs", n, 1, half, "gpu1_128k_docs", LONG_128K + DOCS + cp2, "allgather"),
+        Run("cp2_128k_docs_work", n, 1, half, "gpu1_128k_docs", LONG_128K + DOCS + cp2 + BALANCED_CP, "allgather"),
     ]
+    if n >= 4:
+        cp4 = ["parallel.context_parallel_size=4"]
+        runs += [Run("cp4_128k", n, 1, n // 4, "gpu1_128k", LONG_128K + cp4, "allgather"),
+                 Run("cp4_128k_docs_work", n, 1, n // 4, "gpu1_128k_docs", LONG_128K + DOCS + cp4 + BALANCED_CP,
+                     "allgather")]
     for run in runs:
         mbs = 1 if "train.micro_batch_size=1" in run.overrides else micro_batch
         run.overrides = [f"train.global_batch_size={mbs * run.microbatches * run.dp}"] + run.overrides
@@ -119,7 +156,7 @@ def select(runs: Dict[str, Run], only: Optional[str]) -> List[Run]:
     for word in only.split(","):
         word = word.strip()
         if word in GROUPS:
-            wanted.update(GROUPS[word])
+            wanted.update(name for name in GROUPS[word] if name in runs)  # cp4 runs need 4 GPUs
         elif word in runs:
             wanted.add(word)
         else:
@@ -143,7 +180,7 @@ def torchrun_command(run: Run, args, port: int) -> List[str]:
     common = [f"train.train_iters={args.iters}", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
               "logging.log_interval=1", "checkpoint.save=null", f"logging.run_dir={args.out}/{run.name}",
               f"data.data_cache_path={args.out}/data_cache"]
-    if run.profile_a2a:  # the last two steps, on rank 0: the all-to-all share
+    if run.profile:  # the last two steps, on rank 0: the collective's share
         common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
     return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
              "--config", args.config] + common + run.overrides + args.extra)
@@ -161,8 +198,12 @@ def check_configs(commands, config: str) -> None:
             raise SystemExit(f"run {run.name}: {err}") from None
 
 
-def a2a_share(run_dir: Path) -> Optional[float]:
-    """NCCL all-to-all kernel time / the profiled steps' time, from rank 0's Chrome trace (None without one)."""
+COLLECTIVE_KERNELS = {"a2a": ("AllToAll", "SendRecv"), "allgather": ("AllGather",)}
+
+
+def collective_share(run_dir: Path, kind: str) -> Optional[float]:
+    """NCCL kernel time of the collective `kind` (COLLECTIVE_KERNELS) / the profiled steps' time, from rank 0's
+    Chrome trace (None without one)."""
     traces = sorted((run_dir / "profile").glob("trace_rank0_*.json*"))
     if not traces:
         return None
@@ -171,24 +212,25 @@ def a2a_share(run_dir: Path) -> Optional[float]:
         events = json.load(f).get("traceEvents", [])
     step = sum(e.get("dur", 0) for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
                and e.get("cat") == "user_annotation")
-    a2a = sum(e.get("dur", 0) for e in events if e.get("cat") == "kernel"
-              and "nccl" in e.get("name", "").lower()
-              and any(k in e.get("name", "") for k in ("AllToAll", "SendRecv")))
-    return a2a / step if step else None
+    comm = sum(e.get("dur", 0) for e in events if e.get("cat") == "kernel"
+               and "nccl" in e.get("name", "").lower()
+               and any(k in e.get("name", "") for k in COLLECTIVE_KERNELS[kind]))
+    return comm / step if step else None
 
 
 def summarize(run: Run, run_dir: Path, iters: int) -> dict:
     """Medians over steps 3 .. iters (the two profiled last steps left out) of rank 0's metrics.jsonl."""
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    last = iters - 2 if run.profile_a2a else iters
+    last = iters - 2 if run.profile else iters
     rows = [r for r in rows if "tokens_per_sec" in r and 3 <= r.get("step", 0) <= last] or rows[-1:]
     mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
     return {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "steps": len(rows),
             "tokens_per_sec_per_gpu": statistics.median(r["tokens_per_sec"] for r in rows) / run.gpus,
             "mfu": statistics.median(mfu) if mfu else None,
             "mem_peak_gb": max(r.get("mem_peak_gb") or 0.0 for r in rows),
-            "a2a_share": a2a_share(run_dir) if run.profile_a2a else None,
+            "comm": run.profile or None,
+            "comm_share": collective_share(run_dir, run.profile) if run.profile else None,
             "overrides": run.overrides}
 
 
@@ -208,7 +250,7 @@ def write_tables(out: Path, results: List[dict], meta: dict) -> str:
     old["runs"].update({r["run"]: dict(r, call=len(old["calls"])) for r in results})
     old["calls"].append(meta)
     path.write_text(json.dumps(old, indent=2) + "\n")
-    lines = ["| run | GPUs | tokens/s per GPU | vs 1 GPU | MFU | peak memory | all-to-all share | call |",
+    lines = ["| run | GPUs | tokens/s per GPU | vs 1 GPU | MFU | peak memory | collective share | call |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     runs = old["runs"]
     for r in runs.values():
@@ -219,7 +261,7 @@ def write_tables(out: Path, results: List[dict], meta: dict) -> str:
         same_call = base.get("call") == r["call"] and "tokens_per_sec_per_gpu" in base
         ratio = f"{r['tokens_per_sec_per_gpu'] / base['tokens_per_sec_per_gpu']:.2f}" if same_call else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        share = f"{100 * r['a2a_share']:.0f}%" if r.get("a2a_share") is not None else "-"
+        share = f"{100 * r['comm_share']:.0f}% {r['comm']}" if r.get("comm_share") is not None else "-"
         lines.append(f"| {r['run']} | {r['gpus']} | {r['tokens_per_sec_per_gpu']:,.0f} | {ratio} | {mfu} | "
                      f"{r['mem_peak_gb']:.1f} GiB | {share} | {r['call']} |")
     calls = [f"- call {i}: `{c['command']}` on {c['gpu']}, {c['date']}" for i, c in enumerate(old["calls"])]

@@ -33,6 +33,22 @@ def test_dry_run_plans_every_layout_on_two_and_four_gpus(capsys):
         assert f"train.global_batch_size={16 * gpus} " in commands["pp2"] + " "
 
 
+def test_context_parallel_runs_on_two_and_four_gpus(capsys):
+    """The CP matrix: 32K and 128K, dense and DSA sparse, with and without documents, against the 1-GPU run of the
+    same shape; CP = 4 only on 4 GPUs."""
+    two = dry_run(capsys, "--only", "cp,cp_long")
+    names = [line.split("]")[0][1:] for line in two.splitlines() if line.startswith("[")]
+    assert "cp4_128k" not in names and {"gpu1_32k", "gpu1_32k_docs", "gpu1_32k_dsa", "gpu1_128k", "gpu1_128k_docs"} <= set(names)
+    commands = {line.split("]")[0][1:]: line for line in two.splitlines() if line.startswith("[")}
+    work = commands["cp2_128k_docs_work"]
+    assert all(k in work for k in ("data.seq_length=131072", "data.reset_attention_mask=true",
+                                   "parallel.cp_chunk_assignment=work", "model.cp_attention=merged",
+                                   "parallel.context_parallel_size=2", "model.dsa_sparse_attention=true"))
+    assert "reset_attention_mask" not in commands["cp2_128k"] and "--nproc-per-node 1 " in commands["gpu1_128k_docs"]
+    four = dry_run(capsys, "--gpus", "4", "--only", "cp4_128k_docs_work")
+    assert "parallel.context_parallel_size=4" in four and "[gpu1_128k_docs]" in four
+
+
 def test_only_adds_the_baselines(capsys):
     out = dry_run(capsys, "--only", "ep_bal,tp")
     names = [line.split("]")[0][1:] for line in out.splitlines() if line.startswith("[")]
@@ -69,11 +85,11 @@ def test_table_ratios_and_all_to_all_share(tmp_path):
     fake_run(tmp_path, "ep", 1800.0, a2a_us=500)
     meta = {"command": "python benchmarks/scaling.py --only ep", "gpu": "2 x test", "date": "today"}
     rows = [scaling.summarize(runs[name], tmp_path / name, 8) for name in ("gpu1", "ep")]
-    assert rows[1]["a2a_share"] == pytest.approx(0.25)  # 500 us of NCCL all-to-all in 2 x 1000 us
+    assert rows[1]["comm_share"] == pytest.approx(0.25)  # 500 us of NCCL all-to-all in 2 x 1000 us
     assert rows[0]["tokens_per_sec_per_gpu"] == 1000.0 and rows[1]["tokens_per_sec_per_gpu"] == 900.0
     assert rows[1]["mem_peak_gb"] == 16.0  # steps 3 .. 6: the profiled steps 7-8 are left out
     text = scaling.write_tables(tmp_path, rows, meta)
-    assert "| ep | 2 | 900 | 0.90 | 30.0% | 16.0 GiB | 25% | 0 |" in text and "2 x test" in text
+    assert "| ep | 2 | 900 | 0.90 | 30.0% | 16.0 GiB | 25% a2a | 0 |" in text and "2 x test" in text
     # a second call with its own baseline: the first call's runs keep their ratios only against their own call
     fake_run(tmp_path / "again", "gpu1", 500.0)
     again = scaling.summarize(runs["gpu1"], tmp_path / "again" / "gpu1", 8)
