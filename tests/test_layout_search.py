@@ -183,3 +183,23 @@ def test_cli_refuses_to_rank_without_the_time_model(monkeypatch, capsys):
     monkeypatch.setattr(search_module, "default_step_fn", missing)
     code = main(["--config", "configs/models/glm5-tiny.yaml", "--seq", "128", "--global-batch", "8", "--gpus", "8"])
     assert code == 2 and "time model" in capsys.readouterr().err
+
+
+def test_cli_plans_a_cut_of_a_config_whose_example_layout_it_does_not_divide(capsys):
+    """The 744B config's example layout (TP 8 x PP 6, EP 32) does not fit a 2-layer cut; the planner searches the
+    layout itself, so the config's parallel section does not stop it. A cut of GLM-5's dense first layers has no
+    expert to place: no layout with EP > 1 is considered and none holds MoE dispatch buffers."""
+    from pretrain.layout.__main__ import main
+
+    def plan(seq, pattern):
+        return main(["--config", GLM5, "--seq", str(seq), "--global-batch", "4", "--cluster", "h200-nvl-ib400",
+                     "--gpus", "2", "--top", "50", "model.num_layers=2", "model.mtp_num_layers=0",
+                     f"model.moe_layer_freq={pattern}"])
+
+    assert plan(4096, "[0,1]") == 0
+    assert " ep2 " in capsys.readouterr().out
+    assert plan(131072, "[0,0]") == 0
+    dense = capsys.readouterr().out
+    ranked = [line for line in dense.splitlines() if line.startswith("#")]
+    assert ranked and all(" ep1 etp1 " in line for line in ranked), ranked
+    assert "moe_dispatch_buffers" not in dense and "ep*etp" not in dense

@@ -40,13 +40,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+NO_LAYOUT = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+             "parallel.virtual_pipeline_model_parallel_size=null", "parallel.pipeline_model_parallel_layout=null",
+             "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
+             "parallel.context_parallel_size=1", "parallel.expert_model_parallel_size=1",
+             "parallel.expert_tensor_parallel_size=1", "parallel.sequence_parallel=false"]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     from pretrain.config import load_config
     from pretrain.layout.search import SearchOptions, config_validator, default_step_fn, pipeline_costs, search
     from pretrain.layout.types import ModelDims, cluster_preset
 
-    cfg = load_config(args.config, args.overrides)
+    # the planner searches the layout itself: the config's own parallel section (an example for another cluster,
+    # often one that a cut model's depth does not divide) is reset before the user's overrides
+    cfg = load_config(args.config, NO_LAYOUT + list(args.overrides))
     dims = ModelDims.from_config(cfg)
     cluster = cluster_preset(args.cluster, args.gpus)
     work = Workload(args.seq, args.global_batch)

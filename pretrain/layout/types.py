@@ -137,7 +137,9 @@ class ModelDims:
         ih, idim = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
         q_in = m.q_lora_rank or h
         indexer = (q_in * ih * idim + h * idim + 2 * idim + h * ih) if dsa else 0  # wq_b, wk, k_norm(w, b), weights
-        experts = m.num_moe_experts or 0
+        # no MoE layer anywhere (e.g. a cut of GLM-5's dense first layers; MTP's layer follows the last one): a
+        # dense model, with no experts to place, no expert parallelism to search and no dispatch buffers
+        experts = (m.num_moe_experts or 0) if any(pattern) else 0
         e_ffn = m.moe_ffn_hidden_size or 0
         shared = (m.moe_shared_expert_intermediate_size or 0) if experts else 0
         depths = m.mtp_num_layers or 0
