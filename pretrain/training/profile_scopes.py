@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
 PREFIX = "part:"
 # name -> row label of the step breakdown table, in table order.
@@ -80,7 +81,7 @@ def _child_part(attr: str, module) -> Optional[str]:
         return "embedding"
     if cls == "LightningIndexer":
         return "indexer"
-    if cls in ("MultiTokenPredictionLayer",):
+    if isinstance(module, MultiTokenPredictionLayer):  # megatron's, and ours that subclass it
         return "mtp"
     if cls in ("TransformerLayer", "GPTModel", "GLM5Model", "TransformerBlock", "MultiTokenPredictionBlock",
                "SharedDepthMTPBlock") or isinstance(module, MoELayer) or attr in ("self_attention", "rotary_pos_emb"):
