@@ -27,8 +27,10 @@ same `consumed_samples` in different data is a different sample.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy
@@ -99,6 +101,7 @@ class DataIterator:
         self.consumed_samples = consumed_samples
         self.fingerprint = dataset_fingerprint(dataset)
         self._batches: Optional[Iterator] = None
+        self._close_at_exit = False
         PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)  # check arguments
 
     def __iter__(self) -> "DataIterator":
@@ -123,6 +126,13 @@ class DataIterator:
                 generator=torch.Generator().manual_seed(0),
             )
             self._batches = iter(loader)
+            if self.num_workers and not self._close_at_exit:
+                # The workers ignore SIGTERM (ignore_stop_signals), and at interpreter exit multiprocessing
+                # stops daemonic children with SIGTERM and then joins them: a loader still open at exit would
+                # hang the process forever. This hook runs first (atexit is last-in first-out) and stops
+                # them through the loader's own shutdown.
+                atexit.register(_close_if_alive, weakref.ref(self))
+                self._close_at_exit = True
         start = time.perf_counter()
         try:
             batch = next(self._batches)
@@ -130,6 +140,13 @@ class DataIterator:
             self.wait_seconds += time.perf_counter() - start
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return batch
+
+    def close(self) -> None:
+        """Stop the loader's worker processes, if any (a later `next` starts new ones at the same position)."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)  # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()
 
     def take_wait_seconds(self) -> float:
         """Seconds blocked waiting for batches since the last call (starting the loader included)."""
@@ -156,12 +173,19 @@ class DataIterator:
                 "train.train_iters), load with strict=False."
             )
         self.consumed_samples = int(state["consumed_samples"])
-        self._batches = None  # drops prefetched batches of the old position
+        self.close()  # drops prefetched batches of the old position
+
+
+def _close_if_alive(ref: "weakref.ReferenceType[DataIterator]") -> None:
+    iterator = ref()
+    if iterator is not None:
+        iterator.close()
 
 
 def ignore_stop_signals(_worker_id: int) -> None:
     """A loader worker ignores SIGTERM and SIGUSR1: Slurm signals every process of a job step on preemption,
-    and the trainer must still read batches until it has checkpointed (workers exit with the trainer)."""
+    and the trainer must still read batches until it has checkpointed. They stop through the loader's shutdown
+    (`DataIterator.close`, also run at interpreter exit), never by SIGTERM."""
     import signal
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):

@@ -112,3 +112,34 @@ def test_workers_outlive_a_preemption_signal(train_ds):
     time.sleep(0.5)
     for i in range(1, 6):
         assert _equal(next(it), stream[i]), i
+
+
+EXIT_SCRIPT = """
+import sys
+from pathlib import Path
+from data_pipeline.sampler import DataIterator
+from tests.test_datasets import build, make_cfg, random_documents, write_dataset
+root = Path(sys.argv[1])
+cfg = make_cfg(root, [write_dataset(str(root / "docs"), random_documents(50, 10, 300, seed=1))], split="100,0,0")
+train, _, _ = build(cfg, 16)
+KEPT = DataIterator(train, 2, num_workers=2)  # open at exit, as a trainer's iterator is
+next(KEPT)
+print("read a batch", flush=True)
+"""
+
+
+def test_a_process_with_an_open_worker_loader_exits(tmp_path):
+    """The workers ignore SIGTERM (preemption), and multiprocessing stops daemonic children at exit by SIGTERM and
+    then joins them: before the loader was closed at exit, a process whose iterator was still open never ended
+    (CI's pytest hung after its last test)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], cwd=root, capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the process did not exit within 120 s of its last statement: {err.stdout!r}")
+    assert done.returncode == 0 and "read a batch" in done.stdout, done.stderr[-2000:]
