@@ -28,6 +28,8 @@ same `consumed_samples` in different data is a different sample.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours, so ours runs first)
 import os
 import time
 import weakref
@@ -101,7 +103,6 @@ class DataIterator:
         self.consumed_samples = consumed_samples
         self.fingerprint = dataset_fingerprint(dataset)
         self._batches: Optional[Iterator] = None
-        self._close_at_exit = False
         PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)  # check arguments
 
     def __iter__(self) -> "DataIterator":
@@ -126,13 +127,8 @@ class DataIterator:
                 generator=torch.Generator().manual_seed(0),
             )
             self._batches = iter(loader)
-            if self.num_workers and not self._close_at_exit:
-                # The workers ignore SIGTERM (ignore_stop_signals), and at interpreter exit multiprocessing
-                # stops daemonic children with SIGTERM and then joins them: a loader still open at exit would
-                # hang the process forever. This hook runs first (atexit is last-in first-out) and stops
-                # them through the loader's own shutdown.
-                atexit.register(_close_if_alive, weakref.ref(self))
-                self._close_at_exit = True
+            if self.num_workers:
+                _OPEN_LOADERS.add(self._batches)
         start = time.perf_counter()
         try:
             batch = next(self._batches)
@@ -176,10 +172,28 @@ class DataIterator:
         self.close()  # drops prefetched batches of the old position
 
 
-def _close_if_alive(ref: "weakref.ReferenceType[DataIterator]") -> None:
-    iterator = ref()
-    if iterator is not None:
-        iterator.close()
+# Every worker-backed loader iterator not yet collected. The workers ignore SIGTERM (ignore_stop_signals), and at
+# interpreter exit multiprocessing stops daemonic children with SIGTERM and then joins them: one loader left
+# open at exit (its DataIterator alive, or dropped but not yet collected) would hang the process forever. This
+# hook, registered after multiprocessing's (atexit is last-in first-out), runs first and stops them through the
+# loader's own shutdown.
+_OPEN_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _close_open_loaders() -> None:
+    for batches in list(_OPEN_LOADERS):
+        batches._shutdown_workers()
+    # a worker whose loader is gone without its shutdown (the loader iterator dropped in a reference cycle): its
+    # SIGTERM is ignored, so SIGKILL it (it holds nothing to save: prefetched batches of a finished process)
+    from torch.utils.data._utils.worker import _worker_loop
+
+    for child in multiprocessing.active_children():
+        if getattr(child, "_target", None) is _worker_loop:
+            child.kill()
+            child.join(5)
+
+
+atexit.register(_close_open_loaders)
 
 
 def ignore_stop_signals(_worker_id: int) -> None:

@@ -69,7 +69,10 @@ def test_trainer_hands_data_num_workers_to_the_loader(train_ds, monkeypatch, tmp
     Trainer._build_data(trainer)
     assert trainer.train_iter.num_workers == 2
     plain = DataIterator(train_ds, MICRO)
-    assert all(_equal(next(trainer.train_iter), next(plain)) for _ in range(3))
+    try:
+        assert all(_equal(next(trainer.train_iter), next(plain)) for _ in range(3))
+    finally:
+        trainer.train_iter.close()  # its workers ignore SIGTERM: stop them before this process exits
 
 
 class SlowDataset(torch.utils.data.Dataset):
