@@ -28,7 +28,6 @@ same `consumed_samples` in different data is a different sample.
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours, so ours runs first)
 import os
 import time
@@ -182,15 +181,7 @@ _OPEN_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
 
 def _close_open_loaders() -> None:
     for batches in list(_OPEN_LOADERS):
-        batches._shutdown_workers()
-    # a worker whose loader is gone without its shutdown (the loader iterator dropped in a reference cycle): its
-    # SIGTERM is ignored, so SIGKILL it (it holds nothing to save: prefetched batches of a finished process)
-    from torch.utils.data._utils.worker import _worker_loop
-
-    for child in multiprocessing.active_children():
-        if getattr(child, "_target", None) is _worker_loop:
-            child.kill()
-            child.join(5)
+        batches._shutdown_workers()  # torch's own shutdown of a multi-process loader iterator (what its __del__ runs)
 
 
 atexit.register(_close_open_loaders)
