@@ -8,11 +8,14 @@ the same weights and tokens with
   * both at once,
 at a relative max-abs error <= 1e-5. The router's balancing loss is weighted up (1e-2) so that a split
 made before routing (a per-half sequence aux loss) would move the router gradient past the tolerance.
-The same spawn checks that forced balance logs its warning line. Config refusals run in this process.
+The same spawn checks that no all-to-all of a finished step stays alive (a reference cycle through an autograd
+node leaked every micro-batch's buffers on GPUs) and that forced balance logs its warning line. Config refusals run
+in this process.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -45,7 +48,7 @@ def step(model, tokens):
 
 def rank_variants(rank: int, world_size: int) -> dict:
     from parallel.initialize import destroy_parallel, initialize_parallel
-    from pretrain.model import moe_layer
+    from pretrain.model import moe_layer, moe_overlap
     from pretrain.model.builder import build_model
 
     tokens = make_batch()[rank:rank + 1]  # DP = 2: one sample per rank
@@ -69,6 +72,10 @@ def rank_variants(rank: int, world_size: int) -> dict:
             for p in model.parameters():
                 p.grad = None
             results[name] = step(model, tokens)
+        # nothing of a finished step may outlive it: a flight kept alive by its own autograd node leaked every
+        # micro-batch's receive buffers on GPUs (out of memory by the third step)
+        gc.collect()
+        results["flights_alive"] = sum(isinstance(o, moe_overlap.AllToAllInFlight) for o in gc.get_objects())
         build_model(load(*EP, "model.moe_router_force_load_balancing=true"))
         results["warnings"] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
         return results
@@ -96,6 +103,10 @@ def test_overlap_equals_plain_dispatch(ranks, variant):
             if not err <= TOL:
                 failures.append(f"rank {rank} {name}: relative max-abs error {err:.2e}")
     assert not failures, f"{variant}:\n" + "\n".join(failures)
+
+
+def test_finished_steps_leave_no_all_to_all_alive(ranks):
+    assert [res["flights_alive"] for res in ranks] == [0, 0]
 
 
 def test_forced_balance_logs_a_warning(ranks):

@@ -51,8 +51,13 @@ class AllToAllInFlight:
         self._out = StartAllToAll.apply(rows, self)
 
     def wait(self) -> torch.Tensor:
-        """The received rows [sum(output_splits), ...]; waits for the forward all-to-all."""
-        return WaitAllToAll.apply(self._out, self)
+        """The received rows [sum(output_splits), ...]; waits for the forward all-to-all (once)."""
+        # Drop our reference to the buffer: it is StartAllToAll's output, whose autograd node holds this object on
+        # its ctx. Kept, that cycle runs through a C++ autograd node that Python's gc cannot see, so every
+        # micro-batch's receive buffers (and the nodes) would live for the whole run (2 x H200: 49 -> 71 -> 105 GiB
+        # over the first steps of glm5-proxy at EP=2, then out of memory).
+        out, self._out = self._out, None
+        return WaitAllToAll.apply(out, self)
 
 
 def start_all_to_all(group, rows: torch.Tensor, output_splits, input_splits):
