@@ -1,7 +1,7 @@
 """Weak scaling of a config on one host of N GPUs (2 or 4): every parallel layout against one GPU, in one call.
 
     python benchmarks/scaling.py --out OUT_DIR                       # every run this host can make
-    python benchmarks/scaling.py --out OUT_DIR --only ep,ep_overlap  # a selection (the baselines it needs run too)
+    python benchmarks/scaling.py --out OUT_DIR --only dispatch,tp2  # groups or runs (their baselines run too)
     python benchmarks/scaling.py --out OUT_DIR --dry-run             # the plan and the torchrun commands, no GPU
 
 Each run trains `--config` (default glm5-proxy, mock tokens, its own optimizer and micro-batch size: the config's
@@ -29,7 +29,7 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
                            the same at 128K with DSA sparse, 1 micro-batch per step, full recompute, Liger loss;
                            on 4 GPUs also cp4_128k and cp4_128k_docs_work (CP = 4)
 
-`--only` takes run names or groups (baseline, dp, ep, ep_overlap, balance, pp, tp, cp); the 1-GPU baselines a
+`--only` takes run names or groups (baseline, dp, dispatch, overlaps, balance, pp, tp, cp, cp_long); the 1-GPU baselines a
 selected run is compared with run in the same call. Every run is one `torchrun ... -m pretrain.train`; a run
 that fails is reported and the others go on. Reported per run, from rank 0's metrics.jsonl (medians over steps
 3 .. iters; the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its
@@ -65,8 +65,8 @@ DEFAULT_CONFIG = "configs/models/glm5-proxy.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
     "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32"],
-    "ep": ["ep_a2a", "ep", "ep_overlap"],
-    "ep_overlap": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
+    "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
+    "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
     "pp": ["pp2"],
     "tp": ["tp2"],

@@ -31,18 +31,30 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     ddp = run("ddp", 2, *start)
     runs = {"micro": run("micro", 2, *start, zero), "step": run("step", 2, *start, zero, "optimizer.zero2_grad_reduce=step"),
             "micro_bf16": run("micro_bf16", 2, *start, zero, "parallel.grad_reduce_in_fp32=false")}
+    # The noise floor of bf16 training on GPUs: one GPU (4 micro-batches) against DDP on two, both correct. Muon's
+    # Newton-Schulz lifts every singular direction of the momentum to ~1, so reordered sums (and the bf16 weights
+    # they round to) move some matrices by a few percent in 6 steps while the losses agree within 2e-3. A ZeRO-2
+    # variant may differ from DDP by 3x that floor; a lost or doubled gradient moves the losses and the weights by far
+    # more.
+    one = run("one", 1, *start)
     ref = [r["loss"] for r in _metrics(tmp_path / "ddp")]
+    assert [r["loss"] for r in _metrics(tmp_path / "one")] == pytest.approx(ref, rel=2e-3)
+
+    def rel_errors(ranks):
+        return {n: max((r["params"][n].float() - want.float()).norm().item() for r in ranks)
+                / max(want.float().norm().item(), 1e-3) for n, want in ddp[0]["params"].items()}
+
+    noise = max(rel_errors(one).values())
+    print(f"one GPU vs DDP: largest relative weight difference {noise:.4f}")
     for name, ranks in runs.items():
         got = [r["loss"] for r in _metrics(tmp_path / name)]
         assert got == pytest.approx(ref, rel=2e-3), name
-        # Newton-Schulz lifts every singular direction of the momentum to ~1, so bf16 rounding of the
-        # reduced gradients (~0.4%) shows in the weights: 6.8% on one matrix after 6 steps, with the
-        # losses still within 2e-3 (H200, 2026-11-21); fp32 reductions stay within 1e-2.
-        tol = 1e-1 if name == "micro_bf16" else 1e-2
-        for n, want in ddp[0]["params"].items():
-            for r in ranks:
-                err = (r["params"][n].float() - want.float()).norm().item()
-                assert err <= tol * max(want.float().norm().item(), 1e-3), (name, n, err)
+        errors = rel_errors(ranks)
+        worst = max(errors, key=errors.get)
+        print(f"{name} vs DDP: largest relative weight difference {errors[worst]:.4f} ({worst})")
+        # bf16 reductions round every reduced gradient (~0.4%): 6.8% on one matrix (H200, 2026-11-21)
+        tol = max(3 * noise, 1e-1 if name == "micro_bf16" else 1e-2)
+        assert errors[worst] <= tol, (name, worst, errors[worst], tol)
         total = ranks[0]["total"]
         assert sum(r["owned_grad"] for r in ranks) == total
         assert all(r["owned_grad"] < 0.75 * total for r in ranks)

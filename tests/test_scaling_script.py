@@ -53,6 +53,8 @@ def test_only_adds_the_baselines(capsys):
     out = dry_run(capsys, "--only", "ep_bal,tp")
     names = [line.split("]")[0][1:] for line in out.splitlines() if line.startswith("[")]
     assert names == ["gpu1", "gpu1_bal", "ep_bal", "tp2"]
+    run = [line.split("]")[0][1:] for line in dry_run(capsys, "--only", "ep").splitlines() if line.startswith("[")]
+    assert run == ["gpu1", "ep"]  # a run's name selects that run: no group shadows it
 
 
 @pytest.mark.parametrize("argv, message", [(["--gpus", "3"], "--gpus must be 2 or 4"),
