@@ -19,11 +19,12 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
     pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout, x DP = N / 2
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
-    gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2
-    cp2_32k_merged         cp2_32k with model.cp_attention=merged (block + causal square, lse-merged)
+    gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
+                           model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
+    cp2_32k_merged         cp2_32k with model.cp_attention=merged (block + causal square, lse-merged: the default)
     gpu1_32k_docs, cp2_32k_docs, cp2_32k_docs_work
                            packed documents isolated (data.reset_attention_mask, own positions); the last with
-                           merged attention and chunks assigned by work (parallel.cp_chunk_assignment=work)
+                           chunks assigned by work (parallel.cp_chunk_assignment=work); merged attention in all
     gpu1_32k_dsa, cp2_32k_dsa                  DSA sparse (indexer top-k + sparse KL) at 32K
     gpu1_128k, cp2_128k, gpu1_128k_docs, cp2_128k_docs, cp2_128k_docs_work
                            the same at 128K with DSA sparse, 1 micro-batch per step, full recompute, Liger loss;
@@ -38,7 +39,7 @@ runs NCCL all-to-all kernel time, for CP runs NCCL all-gather kernel time (the l
 CP runs keep DP <= 2 and ZeRO-2 off, so no parameter gather counts), over the profiled steps, overlapped or not:
 compare it with the tokens/s to see how much of it is hidden. The mock data's documents (megatron's mock
 dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
-Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date), so runs split over several
+Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date) after every run, so runs split over several
 calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
 """
 
@@ -124,7 +125,7 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
-        Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2, "allgather"),
+        Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),
         Run("cp2_32k_merged", n, 2, half, "gpu1_32k", LONG + cp2 + BALANCED_CP[:1], "allgather"),
         Run("gpu1_32k_docs", 1, 2, 1, "gpu1_32k_docs", LONG + DOCS),
         Run("cp2_32k_docs", n, 2, half, "gpu1_32k_docs", LONG + DOCS + cp2, "allgather"),
@@ -247,8 +248,9 @@ def write_tables(out: Path, results: List[dict], meta: dict) -> str:
     """Merge into OUT/scaling.json (runs by name) and rewrite OUT/scaling.md; returns the markdown."""
     path = out / "scaling.json"
     old = json.loads(path.read_text()) if path.exists() else {"runs": {}, "calls": []}
-    old["runs"].update({r["run"]: dict(r, call=len(old["calls"])) for r in results})
-    old["calls"].append(meta)
+    if not old["calls"] or old["calls"][-1] != meta:  # main() records after every run: one call, one entry
+        old["calls"].append(meta)
+    old["runs"].update({r["run"]: dict(r, call=len(old["calls"]) - 1) for r in results})
     path.write_text(json.dumps(old, indent=2) + "\n")
     lines = ["| run | GPUs | tokens/s per GPU | vs 1 GPU | MFU | peak memory | collective share | call |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -323,7 +325,9 @@ def main(argv=None) -> int:
             print(f"[{run.name}] " + " ".join(shlex.quote(word) for word in cmd))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    meta = {"command": "python benchmarks/scaling.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            "gpu": gpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    results, text = [], ""
     for run, cmd in commands:
         started = time.time()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(run.gpus)))
@@ -341,9 +345,8 @@ def main(argv=None) -> int:
         row["wall_s"] = round(time.time() - started, 1)
         results.append(row)
         print(f"  {json.dumps({k: v for k, v in row.items() if k != 'overrides'})}", flush=True)
-    meta = {"command": "python benchmarks/scaling.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-            "gpu": gpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    print(write_tables(out, results, meta))
+        text = write_tables(out, [row], meta)  # after every run: a call stopped midway keeps what it measured
+    print(text)
     return 1 if any("error" in r for r in results) else 0
 
 

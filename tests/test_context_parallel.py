@@ -61,9 +61,10 @@ CASES = {
     "packed_warmup": WARMUP,  # the same documents through dense attention and the dense KL
     "packed_gqa": ["model.multi_latent_attention=false", "model.experimental_attention_variant=null",
                    "model.num_query_groups=2", "model.kv_channels=16"],  # documents isolated, window positions
-    # model.cp_attention=merged: each rank's chunks as non-causal blocks + causal squares merged by lse
-    "mla_merged": ["model.experimental_attention_variant=null", "model.cp_attention=merged"],
-    "packed_warmup_merged": WARMUP + ["model.cp_attention=merged"],
+    # the default model.cp_attention=merged runs above (each rank's chunks as non-causal blocks + causal squares
+    # merged by lse); here the other path: each chunk as one bottom-right causal SDPA call
+    "mla_bottom_right": ["model.experimental_attention_variant=null", "model.cp_attention=bottom_right"],
+    "packed_warmup_bottom_right": WARMUP + ["model.cp_attention=bottom_right"],
     "mtp": WARMUP + ["model.mtp_num_layers=2"],
     # the long-context memory features under CP: full recompute, activation offload, chunked output loss
     "memory": SPARSE + ["model.mtp_num_layers=2", "model.recompute_granularity=full", "model.recompute_method=uniform",
@@ -71,7 +72,7 @@ CASES = {
                         "model.output_loss_backend=chunked", "model.output_chunk_size=5"],
     # dense MLA (no DSA) on packed documents (window positions: megatron's MLA at CP = 1 takes no others) with MTP,
     # merged blocks: the chunk-assignment runs' dense case
-    "packed_mla_mtp": ["model.experimental_attention_variant=null", "model.mtp_num_layers=2", "model.cp_attention=merged"],
+    "packed_mla_mtp": ["model.experimental_attention_variant=null", "model.mtp_num_layers=2"],
 }
 LAYOUTS = {
     "cp2": ["parallel.context_parallel_size=2"],
@@ -375,7 +376,7 @@ def test_reference_is_meaningful(reference):
     """The cases can fail: finite losses near log(vocab), trained indexers, unequal loss masks."""
     for case, ref in reference.items():
         assert math.isclose(ref["loss"], math.log(VOCAB), rel_tol=0.15), case
-        trains_indexer = case not in ("mla", "mla_merged", "gqa", "packed_gqa", "packed_mla_mtp")
+        trains_indexer = case not in ("mla", "mla_bottom_right", "gqa", "packed_gqa", "packed_mla_mtp")
         assert bool(ref["indexer"]) == trains_indexer, case
         indexer_grads = [g for n, g in ref["grads"].items() if ".indexer." in n]
         if trains_indexer:

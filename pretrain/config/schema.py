@@ -181,8 +181,8 @@ class ModelConfig:
     """Ours: each layer's saved activations wait in pinned host memory between forward and backward."""
     activation_offload_backend: Literal["torch", "deepspeed"] = "torch"
     """Ours: "torch" (saved-tensor hooks, any recompute) or "deepspeed" (checkpoint_in_cpu; needs recompute full)."""
-    cp_attention: Literal["bottom_right", "merged"] = "bottom_right"
-    """Ours, CP > 1: query chunks as bottom-right causal SDPA calls, or "merged" (block + square, by lse; not GPU-run)."""
+    cp_attention: Literal["bottom_right", "merged"] = "merged"
+    """Ours, CP > 1: "merged" (each query chunk as a block + causal square, by lse) or bottom-right causal SDPA calls."""
     output_loss_backend: Literal["unfused", "chunked", "liger"] = "unfused"
     """Ours: output layer + loss: "unfused" (full logits), "chunked" (sequence chunks, any TP) or "liger" (TP = 1)."""
     output_chunk_size: Optional[int] = None

@@ -39,7 +39,7 @@ class GLM5TransformerConfig(MLATransformerConfig):
     dsa_indexer_fp8: bool = False
     dsa_indexer_tp_split: bool = False
     activation_offload: bool = False
-    cp_attention: str = "bottom_right"
+    cp_attention: str = "merged"
     output_loss_backend: str = "unfused"
     output_chunk_size: Optional[int] = None
     output_grad_weight_fp32: bool = True
