@@ -48,7 +48,7 @@ __all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_fl
 
 BF16, FP32 = 2, 4
 LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
-DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "chunks", "selective_modules": ("core_attn", "moe"),
+DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "merged", "selective_modules": ("core_attn", "moe"),
                    "zero2_grad_reduce": "microbatch", "dsa_kernels": "current"}
 
 
@@ -189,7 +189,8 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         parts["attention_core"] = core
     notes.append(note) if note else None
     if cp > 1:
-        table = "cp.mask_over_ideal" if variant["cp_attention"] == "mask" else "cp.chunks_over_ideal"
+        table = {"mask": "cp.mask_over_ideal", "chunks": "cp.chunks_over_ideal"}.get(variant["cp_attention"],
+                                                                                   "cp.merged_over_ideal")
         factor, n3 = calib.lookup(table, "value", S, cp=cp)
         parts["attention_core"] *= factor
         notes.append(n3) if n3 else None
@@ -326,8 +327,8 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     """Seconds of one optimizer step of `work` under `layout` on `cluster` (module docstring), by component.
 
     `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
-    ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("chunks", or "mask": the explicit
-    CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective"; default
+    ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("merged": model.cp_attention's default;
+    "chunks": its bottom_right; "mask": the explicit CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective"; default
     core_attn + moe as Layout.overrides emits), zero2_grad_reduce ("microbatch" | "step"), dsa_kernels.
     """
     v = dict(DEFAULT_VARIANT, **(variant or {}))
