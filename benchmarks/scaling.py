@@ -40,14 +40,18 @@ CP runs keep DP <= 2 and ZeRO-2 off, so no parameter gather counts), over the pr
 compare it with the tokens/s to see how much of it is hidden. The mock data's documents (megatron's mock
 dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
 Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date) after every run, so runs split over several
-calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes.
+calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes. `--breakdown` profiles every run's last two
+steps, the 1-GPU baselines too, and writes OUT_DIR/<run>.breakdown.md (`pretrain.tools.step_breakdown`: the step by
+model part, with its largest kernels), so a ratio below 1 comes with where the time went.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gzip
+import io
 import json
 import os
 import shlex
@@ -181,7 +185,7 @@ def torchrun_command(run: Run, args, port: int) -> List[str]:
     common = [f"train.train_iters={args.iters}", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
               "logging.log_interval=1", "checkpoint.save=null", f"logging.run_dir={args.out}/{run.name}",
               f"data.data_cache_path={args.out}/data_cache"]
-    if run.profile:  # the last two steps, on rank 0: the collective's share
+    if run.profile or getattr(args, "breakdown", False):  # the last two steps, on rank 0: the collective's share
         common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
     return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
              "--config", args.config] + common + run.overrides + args.extra)
@@ -219,11 +223,11 @@ def collective_share(run_dir: Path, kind: str) -> Optional[float]:
     return comm / step if step else None
 
 
-def summarize(run: Run, run_dir: Path, iters: int) -> dict:
+def summarize(run: Run, run_dir: Path, iters: int, profiled: bool = False) -> dict:
     """Medians over steps 3 .. iters (the two profiled last steps left out) of rank 0's metrics.jsonl."""
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    last = iters - 2 if run.profile else iters
+    last = iters - 2 if run.profile or profiled else iters
     rows = [r for r in rows if "tokens_per_sec" in r and 3 <= r.get("step", 0) <= last] or rows[-1:]
     mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
     return {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "steps": len(rows),
@@ -233,6 +237,19 @@ def summarize(run: Run, run_dir: Path, iters: int) -> dict:
             "comm": run.profile or None,
             "comm_share": collective_share(run_dir, run.profile) if run.profile else None,
             "overrides": run.overrides}
+
+
+def write_breakdown(run_dir: Path, path: Path) -> None:
+    """`python -m pretrain.tools.step_breakdown` of rank 0's profiled steps (where the step's time goes, by part,
+    with the largest kernels) into `path`, next to the tables: small enough to keep when the trace is not."""
+    from pretrain.tools import step_breakdown
+
+    traces = sorted((run_dir / "profile").glob("trace_rank0_*.json"))
+    if not traces:
+        path.write_text(f"no rank-0 trace under {run_dir / 'profile'}\n")
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        step_breakdown.main([str(traces[-1]), "--steps", "2", "--out", str(path), "--kernels", "12"])
 
 
 def gpu_name() -> str:
@@ -283,6 +300,9 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch", type=int, help="micro-batch size of the 4K runs (default: the config's)")
     parser.add_argument("--run-timeout", type=int, default=300, help="seconds before a run is stopped")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile every run's last two steps (baselines too) and write OUT/<run>.breakdown.md: "
+                             "where each step's time goes, by model part (pretrain.tools.step_breakdown)")
     parser.add_argument("extra", nargs="*", help="overrides added to every run (section.key=value)")
     args = parser.parse_args(argv)
     if args.gpus is None:
@@ -339,7 +359,9 @@ def main(argv=None) -> int:
                                       cwd=ROOT)
             if proc.returncode:
                 raise RuntimeError(f"exit {proc.returncode}, see {log.name}")
-            row = summarize(run, out / run.name, args.iters)
+            row = summarize(run, out / run.name, args.iters, profiled=args.breakdown)
+            if args.breakdown:
+                write_breakdown(out / run.name, out / f"{run.name}.breakdown.md")
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as err:
             row = {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "error": str(err).splitlines()[0]}
         row["wall_s"] = round(time.time() - started, 1)

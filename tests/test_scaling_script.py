@@ -99,3 +99,25 @@ def test_table_ratios_and_all_to_all_share(tmp_path):
     text = scaling.write_tables(tmp_path, [again], dict(meta, command="second"))
     assert "| ep | 2 | 900 | - |" in text and "| gpu1 | 1 | 500 | 1.00 |" in text
     assert len(json.loads((tmp_path / "scaling.json").read_text())["calls"]) == 2
+
+
+def test_breakdown_profiles_the_baselines_too(capsys, tmp_path):
+    plain = dry_run(capsys, "--only", "ep")
+    assert "logging.profile_step_start" not in [l for l in plain.splitlines() if l.startswith("[gpu1]")][0]
+    out = dry_run(capsys, "--only", "ep", "--breakdown")
+    assert "logging.profile_step_start=7" in [l for l in out.splitlines() if l.startswith("[gpu1]")][0]
+    fake_run(tmp_path, "gpu1", 1000.0)  # a profiled baseline: its last two steps are left out of the medians
+    row = scaling.summarize(scaling.plan_runs(2, 4, [])["gpu1"], tmp_path / "gpu1", 8, profiled=True)
+    assert row["mem_peak_gb"] == 16.0
+    scaling.write_breakdown(tmp_path / "gpu1", tmp_path / "gpu1.breakdown.md")  # no trace: says so
+    assert "no rank-0 trace" in (tmp_path / "gpu1.breakdown.md").read_text()
+
+
+def test_breakdown_table_from_a_trace(tmp_path):
+    from tests.test_step_breakdown import _synthetic_trace
+
+    (tmp_path / "r" / "profile").mkdir(parents=True)
+    (tmp_path / "r" / "profile" / "trace_rank0_steps7-8.json").write_text(json.dumps(_synthetic_trace()))
+    scaling.write_breakdown(tmp_path / "r", tmp_path / "r.breakdown.md")
+    text = (tmp_path / "r.breakdown.md").read_text()
+    assert "mla_proj" in text and "sm90_gemm_bwd" in text  # the part table and the largest kernels
