@@ -22,6 +22,8 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
     cp2_32k_merged         cp2_32k with model.cp_attention=merged (block + causal square, lse-merged: the default)
+    cp2_32k_zero2          cp2_32k_merged with ZeRO-2, which shards the optimizer over DP x CP: each CP rank
+                           updates half the weights (one GPU's Muon step is not split by CP otherwise)
     gpu1_32k_docs, cp2_32k_docs, cp2_32k_docs_work
                            packed documents isolated (data.reset_attention_mask, own positions); the last with
                            chunks assigned by work (parallel.cp_chunk_assignment=work); merged attention in all
@@ -36,7 +38,7 @@ that fails is reported and the others go on. Reported per run, from rank 0's met
 3 .. iters; the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its
 ratio to the baseline, MFU, peak memory (rank 0), and the share of the step in the layout's collective: for EP
 runs NCCL all-to-all kernel time, for CP runs NCCL all-gather kernel time (the latent and DSA key gathers; the
-CP runs keep DP <= 2 and ZeRO-2 off, so no parameter gather counts), over the profiled steps, overlapped or not:
+CP runs but cp2_32k_zero2 keep ZeRO-2 off, so no parameter gather counts), over the profiled steps, overlapped or not:
 compare it with the tokens/s to see how much of it is hidden. The mock data's documents (megatron's mock
 dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
 Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date) after every run, so runs split over several
@@ -75,7 +77,7 @@ GROUPS = {
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
     "pp": ["pp2"],
     "tp": ["tp2"],
-    "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
+    "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
            "gpu1_32k_dsa", "cp2_32k_dsa"],
     "cp_long": ["gpu1_128k", "cp2_128k", "gpu1_128k_docs", "cp2_128k_docs", "cp2_128k_docs_work", "cp4_128k",
                 "cp4_128k_docs_work"],
@@ -131,6 +133,7 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
         Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),
         Run("cp2_32k_merged", n, 2, half, "gpu1_32k", LONG + cp2 + BALANCED_CP[:1], "allgather"),
+        Run("cp2_32k_zero2", n, 2, half, "gpu1_32k", LONG + cp2 + BALANCED_CP[:1] + ZERO2, "allgather"),
         Run("gpu1_32k_docs", 1, 2, 1, "gpu1_32k_docs", LONG + DOCS),
         Run("cp2_32k_docs", n, 2, half, "gpu1_32k_docs", LONG + DOCS + cp2, "allgather"),
         Run("cp2_32k_docs_work", n, 2, half, "gpu1_32k_docs", LONG + DOCS + cp2 + BALANCED_CP, "allgather"),
