@@ -91,34 +91,78 @@ def test_nan_steps_are_skipped_then_stop(stdlib_data, tmp_path):
     assert result["stopped"] and "3 consecutive steps" in result["stopped"] and result["iteration"] == 5
 
 
-@pytest.mark.parametrize(
-    "overrides, env, message",
-    [
-        (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], {"WORLD_SIZE": "3"},
-         "parallel.tensor_model_parallel_size"),
-        (["train.global_batch_size=12"], {"WORLD_SIZE": "2"}, "train.global_batch_size"),
-        (["data.mock=false", "data.data_path=[/nonexistent/prefix]", "data.tokenizer=/nonexistent/tokenizer.json"], {},
-         "data.tokenizer"),
-        (["data.seq_length=8192"], {}, "data.seq_length"),
-        (["model.bf16=true", "model.params_dtype=bfloat16"], {}, "model.bf16"),
-        (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint.load"),
-        (["model.num_layer=3"], {}, "model.num_layers"),
-    ],
-)
-def test_bad_launch_fails_before_any_process_group(overrides, env, message, tmp_path):
-    if "model.bf16" in message:
-        import torch
+BAD_LAUNCHES = {  # overrides, environment, the key the one-line error names
+    "tp_world": (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], {"WORLD_SIZE": "3"},
+                 "parallel.tensor_model_parallel_size"),
+    "batch": (["train.global_batch_size=12"], {"WORLD_SIZE": "2"}, "train.global_batch_size"),
+    "tokenizer": (["data.mock=false", "data.data_path=[/nonexistent/prefix]", "data.tokenizer=/nonexistent/tokenizer.json"],
+                  {}, "data.tokenizer"),
+    "seq_length": (["data.seq_length=8192"], {}, "data.seq_length"),
+    "bf16": (["model.bf16=true", "model.params_dtype=bfloat16"], {}, "model.bf16"),
+    "load": (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint.load"),
+}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-        if torch.cuda.is_available():
-            pytest.skip("bf16 is allowed on a GPU")
+
+def _bad_launches(rank, world_size, cases, run_dir):
+    """`pretrain.train.main` on each bad launch in turn, in one fresh process (torch and megatron-core imported once
+    by the fork server instead of ~9 s per launch): the environment is the caller's plus the case's, without the
+    torchrun variables a rank gets. Returns each launch's exit code, what it printed to stderr, and whether a
+    process group existed afterwards."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from pretrain.train import main
+
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    results = {}
+    for name, (overrides, env) in cases.items():
+        os.environ.clear()
+        os.environ.update({**base, **env})
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["--config", str(ROOT / "configs/models/glm5-tiny.yaml"), f"logging.run_dir={run_dir}/{name}",
+                         *overrides])
+        results[name] = {"code": code, "stderr": err.getvalue(), "process_group": dist.is_initialized()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def bad_launches(tmp_path_factory):
+    import torch
+
+    cases = {name: case[:2] for name, case in BAD_LAUNCHES.items()}
+    if torch.cuda.is_available():
+        del cases["bf16"]  # bf16 is allowed on a GPU
+    run_dir = tmp_path_factory.mktemp("bad_launches")
+    return run_dir, run_ranks(_bad_launches, 1, cases, str(run_dir))[0]
+
+
+@pytest.mark.parametrize("case", list(BAD_LAUNCHES))
+def test_bad_launch_fails_before_any_process_group(bad_launches, case):
+    run_dir, results = bad_launches
+    if case not in results:
+        pytest.skip("bf16 is allowed on a GPU")
+    got, message = results[case], BAD_LAUNCHES[case][2]
+    assert got["code"] == 2, got["stderr"][-2000:]
+    assert message in got["stderr"]
+    assert "Traceback" not in got["stderr"]
+    assert not got["process_group"]
+    assert not (run_dir / case / "metrics.jsonl").exists()
+
+
+def test_bad_launch_command_line_exits_2_with_one_line(tmp_path):
+    """The command line itself (a misspelt key fails before torch is imported, so this process is cheap)."""
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml",
-         f"logging.run_dir={tmp_path}", *overrides],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True, timeout=120,
+         f"logging.run_dir={tmp_path}", "model.num_layer=3"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "model.num_layers" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
