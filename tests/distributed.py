@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "rank_start_method", "run_ranks", "to_cpu"]
+__all__ = ["RankError", "free_port", "rank_start_method", "run_ranks", "run_ranks_eager", "to_cpu"]
 
 _POLL_S = 0.05
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
@@ -232,6 +232,14 @@ def run_ranks(
         if errors:
             raise RankError(f"run_ranks({fn.__qualname__}, world_size={world_size}) failed:\n{errors}")
         return [_read(path)["result"] for path in paths]
+
+
+def run_ranks_eager(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> List[Any]:
+    """`run_ranks` with megatron's jit_fuser functions eager in every rank (TORCH_COMPILE_DISABLE=1): for
+    comparisons whose sides all run in ranks (the same code either way), without the ~3 s of torch.compile
+    each rank process would spend."""
+    env = {"TORCH_COMPILE_DISABLE": "1", **(kwargs.pop("env", None) or {})}
+    return run_ranks(fn, world_size, *args, env=env, **kwargs)
 
 
 def _errors(procs: List[mp.Process], paths: List[Path], skip: List[int] = ()) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import RankError, run_ranks
+from tests.distributed import RankError, run_ranks_eager as run_ranks  # every comparison's sides run in ranks
 from tests.test_training import ROOT, read_metrics, tiny_overrides
 
 ITERS = 6

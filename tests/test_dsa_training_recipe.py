@@ -22,7 +22,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.distributed import free_port, run_ranks
+from tests.distributed import free_port, run_ranks_eager as run_ranks  # every comparison's sides run in ranks
 from tests.dsa_helpers import (
     ROOT,
     TINY,

@@ -15,14 +15,8 @@ import math
 import pytest
 import torch
 
-from tests.distributed import run_ranks as _run_ranks
+from tests.distributed import run_ranks_eager as run_ranks  # every comparison's sides run in ranks
 from tests.test_training import ROOT, read_metrics, tiny_overrides
-
-
-def run_ranks(fn, world_size, *args, **kwargs):
-    """tests.distributed.run_ranks with megatron's jit_fuser functions eager in every rank (TORCH_COMPILE_DISABLE):
-    the same code on both sides of every comparison, without ~3 s of torch.compile per rank process."""
-    return _run_ranks(fn, world_size, *args, env={"TORCH_COMPILE_DISABLE": "1"}, **kwargs)
 
 TINY = str(ROOT / "configs/models/glm5-tiny.yaml")
 MUON = ["optimizer.optimizer=muon", "optimizer.lr=0.01", "optimizer.muon_ns_dtype=float32"]

@@ -11,6 +11,9 @@ import pytest
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+# megatron's jit_fuser functions eager in the ranks of the comparisons below (both sides run the same code, without
+# ~3 s of torch.compile per rank process); test_loss_falls_on_stdlib_code trains as users run it, compiled.
+RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def tiny_overrides(data: Path, run_dir: Path, *extra: str):
@@ -81,13 +84,13 @@ def _train_with_nan(rank, world_size, overrides, poison_steps):
 
 def test_nan_steps_are_skipped_then_stop(stdlib_data, tmp_path):
     result = run_ranks(_train_with_nan, 1, tiny_overrides(stdlib_data, tmp_path / "a", "train.train_iters=6",
-                                                           "train.eval_interval=null"), {2, 4})[0]
+                                                           "train.eval_interval=null"), {2, 4}, env=RANK_ENV)[0]
     assert result["stopped"] is None and result["finite"] and result["changed"]
     rows = read_metrics(tmp_path / "a")
     assert [r["skipped"] for r in rows] == [False, True, False, True, False, False]
     result = run_ranks(_train_with_nan, 1, tiny_overrides(stdlib_data, tmp_path / "b", "train.train_iters=10",
                                                            "train.eval_interval=null", "train.max_consecutive_nan_steps=3"),
-                       {3, 4, 5, 6})[0]
+                       {3, 4, 5, 6}, env=RANK_ENV)[0]
     assert result["stopped"] and "3 consecutive steps" in result["stopped"] and result["iteration"] == 5
 
 
@@ -186,10 +189,12 @@ def test_pipeline_parallel_matches_single_stage(stdlib_data, tmp_path, extra):
     compared in test_pipeline_equivalence.py."""
     init = tmp_path / "init"
     base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2", *extra]
-    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "init_run", *base, f"checkpoint.save={init}"))
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "init_run", *base, f"checkpoint.save={init}"),
+              env=RANK_ENV)
     start = [*base, f"checkpoint.load={init}"]
-    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "pp1", *start))
-    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "pp2", *start, "parallel.pipeline_model_parallel_size=2"))
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "pp1", *start), env=RANK_ENV)
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "pp2", *start, "parallel.pipeline_model_parallel_size=2"),
+              env=RANK_ENV)
     a, b = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
@@ -212,19 +217,19 @@ def _resumed_iteration(rank, world_size, overrides):
 def test_restart_prefers_its_own_checkpoints_over_the_starting_one(stdlib_data, tmp_path):
     init, own = tmp_path / "init", tmp_path / "own"
     base = ["train.train_iters=4", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
-    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "r0", *base, f"checkpoint.save={init}"))
+    run_ranks(_save_initial, 1, tiny_overrides(stdlib_data, tmp_path / "r0", *base, f"checkpoint.save={init}"), env=RANK_ENV)
     run_args = [*base, f"checkpoint.load={init}", f"checkpoint.save={own}", "checkpoint.save_interval=2"]
-    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "r1", *run_args))
-    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r2", *run_args))[0] == 4
+    run_ranks(_train, 1, tiny_overrides(stdlib_data, tmp_path / "r1", *run_args), env=RANK_ENV)
+    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r2", *run_args), env=RANK_ENV)[0] == 4
     no_auto = [*run_args, "checkpoint.auto_resume=false"]
-    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r3", *no_auto))[0] == 0
+    assert run_ranks(_resumed_iteration, 1, tiny_overrides(stdlib_data, tmp_path / "r3", *no_auto), env=RANK_ENV)[0] == 0
 
 
 def test_overlapped_gradient_reduction_matches_plain(stdlib_data, tmp_path):
     """DP=2 with megatron's bucketed all-reduce overlapped with backward gives the same losses."""
     base = ["train.train_iters=3", "train.eval_interval=null", "optimizer.lr_warmup_iters=2"]
-    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "a", *base, "parallel.overlap_grad_reduce=true"))
-    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "b", *base, "parallel.overlap_grad_reduce=false"))
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "a", *base, "parallel.overlap_grad_reduce=true"), env=RANK_ENV)
+    run_ranks(_train, 2, tiny_overrides(stdlib_data, tmp_path / "b", *base, "parallel.overlap_grad_reduce=false"), env=RANK_ENV)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert len(a) == 3
     for x, y in zip(a, b):
