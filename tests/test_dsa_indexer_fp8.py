@@ -60,9 +60,10 @@ def test_fp8_scores_are_the_scores_of_the_dequantized_rows():
 
 
 @pytest.mark.parametrize("causal_prefix", [0, 4])
-def test_fp8_score_kernel_and_selection(ktop, causal_prefix):
-    """The score kernel on e4m3 q_I / k_I with the key scales against float64; the whole FP8 top-k against a naive
-    sort of its own scores (exact) and against the reference path's FP8 selection."""
+def test_fp8_score_kernel_and_selection(kern, ktop, causal_prefix):
+    """The score kernel on e4m3 q_I / k_I with the key scales against float64; the selection of its scores, and the
+    whole FP8 top-k (rows in three buffer blocks), against a naive sort of its own scores (exact) and against the
+    reference path's FP8 selection."""
     gen = torch.Generator().manual_seed(2 + causal_prefix)
     b, s, h, d = 2, 37, 3, 32
     t = s + causal_prefix
@@ -77,10 +78,15 @@ def test_fp8_score_kernel_and_selection(ktop, causal_prefix):
     want = index_scores(q8.double(), k8.double(), w8.double(), vis, k_scale=sk.double())
     assert rel(buf[vis], want[vis]) < 1e-6
     scores = buf.masked_fill(~vis, NEG_INF)
-    for topk in (1, 6, 40):
-        got = ktop.indexer_topk(q8, k8, w8, topk, lo, hi, buffer_bytes=4 * t * b * 16, block_n=16, k_scale=sk)
+    for topk in (1, 6):
+        got = torch.full((b, s, topk), -7, dtype=torch.int32)
+        kern["radix_select"].select_rows(buf, lo, hi, 0, s, topk, got)
         assert torch.equal(got.long(), ref_topk(scores, topk)), topk
         assert torch.equal(got.long(), indexer_topk(q8, k8, w8, topk, keys, 5, k_scale=sk))
+    topk = 40  # the whole kernel once: more keys than most rows see
+    got = ktop.indexer_topk(q8, k8, w8, topk, lo, hi, buffer_bytes=4 * t * b * 16, block_n=16, k_scale=sk)
+    assert torch.equal(got.long(), ref_topk(scores, topk)), topk
+    assert torch.equal(got.long(), indexer_topk(q8, k8, w8, topk, keys, 5, k_scale=sk))
 
 
 def test_backends_select_in_fp8_alike_and_differ_from_bf16(ktop):

@@ -185,7 +185,7 @@ def test_radix_select_compaction_both_ways(kern, prefetch):
     candidate list), each loaded one iteration ahead or not."""
     ksel = kern["radix_select"]
     gen = torch.Generator().manual_seed(11)
-    n, t, topk = 24, 300, 20
+    n, t, topk = 12, 300, 20  # 4 rows of each kind below
     rows = torch.randn(n, t, generator=gen)
     rows[::3] = rows[::3].round()  # coarse values: wide ties at the boundary, buckets beyond the capacity
     rows[1::3] = rows[1::3] * 1e-3 + 7.0  # one exponent: the first two digits leave a wide bucket
@@ -219,7 +219,7 @@ def test_radix_select_sampled_threshold(kern, prefetch):
     # n / 128 = 2 keys per chunk here
     tuning = SelectTuning(prefetch=prefetch, block=64, sample_chunks=8, sample_chunk=16, sample_min_chunk=2)
     gen = torch.Generator().manual_seed(12)
-    n_rows, t, topk = 30, 300, 20
+    n_rows, t, topk = 15, 300, 20  # 3 rows of each kind below
     rows = torch.randn(n_rows, t, generator=gen)
     rows[::5] = rows[::5].round()  # wide ties: more candidates than the capacity
     rows[1::5] = torch.linspace(-1, 1, t)  # ascending: the chunks' last keys decide
