@@ -14,7 +14,7 @@ from tests.test_training import ROOT
 from tests.test_training_launch import ENV, losses, overrides, wait_for_step
 
 TRAIN_SH = ["bash", "launch/train.sh", "--config", "configs/models/glm5-tiny.yaml"]
-ITERS = 8
+ITERS = 6
 
 
 def _launch(args, **popen):
