@@ -5,40 +5,59 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from tests.distributed import run_command_lines
 from tests.test_training import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _train(tmp_path, *overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml",
-         f"logging.run_dir={tmp_path}", "model.vocab_size=1024", "data.mock=false", *overrides],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
-    )
+def _train_argv(run_dir, *overrides):
+    return ["--config", "configs/models/glm5-tiny.yaml", f"logging.run_dir={run_dir}", "model.vocab_size=1024",
+            "data.mock=false", *overrides]
 
 
-def _one_line_before_any_work(proc, tmp_path, *needles):
-    assert proc.returncode == 2, proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def refused(stdlib_data, tmp_path_factory):
+    """The refused command lines of the tests below, in one process (`tests.distributed.run_command_lines`: torch and
+    megatron-core imported once, not ~9 s per command line); the plan validation's own command line runs as a real
+    process in test_plan_validation_checks_the_data_files."""
+    root = tmp_path_factory.mktemp("preflight")
+    prefix, tokenizer = stdlib_data / "json", f"data.tokenizer={stdlib_data / 'tokenizer.json'}"
+    calls = {
+        "min_length": ("pretrain.train", _train_argv(root / "min_length", f"data.data_path=[{prefix}]", tokenizer,
+                                                     "data.min_document_length=[1000000]"), {}),
+        "missing": ("pretrain.train", _train_argv(root / "missing", f"data.data_path=[{root / 'nowhere'}]", tokenizer),
+                    {}),
+        "plan_short": ("pretrain.curriculum", ["--validate-only", "--plan", "configs/curriculum/tiny.yaml",
+                                               f"data.data_path=[{prefix}]", tokenizer, "data.mock=false",
+                                               "model.vocab_size=1024", "data.min_document_length=[1000000]",
+                                               f"run_dir={root / 'plan'}"], {}),
+    }
+    return root, run_command_lines(calls, cwd=str(ROOT))
+
+
+def _one_line_before_any_work(got, run_dir, *needles):
+    assert got["code"] == 2, got["stderr"][-3000:]
     # the framework's INFO notices (logging) may precede it; the error itself is one line
-    lines = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]
-    assert len(lines) == 1 and lines[0].startswith("config error: "), proc.stderr[-3000:]
+    lines = [line for line in got["stderr"].strip().splitlines() if " INFO " not in line]
+    assert len(lines) == 1 and lines[0].startswith("config error: "), got["stderr"][-3000:]
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
-    assert "[rank0]" not in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert "Traceback" not in got["stderr"] and not got["process_group"]
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_min_document_length_without_documents_fails_before_the_model(stdlib_data, tmp_path):
-    prefix = stdlib_data / "json"
-    proc = _train(tmp_path, f"data.data_path=[{prefix}]", f"data.tokenizer={stdlib_data / 'tokenizer.json'}",
-                  "data.min_document_length=[1000000]")
-    _one_line_before_any_work(proc, tmp_path, "data.min_document_length", str(prefix), ">= 1000000 tokens")
+def test_min_document_length_without_documents_fails_before_the_model(stdlib_data, refused):
+    root, results = refused
+    _one_line_before_any_work(results["min_length"], root / "min_length", "data.min_document_length",
+                              str(stdlib_data / "json"), ">= 1000000 tokens")
 
 
-def test_missing_prefix_fails_naming_it(stdlib_data, tmp_path):
-    proc = _train(tmp_path, f"data.data_path=[{tmp_path / 'nowhere'}]", f"data.tokenizer={stdlib_data / 'tokenizer.json'}")
-    _one_line_before_any_work(proc, tmp_path, "data.data_path", str(tmp_path / "nowhere"))
+def test_missing_prefix_fails_naming_it(refused):
+    root, results = refused
+    _one_line_before_any_work(results["missing"], root / "missing", "data.data_path", str(root / "nowhere"))
 
 
 def _validate(*args):
@@ -59,9 +78,8 @@ def test_plan_validation_checks_the_data_files():
     assert skipped.stdout.count("data not checked (--skip-data-check)") == 1
 
 
-def test_plan_validation_names_the_stage_whose_data_is_short(stdlib_data, tmp_path):
-    data = [f"data.data_path=[{stdlib_data / 'json'}]", f"data.tokenizer={stdlib_data / 'tokenizer.json'}",
-            "data.mock=false", "model.vocab_size=1024", "data.min_document_length=[1000000]", f"run_dir={tmp_path}"]
-    proc = _validate("--plan", "configs/curriculum/tiny.yaml", *data)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
-    assert "stage ctx256" in proc.stderr and "data.min_document_length" in proc.stderr
+def test_plan_validation_names_the_stage_whose_data_is_short(refused):
+    got = refused[1]["plan_short"]
+    assert got["code"] == 2 and got["stderr"].count("\n") == 1, got["stderr"][-2000:]
+    assert "stage ctx256" in got["stderr"] and "data.min_document_length" in got["stderr"]
+    assert not got["process_group"]

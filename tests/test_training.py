@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import run_command_lines, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 # megatron's jit_fuser functions eager in the ranks of the comparisons below (both sides run the same code, without
@@ -104,43 +104,20 @@ BAD_LAUNCHES = {  # overrides, environment, the key the one-line error names
     "bf16": (["model.bf16=true", "model.params_dtype=bfloat16"], {}, "model.bf16"),
     "load": (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint.load"),
 }
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _bad_launches(rank, world_size, cases, run_dir):
-    """`pretrain.train.main` on each bad launch in turn, in one fresh process (torch and megatron-core imported once
-    by the fork server instead of ~9 s per launch): the environment is the caller's plus the case's, without the
-    torchrun variables a rank gets. Returns each launch's exit code, what it printed to stderr, and whether a
-    process group existed afterwards."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from pretrain.train import main
-
-    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    results = {}
-    for name, (overrides, env) in cases.items():
-        os.environ.clear()
-        os.environ.update({**base, **env})
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = main(["--config", str(ROOT / "configs/models/glm5-tiny.yaml"), f"logging.run_dir={run_dir}/{name}",
-                         *overrides])
-        results[name] = {"code": code, "stderr": err.getvalue(), "process_group": dist.is_initialized()}
-    return results
 
 
 @pytest.fixture(scope="module")
 def bad_launches(tmp_path_factory):
     import torch
 
-    cases = {name: case[:2] for name, case in BAD_LAUNCHES.items()}
-    if torch.cuda.is_available():
-        del cases["bf16"]  # bf16 is allowed on a GPU
     run_dir = tmp_path_factory.mktemp("bad_launches")
-    return run_dir, run_ranks(_bad_launches, 1, cases, str(run_dir))[0]
+    calls = {name: ("pretrain.train", ["--config", "configs/models/glm5-tiny.yaml", f"logging.run_dir={run_dir / name}",
+                                       *overrides], env)
+             for name, (overrides, env, _) in BAD_LAUNCHES.items()}
+    if torch.cuda.is_available():
+        del calls["bf16"]  # bf16 is allowed on a GPU
+    # one process for all (torch and megatron-core imported once, not ~9 s per launch)
+    return run_dir, run_command_lines(calls, cwd=str(ROOT))
 
 
 @pytest.mark.parametrize("case", list(BAD_LAUNCHES))
