@@ -34,12 +34,55 @@ def stage_metrics(run_dir: Path, stage: str):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _start(run_dir: Path, log: Path):
+    with open(log, "w") as out:  # the child holds its own copy of the file
+        return subprocess.Popen(run_plan_cmd(run_dir), cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+
+def _finish(proc, log: Path) -> str:
+    proc.wait(timeout=900)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("curriculum") / "uninterrupted"
-    done = subprocess.run(run_plan_cmd(run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir, done.stdout
+def plan_runs(tmp_path_factory):
+    """The tiny plan uninterrupted, and beside it (each plan is one single-threaded process: two share the 2 cores)
+    the same plan killed (kill -9) at stage 2's first checkpoint, then restarted."""
+    root = tmp_path_factory.mktemp("curriculum")
+    reference, run_dir = root / "uninterrupted", root / "interrupted"
+    procs = [_start(reference, root / "uninterrupted.log")]
+    try:
+        procs.append(_start(run_dir, root / "interrupted.log"))
+        latest = run_dir / "ctx512" / "checkpoints" / "latest"
+        try:
+            deadline = time.time() + 600
+            while not latest.exists():  # stage 2's first checkpoint (step 2 of 6)
+                assert procs[1].poll() is None, f"the plan exited ({procs[1].returncode}) before stage 2 saved a checkpoint"
+                assert time.time() < deadline, "stage 2 saved no checkpoint in time"
+                time.sleep(0.02)
+        finally:
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            procs[1].wait()
+        killed = {"stage1_complete": (run_dir / "ctx256" / "stage_complete.json").exists(),
+                  "stage2_complete": (run_dir / "ctx512" / "stage_complete.json").exists(),
+                  "saved": json.loads(latest.read_text())["iteration"]}
+        procs[1] = _start(run_dir, root / "resumed.log")
+        resumed = _finish(procs[1], root / "resumed.log")
+        out = _finish(procs[0], root / "uninterrupted.log")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"reference": reference, "out": out, "run_dir": run_dir, "killed": killed, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(plan_runs):
+    return plan_runs["reference"], plan_runs["out"]
 
 
 def test_tiny_plan_runs_every_stage_from_the_previous_one(uninterrupted):
@@ -109,29 +152,13 @@ def test_carried_optimizer_state_is_the_previous_stages_last(uninterrupted, tmp_
     assert any(started[k].abs().sum() > 0 for k in moments)
 
 
-def test_killed_in_stage_2_restarts_and_matches_the_uninterrupted_losses(uninterrupted, tmp_path):
-    reference, _ = uninterrupted
-    run_dir = tmp_path / "interrupted"
-    proc = subprocess.Popen(run_plan_cmd(run_dir), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    latest = run_dir / "ctx512" / "checkpoints" / "latest"
-    try:
-        deadline = time.time() + 600
-        while not latest.exists():  # stage 2's first checkpoint (step 2 of 6)
-            assert proc.poll() is None, f"the plan exited ({proc.returncode}) before stage 2 saved a checkpoint"
-            assert time.time() < deadline, "stage 2 saved no checkpoint in time"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert (run_dir / "ctx256" / "stage_complete.json").exists()
-    assert not (run_dir / "ctx512" / "stage_complete.json").exists(), "stage 2 finished before the kill"
-    saved = json.loads(latest.read_text())["iteration"]
-
-    resumed = subprocess.run(run_plan_cmd(run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "stage 1/5 ctx256 (seq 256, 4 steps): finished earlier, skipped" in resumed.stdout
-    assert f"stage 2/5 ctx512 (seq 512, 6 steps): resuming its checkpoint at step {saved}" in resumed.stdout
+def test_killed_in_stage_2_restarts_and_matches_the_uninterrupted_losses(plan_runs):
+    reference, run_dir, killed = plan_runs["reference"], plan_runs["run_dir"], plan_runs["killed"]
+    assert killed["stage1_complete"]
+    assert not killed["stage2_complete"], "stage 2 finished before the kill"
+    saved, resumed = killed["saved"], plan_runs["resumed"]
+    assert "stage 1/5 ctx256 (seq 256, 4 steps): finished earlier, skipped" in resumed
+    assert f"stage 2/5 ctx512 (seq 512, 6 steps): resuming its checkpoint at step {saved}" in resumed
     for stage in STAGES:
         got, want = stage_metrics(run_dir, stage), stage_metrics(reference, stage)
         assert [r["step"] for r in got] == [r["step"] for r in want]
