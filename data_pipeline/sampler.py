@@ -28,8 +28,10 @@ same `consumed_samples` in different data is a different sample.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours, so ours runs first)
 import os
+import signal
 import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
@@ -109,25 +111,7 @@ class DataIterator:
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self._batches is None:
-            sampler = PretrainingSampler(
-                len(self.dataset), self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size
-            )
-            loader = torch.utils.data.DataLoader(
-                self.dataset,
-                batch_sampler=sampler,
-                num_workers=self.num_workers,
-                prefetch_factor=self.prefetch_factor if self.num_workers else None,
-                collate_fn=collate_batch,
-                worker_init_fn=ignore_stop_signals if self.num_workers else None,
-                pin_memory=torch.cuda.is_available(),
-                persistent_workers=False,
-                # The loader draws its base seed from this generator, not the global RNG, so starting
-                # an iterator (e.g. after a resume) leaves the training RNG stream untouched.
-                generator=torch.Generator().manual_seed(0),
-            )
-            self._batches = iter(loader)
-            if self.num_workers:
-                _OPEN_LOADERS.add(self._batches)
+            self._start_loader()
         start = time.perf_counter()
         try:
             batch = next(self._batches)
@@ -135,6 +119,29 @@ class DataIterator:
             self.wait_seconds += time.perf_counter() - start
         self.consumed_samples += self.micro_batch_size * self.dp_size
         return batch
+
+    def _start_loader(self) -> None:
+        """Start the loader (its worker processes, if any) at `consumed_samples`."""
+        sampler = PretrainingSampler(
+            len(self.dataset), self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
+        loader = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
+            collate_fn=collate_batch,
+            worker_init_fn=ignore_stop_signals if self.num_workers else None,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+            # The loader draws its base seed from this generator, not the global RNG, so starting
+            # an iterator (e.g. after a resume) leaves the training RNG stream untouched.
+            generator=torch.Generator().manual_seed(0),
+        )
+        with stop_signals_held():  # the workers fork here: they start with the stop signals held
+            self._batches = iter(loader)
+        if self.num_workers:
+            _OPEN_LOADERS.add(self._batches)
 
     def close(self) -> None:
         """Stop the loader's worker processes, if any (a later `next` starts new ones at the same position)."""
@@ -187,14 +194,29 @@ def _close_open_loaders() -> None:
 atexit.register(_close_open_loaders)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Hold (block) SIGTERM and SIGUSR1 in this thread while loader workers fork. A worker inherits the block, so a
+    preemption signal that reaches it before `ignore_stop_signals` runs waits instead of killing it (it is discarded
+    once ignored); this process receives any that arrived once the block is lifted, so none is lost."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def ignore_stop_signals(_worker_id: int) -> None:
     """A loader worker ignores SIGTERM and SIGUSR1: Slurm signals every process of a job step on preemption,
     and the trainer must still read batches until it has checkpointed. They stop through the loader's shutdown
-    (`DataIterator.close`, also run at interpreter exit), never by SIGTERM."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    (`DataIterator.close`, also run at interpreter exit), never by SIGTERM. The worker started with both held
+    (`stop_signals_held`); it lifts the hold once they are ignored."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def data_wait_metrics(iterators, step_time_s: float) -> Dict[str, float]:

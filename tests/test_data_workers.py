@@ -106,15 +106,22 @@ def test_workers_outlive_a_preemption_signal(train_ds):
     import os
     import signal
 
-    it = DataIterator(train_ds, MICRO, num_workers=2)
     stream = [next(DataIterator(train_ds, MICRO, consumed_samples=i * MICRO)) for i in range(6)]
+    it = DataIterator(train_ds, MICRO, num_workers=2)
+    it._start_loader()  # signalled the moment they are forked, before their worker_init_fn has run (a race the
+    for worker in it._batches._workers:  # full suite once lost: a worker killed by SIGUSR1 while starting)
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGUSR1)
     assert _equal(next(it), stream[0])
-    for worker in it._batches._workers:
+    for worker in it._batches._workers:  # and once they run
         os.kill(worker.pid, signal.SIGTERM)
         os.kill(worker.pid, signal.SIGUSR1)
     time.sleep(0.5)
-    for i in range(1, 6):
-        assert _equal(next(it), stream[i]), i
+    try:
+        for i in range(1, 6):
+            assert _equal(next(it), stream[i]), i
+    finally:
+        it.close()
 
 
 EXIT_SCRIPT = """
