@@ -188,7 +188,7 @@ def torchrun_command(run: Run, args, port: int) -> List[str]:
     common = [f"train.train_iters={args.iters}", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
               "logging.log_interval=1", "checkpoint.save=null", f"logging.run_dir={args.out}/{run.name}",
               f"data.data_cache_path={args.out}/data_cache"]
-    if run.profile or getattr(args, "breakdown", False):  # the last two steps, on rank 0: the collective's share
+    if run.profile or args.breakdown:  # the last two steps on rank 0: the collective's share, the breakdown
         common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
     return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
              "--config", args.config] + common + run.overrides + args.extra)

@@ -45,8 +45,13 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankError", "free_port", "rank_start_method", "run_command_lines", "run_ranks", "run_ranks_eager",
-           "to_cpu"]
+__all__ = ["EAGER_ENV", "RankError", "free_port", "rank_start_method", "run_command_lines", "run_ranks",
+           "run_ranks_eager", "to_cpu"]
+
+# A rank environment with megatron's jit_fuser functions (the experts' SwiGLU-with-probs, the expert-bias update)
+# eager: the same math without ~3-4 s of torch.compile per spawned process. For comparisons whose sides all run in
+# ranks (the same code either way); the compiled path is covered by the launch, golden and loss-falls tests.
+EAGER_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 _POLL_S = 0.05
 _GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
@@ -236,10 +241,8 @@ def run_ranks(
 
 
 def run_ranks_eager(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> List[Any]:
-    """`run_ranks` with megatron's jit_fuser functions eager in every rank (TORCH_COMPILE_DISABLE=1): for
-    comparisons whose sides all run in ranks (the same code either way), without the ~3 s of torch.compile
-    each rank process would spend."""
-    env = {"TORCH_COMPILE_DISABLE": "1", **(kwargs.pop("env", None) or {})}
+    """`run_ranks` in `EAGER_ENV` (plus any `env` given)."""
+    env = {**EAGER_ENV, **(kwargs.pop("env", None) or {})}
     return run_ranks(fn, world_size, *args, env=env, **kwargs)
 
 

@@ -13,15 +13,14 @@ from typing import Dict, List, Optional
 
 import torch
 
+from tests.distributed import EAGER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
 SEQ, BATCH, VOCAB = 16, 2, 512
 SEED = 1234
 TOL = 1e-5  # relative max-abs error: max|parallel - reference| / max|reference|
-# megatron's jit_fuser functions (the experts' SwiGLU-with-probs, the expert-bias update) run eagerly
-# in every rank: the same math without ~4 s of torch.compile per spawned process. Reference and
-# parallel ranks run the same code either way.
-RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+RANK_ENV = EAGER_ENV  # megatron's jit_fuser functions eager in every rank (tests/distributed.py)
 
 BASE_OVERRIDES = [
     f"model.vocab_size={VOCAB}",

@@ -19,13 +19,12 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import EAGER_ENV as RANK_ENV, run_ranks  # RANK_ENV: jit_fuser functions eager
 from tests.parallel_helpers import param_meta, rank_coords, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
 SEQ, MBS, VOCAB, MICROBATCHES = 32, 2, 512, 2
-RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}  # megatron's jit_fuser functions run eagerly: no compile time
 BASE = [
     f"model.vocab_size={VOCAB}",
     f"data.seq_length={SEQ}",

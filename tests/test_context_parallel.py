@@ -37,14 +37,13 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import EAGER_ENV as RANK_ENV, run_ranks  # RANK_ENV: jit_fuser functions eager
 from tests.parallel_helpers import global_param_names, param_meta, rank_coords, rel_err, shard_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "glm5-tiny.yaml"
 SEQ, BATCH, VOCAB, SEED = 32, 2, 512, 4321
 TOL = 1e-5
-RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 BASE = [
     f"model.vocab_size={VOCAB}", f"data.seq_length={SEQ}", "model.dsa_indexer_topk=8", "model.mtp_num_layers=0",
     "model.moe_token_dispatcher_type=allgather", "model.params_dtype=float32", "model.bf16=false",

@@ -26,7 +26,7 @@ import torch
 
 from pretrain.model.dsa.backend import ReferenceBackend, TritonBackend
 from pretrain.model.dsa.sparse_core import sparse_mla_core
-from tests.distributed import run_ranks
+from tests.distributed import EAGER_ENV, run_ranks
 
 TOL = 1e-6
 
@@ -219,7 +219,7 @@ def rank_saved_bytes(rank: int, world_size: int) -> Dict[str, List[dict]]:
 
 @pytest.fixture(scope="module")
 def saved_bytes():
-    (results,) = run_ranks(rank_saved_bytes, 1, env={"TORCH_COMPILE_DISABLE": "1"}, timeout=600)
+    (results,) = run_ranks(rank_saved_bytes, 1, env=EAGER_ENV, timeout=600)
     return results
 
 

@@ -114,10 +114,10 @@ def test_breakdown_profiles_the_baselines_too(capsys, tmp_path):
 
 
 def test_breakdown_table_from_a_trace(tmp_path):
-    from tests.test_step_breakdown import _synthetic_trace
+    from tests.test_step_breakdown import synthetic_trace
 
     (tmp_path / "r" / "profile").mkdir(parents=True)
-    (tmp_path / "r" / "profile" / "trace_rank0_steps7-8.json").write_text(json.dumps(_synthetic_trace()))
+    (tmp_path / "r" / "profile" / "trace_rank0_steps7-8.json").write_text(json.dumps(synthetic_trace()))
     scaling.write_breakdown(tmp_path / "r", tmp_path / "r.breakdown.md")
     text = (tmp_path / "r.breakdown.md").read_text()
     assert "mla_proj" in text and "sm90_gemm_bwd" in text  # the part table and the largest kernels

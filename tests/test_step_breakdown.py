@@ -49,7 +49,7 @@ def _launch(ts, corr, tid=1, with_corr=True):
     return _x("cudaLaunchKernel", ts, 2, tid=tid, cat="cuda_runtime", **({"correlation": corr} if with_corr else {}))
 
 
-def _synthetic_trace():
+def synthetic_trace():
     """Kineto's layout: host ops on threads 1 (forward) and 2 (autograd), kernels on streams 7 and 8."""
     mm = {"Input Dims": [[64, 32], [32, 16]], "Sequence number": 7, "Fwd thread id": 0}
     ev = [
@@ -93,7 +93,7 @@ def _synthetic_trace():
 
 
 def test_synthetic_gpu_trace_is_attributed_by_hand():
-    s = breakdown(Trace(_synthetic_trace()))
+    s = breakdown(Trace(synthetic_trace()))
     us = 1e-3
     p = s["parts"]
     assert s["device"] == "gpu" and s["wall_ms"] == pytest.approx(1000 * us)
@@ -120,7 +120,7 @@ def test_synthetic_gpu_trace_is_attributed_by_hand():
 def test_kernels_by_launching_operator_by_hand(tmp_path):
     """`--kernels`: each kernel of the synthetic trace with its part, direction and the host chain that launched it,
     largest first, as read off the trace by hand."""
-    rows = kernel_rows(Trace(_synthetic_trace()))
+    rows = kernel_rows(Trace(synthetic_trace()))
     by_kernel = {r["kernel"]: r for r in rows}
     us = 1e-3
     assert [r["kernel"] for r in rows[:3]] == ["sm90_gemm_bwd", "grouped_gemm", "adam_kernel"]
@@ -135,7 +135,7 @@ def test_kernels_by_launching_operator_by_hand(tmp_path):
     text = format_kernels(rows, 2)
     assert "`sm90_gemm_bwd`" in text and "`grouped_gemm`" in text and "adam_kernel" not in text
     trace = tmp_path / "t.json"
-    trace.write_text(json.dumps(_synthetic_trace()))
+    trace.write_text(json.dumps(synthetic_trace()))
     assert main([str(trace), "--kernels", "3", "--json", str(tmp_path / "b.json")]) == 0
     assert [r["kernel"] for r in json.loads((tmp_path / "b.json").read_text())["kernels"]] == [
         "sm90_gemm_bwd", "grouped_gemm", "adam_kernel"]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_command_lines, run_ranks
+from tests.distributed import EAGER_ENV, run_command_lines, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-# megatron's jit_fuser functions eager in the ranks of the comparisons below (both sides run the same code, without
-# ~3 s of torch.compile per rank process); test_loss_falls_on_stdlib_code trains as users run it, compiled.
-RANK_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+# the comparisons below run their ranks with megatron's jit_fuser functions eager (tests.distributed.EAGER_ENV);
+# test_loss_falls_on_stdlib_code trains as users run it, compiled.
+RANK_ENV = EAGER_ENV
 
 
 def tiny_overrides(data: Path, run_dir: Path, *extra: str):
