@@ -17,7 +17,8 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
     ep_overlap             ep + both overlaps
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
-    pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout, x DP = N / 2
+    pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout (weighed by the planner's
+                           calibration for the GPU kind), x DP = N / 2
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -28,22 +29,28 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
                            packed documents isolated (data.reset_attention_mask, own positions); the last with
                            chunks assigned by work (parallel.cp_chunk_assignment=work); merged attention in all
     gpu1_32k_dsa, cp2_32k_dsa                  DSA sparse (indexer top-k + sparse KL) at 32K
+    width                  GLM-5's own layer dims (configs/scaling/glm5-width.yaml: one dense + one MoE layer),
+                           EP = N x DP = N, Muon + ZeRO-2; fits no single GPU, so MFU is its measure
+    width_128k             configs/scaling/glm5-width-128k.yaml (two dense layers of GLM-5's width, 128K windows
+                           of isolated documents, DSA sparse), CP = N, mock windows
     gpu1_128k, cp2_128k, gpu1_128k_docs, cp2_128k_docs, cp2_128k_docs_work
                            the same at 128K with DSA sparse, 1 micro-batch per step, full recompute, Liger loss;
                            on 4 GPUs also cp4_128k and cp4_128k_docs_work (CP = 4)
 
-`--only` takes run names or groups (baseline, dp, dispatch, overlaps, balance, pp, tp, cp, cp_long); the 1-GPU baselines a
-selected run is compared with run in the same call. Every run is one `torchrun ... -m pretrain.train`; a run
-that fails is reported and the others go on. Reported per run, from rank 0's metrics.jsonl (medians over steps
-3 .. iters; the last two steps of every EP run are profiled and left out): tokens/s per GPU from the step times, its
-ratio to the baseline, MFU, peak memory (rank 0), and the share of the step in the layout's collective: for EP
-runs NCCL all-to-all kernel time, for CP runs NCCL all-gather kernel time (the latent and DSA key gathers; the
-CP runs but cp2_32k_zero2 keep ZeRO-2 off, so no parameter gather counts), over the profiled steps, overlapped or not:
-compare it with the tokens/s to see how much of it is hidden. The mock data's documents (megatron's mock
-dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
-Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date) after every run, so runs split over several
-calls (`--only`) fill one table. On 2 GPUs, about 6 runs fit 10 minutes. `--breakdown` profiles every run's last two
-steps, the 1-GPU baselines too, and writes OUT_DIR/<run>.breakdown.md (`pretrain.tools.step_breakdown`: the step by
+`--only` takes run names or groups (baseline, dp, dispatch, overlaps, balance, pp, tp, cp, glm5_width, cp_long);
+the 1-GPU baselines a selected run is compared with run in the same call. Every run is one
+`torchrun ... -m pretrain.train`; a run that fails is reported and the others go on. Reported per run, from rank
+0's metrics.jsonl (medians over steps 3 .. iters; the last two steps of every EP run are profiled and left out):
+tokens/s per GPU from the step times, its ratio to the baseline, MFU, peak memory (rank 0), and the share of the
+step in the layout's collective: for EP runs NCCL all-to-all kernel time, for CP runs NCCL all-gather kernel time
+(the latent and DSA key gathers; the CP runs but cp2_32k_zero2 keep ZeRO-2 off, so no parameter gather counts),
+over the profiled steps, overlapped or not: compare it with the tokens/s to see how much of it is hidden. The mock
+data's documents (megatron's mock dataset: lengths uniform in 1 .. 4096) are what the `docs` runs isolate.
+Results merge into OUT_DIR/scaling.json and OUT_DIR/scaling.md (command, GPU, date) after every run, so runs split
+over several calls (`--only`) fill one table. The runs use the first GPUs of CUDA_VISIBLE_DEVICES when it is set,
+so two calls with apart `--port`s can share a host of 4 (two 2-GPU halves). On 2 GPUs, about 6 runs fit 10
+minutes. `--breakdown` profiles every run's last two steps, the 1-GPU baselines too (or only the runs named:
+`--breakdown pp2,tp2`), and writes OUT_DIR/<run>.breakdown.md (`pretrain.tools.step_breakdown`: the step by
 model part, with its largest kernels), so a ratio below 1 comes with where the time went.
 """
 
@@ -69,6 +76,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 DEFAULT_CONFIG = "configs/models/glm5-proxy.yaml"
+WIDTH = "configs/scaling/glm5-width.yaml"
+WIDTH_128K = "configs/scaling/glm5-width-128k.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
     "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32"],
@@ -79,6 +88,7 @@ GROUPS = {
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
            "gpu1_32k_dsa", "cp2_32k_dsa"],
+    "glm5_width": ["width", "width_128k"],
     "cp_long": ["gpu1_128k", "cp2_128k", "gpu1_128k_docs", "cp2_128k_docs", "cp2_128k_docs_work", "cp4_128k",
                 "cp4_128k_docs_work"],
 }
@@ -107,6 +117,7 @@ class Run:
     baseline: str
     overrides: List[str] = field(default_factory=list)
     profile: str = ""  # "a2a" (EP) or "allgather" (CP): the collective whose share of the step is reported
+    config: Optional[str] = None  # another config than --config (the GLM-5-width slices)
 
 
 def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
@@ -145,13 +156,19 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("cp2_128k_docs", n, 1, half, "gpu1_128k_docs", LONG_128K + DOCS + cp2, "allgather"),
         Run("cp2_128k_docs_work", n, 1, half, "gpu1_128k_docs", LONG_128K + DOCS + cp2 + BALANCED_CP, "allgather"),
     ]
+    # GLM-5's own width (configs/scaling): no 1-GPU baseline fits one GPU, so MFU is their measure (baseline "")
+    runs += [Run("width", n, 8, n, "", [f"parallel.expert_model_parallel_size={n}"], "a2a", WIDTH),
+             Run("width_128k", n, 2, 1, "", [f"parallel.context_parallel_size={n}", "data.mock=true", "data.data_path=[]",
+                                              "data.tokenizer=null"],  # mock windows: no corpus files needed
+                 "allgather", WIDTH_128K)]
     if n >= 4:
         cp4 = ["parallel.context_parallel_size=4"]
         runs += [Run("cp4_128k", n, 1, n // 4, "gpu1_128k", LONG_128K + cp4, "allgather"),
                  Run("cp4_128k_docs_work", n, 1, n // 4, "gpu1_128k_docs", LONG_128K + DOCS + cp4 + BALANCED_CP,
                      "allgather")]
     for run in runs:
-        mbs = 1 if "train.micro_batch_size=1" in run.overrides else micro_batch
+        mbs = 1 if "train.micro_batch_size=1" in run.overrides or run.name == "width_128k" else \
+            4 if run.name == "width" else micro_batch  # the width configs' own micro-batch
         run.overrides = [f"train.global_batch_size={mbs * run.microbatches * run.dp}"] + run.overrides
     return {run.name: run for run in runs}
 
@@ -170,14 +187,20 @@ def select(runs: Dict[str, Run], only: Optional[str]) -> List[Run]:
         else:
             raise SystemExit(f"--only: unknown run or group {word!r}; runs: {', '.join(runs)}; "
                              f"groups: {', '.join(GROUPS)}")
-    wanted.update(runs[name].baseline for name in list(wanted))
+    wanted.update(runs[name].baseline for name in list(wanted) if runs[name].baseline)
     return [run for name, run in runs.items() if name in wanted]
 
 
-def balanced_pp_layout(config: str, microbatches: int, extra: List[str]) -> List[str]:
-    """PP = 2 x VPP = 2 overrides from `python -m pretrain.tools.pipeline_split` (its last line)."""
+def calibrated_kind(name: str) -> Optional[str]:
+    """The layout planner's calibration for a GPU name ("4 x NVIDIA H200" -> "h200"), None without one."""
+    return next((kind for kind in ("h100", "h200") if kind in name.lower()), None)
+
+
+def balanced_pp_layout(config: str, microbatches: int, extra: List[str], gpu: Optional[str] = None) -> List[str]:
+    """PP = 2 x VPP = 2 overrides from `python -m pretrain.tools.pipeline_split` (its last line), the entries
+    weighed by the planner's calibration for `gpu` (FLOPs without one)."""
     cmd = [sys.executable, "-m", "pretrain.tools.pipeline_split", "--config", config, "--pp", "2", "--vpp", "2",
-           "--microbatches", str(microbatches)] + extra
+           "--microbatches", str(microbatches)] + (["--gpu", gpu] if gpu else []) + extra
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()
     line = out[-1]
     assert line.startswith("overrides: "), out
@@ -188,18 +211,23 @@ def torchrun_command(run: Run, args, port: int) -> List[str]:
     common = [f"train.train_iters={args.iters}", "train.eval_interval=null", "optimizer.lr_warmup_iters=2",
               "logging.log_interval=1", "checkpoint.save=null", f"logging.run_dir={args.out}/{run.name}",
               f"data.data_cache_path={args.out}/data_cache"]
-    if run.profile or args.breakdown:  # the last two steps on rank 0: the collective's share, the breakdown
+    if run.profile or broken_down(run, args):  # the last two steps on rank 0: the collective's share, the breakdown
         common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
     return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
-             "--config", args.config] + common + run.overrides + args.extra)
+             "--config", run.config or args.config] + common + run.overrides + args.extra)
 
 
-def check_configs(commands, config: str) -> None:
+def broken_down(run: Run, args) -> bool:
+    """Whether `--breakdown` asks for this run's step breakdown."""
+    return args.breakdown == "all" or run.name in args.breakdown.split(",")
+
+
+def check_configs(commands) -> None:
     """Every run's config loads and passes the layout checks for its world size (CPU, before any launch)."""
     from pretrain.config import ConfigError, load_config, validate_config
 
     for run, cmd in commands:
-        overrides = cmd[cmd.index("--config") + 2:]
+        config, overrides = cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]
         try:
             validate_config(load_config(config, overrides), world_size=run.gpus)
         except ConfigError as err:
@@ -302,10 +330,13 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=8, help="steps per run (medians over steps 3 ..)")
     parser.add_argument("--micro-batch", type=int, help="micro-batch size of the 4K runs (default: the config's)")
     parser.add_argument("--run-timeout", type=int, default=300, help="seconds before a run is stopped")
+    parser.add_argument("--port", type=int, default=29700,
+                        help="first torchrun master port (runs count up from it; two calls on one host need apart ones)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="profile every run's last two steps (baselines too) and write OUT/<run>.breakdown.md: "
-                             "where each step's time goes, by model part (pretrain.tools.step_breakdown)")
+    parser.add_argument("--breakdown", nargs="?", const="all", default="",
+                        help="profile the last two steps of every run (baselines too), or of the comma-separated runs "
+                             "given, and write OUT/<run>.breakdown.md: where each step's time goes, by model part "
+                             "(pretrain.tools.step_breakdown)")
     parser.add_argument("extra", nargs="*", help="overrides added to every run (section.key=value)")
     args = parser.parse_args(argv)
     if args.gpus is None:
@@ -323,6 +354,14 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def visible_devices() -> List[str]:
+    """The GPUs this call may use: CUDA_VISIBLE_DEVICES when set (two calls can share a host), else all of them."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    return [str(g) for g in range(_visible_gpus())]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pretrain.config import load_config
@@ -333,7 +372,10 @@ def main(argv=None) -> int:
     runs = plan_runs(args.gpus, micro_batch, [])
     chosen = select(runs, args.only)
     if any(run.name == "pp2" for run in chosen):
-        layout = balanced_pp_layout(args.config, 8, args.extra)
+        kind = None if args.dry_run else calibrated_kind(gpu_name())
+        if not args.dry_run and kind is None:
+            print(f"pp2: no layout-planner calibration for {gpu_name()}; its stages are balanced by FLOPs")
+        layout = balanced_pp_layout(args.config, 8, args.extra, kind)
         runs = plan_runs(args.gpus, micro_batch, layout)
         chosen = [runs[run.name] for run in chosen]
     print(f"{len(chosen)} runs on {args.gpus} GPUs, {args.iters} steps each, config {args.config}:")
@@ -341,8 +383,8 @@ def main(argv=None) -> int:
         print(f"  {run.name:<15} {run.gpus} GPU(s), {run.microbatches} micro-batches per DP rank, "
               f"vs {run.baseline}: {' '.join(run.overrides)}")
     out = Path(args.out)
-    commands = [(run, torchrun_command(run, args, 29700 + i)) for i, run in enumerate(chosen)]
-    check_configs(commands, args.config)
+    commands = [(run, torchrun_command(run, args, args.port + i)) for i, run in enumerate(chosen)]
+    check_configs(commands)
     if args.dry_run:
         for run, cmd in commands:
             print(f"[{run.name}] " + " ".join(shlex.quote(word) for word in cmd))
@@ -351,9 +393,10 @@ def main(argv=None) -> int:
     meta = {"command": "python benchmarks/scaling.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
             "gpu": gpu_name(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     results, text = [], ""
+    devices = visible_devices()
     for run, cmd in commands:
         started = time.time()
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(run.gpus)))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(devices[:run.gpus]))
         log = out / f"{run.name}.log"
         print(f"[{datetime.datetime.now():%H:%M:%S}] {run.name}", flush=True)
         try:
@@ -362,8 +405,8 @@ def main(argv=None) -> int:
                                       cwd=ROOT)
             if proc.returncode:
                 raise RuntimeError(f"exit {proc.returncode}, see {log.name}")
-            row = summarize(run, out / run.name, args.iters, profiled=args.breakdown)
-            if args.breakdown:
+            row = summarize(run, out / run.name, args.iters, profiled=broken_down(run, args))
+            if broken_down(run, args):
                 write_breakdown(out / run.name, out / f"{run.name}.breakdown.md")
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as err:
             row = {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "error": str(err).splitlines()[0]}

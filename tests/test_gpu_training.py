@@ -56,8 +56,8 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
         tol = max(3 * noise, 1e-1 if name == "micro_bf16" else 1e-2)
         assert errors[worst] <= tol, (name, worst, errors[worst], tol)
         total = ranks[0]["total"]
-        assert sum(r["owned_grad"] for r in ranks) == total
-        assert all(r["owned_grad"] < 0.75 * total for r in ranks)
+        assert sum(r["owned_params"] for r in ranks) == total
+        assert all(r["owned_params"] < 0.75 * total for r in ranks)
     # resume: 3 steps, save, 3 more from the checkpoint == 6 uninterrupted
     run("a", 2, f"checkpoint.load={init}", "train.train_iters=3", f"checkpoint.save={ckpt}", zero)
     run("b", 2, f"checkpoint.load={ckpt}", "train.train_iters=6", zero)

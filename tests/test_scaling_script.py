@@ -121,3 +121,32 @@ def test_breakdown_table_from_a_trace(tmp_path):
     scaling.write_breakdown(tmp_path / "r", tmp_path / "r.breakdown.md")
     text = (tmp_path / "r.breakdown.md").read_text()
     assert "mla_proj" in text and "sm90_gemm_bwd" in text  # the part table and the largest kernels
+
+
+def test_glm5_width_runs_have_their_own_configs(capsys):
+    """The GLM-5-width slices run their configs at EP = N (width) and CP = N (width_128k, mock windows: no corpus
+    or tokenizer files), with no 1-GPU baseline (none fits one GPU)."""
+    for gpus in (2, 4):
+        out = dry_run(capsys, "--gpus", str(gpus), "--only", "glm5_width")
+        commands = {line.split("]")[0][1:]: line for line in out.splitlines() if line.startswith("[")}
+        assert set(commands) == {"width", "width_128k"}
+        width, long = commands["width"], commands["width_128k"]
+        assert "--config configs/scaling/glm5-width.yaml " in width and "--config configs/scaling/glm5-width-128k.yaml " in long
+        assert f"parallel.expert_model_parallel_size={gpus}" in width and f"--nproc-per-node {gpus} " in width
+        assert f"train.global_batch_size={32 * gpus} " in width + " "  # 8 micro-batches of 4 per DP rank
+        assert f"parallel.context_parallel_size={gpus}" in long and "train.global_batch_size=2 " in long + " "
+        assert "data.mock=true" in long and "data.tokenizer=null" in long
+
+
+def test_breakdown_of_named_runs_only(capsys):
+    out = dry_run(capsys, "--only", "pp2,ep", "--breakdown", "pp2")
+    lines = {line.split("]")[0][1:]: line for line in out.splitlines() if line.startswith("[")}
+    assert "logging.profile_step_start=7" in lines["pp2"] and "logging.profile_step_start=7" in lines["ep"]  # EP: a2a
+    assert "logging.profile_step_start" not in lines["gpu1"]
+
+
+def test_runs_use_the_given_devices_and_calibration(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert scaling.visible_devices() == ["2", "3"]  # a 2-GPU call on the second half of a 4-GPU host
+    assert scaling.calibrated_kind("4 x NVIDIA H200") == "h200" and scaling.calibrated_kind("1 x NVIDIA H100 80GB HBM3") == "h100"
+    assert scaling.calibrated_kind("2 x NVIDIA A100-SXM4-80GB") is None

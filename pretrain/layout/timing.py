@@ -300,6 +300,23 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
             "bwd_window": (total_compute - fwd) + recompute}
 
 
+def entry_seconds(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration,
+                  variant: Optional[Mapping] = None) -> Dict[str, float]:
+    """Seconds per micro-batch (forward + backward, the layout's recompute) that each pipeline entry adds to its
+    rank, from this module's calibrated stage model: "t_dense" and "t_moe" (one decoder layer), "m" (one MTP depth:
+    eh_proj, its layer, its embedding), "E" (the embedding), "L" (every output head and loss: megatron computes
+    the MTP depths' heads where L is). What `pretrain.tools.pipeline_split --gpu` balances instead of FLOPs."""
+    v = dict(DEFAULT_VARIANT, **(variant or {}))
+    v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
+
+    def rank(layers=0, moe=0, mtp=0, first=False, last=False) -> float:
+        return _stage_time(dims, layout, work, cluster, calib, v, layers, moe, mtp, first, last, notes=[])["total"]
+
+    empty = rank()
+    return {"t_dense": rank(1) - empty, "t_moe": rank(1, 1) - empty, "m": rank(mtp=1) - empty,
+            "E": rank(first=True) - empty, "L": rank(last=True) - empty}
+
+
 # ------------------------------------------------------------------------------------------------ the step
 def _stages(dims: ModelDims, layout: Layout) -> List[Tuple[float, float, int, bool, bool]]:
     """(decoder layers, MoE layers, MTP depths, first, last) per pipeline rank, its virtual stages together

@@ -9,8 +9,9 @@ the tool prints one, the config keeps it, and a resumed run never moves layers b
 Cost of each entry, per token, in training FLOPs (forward + backward, `pretrain.training.flops`):
 
     t  one decoder layer, dense or MoE FFN, DSA as the config trains it       layer_training_flops
-    L  the main output head h x V, plus its cross-entropy                     output_head_training_flops + CE
-    m  one MTP depth: eh_proj, the MTP layer (the last layer's spec), its head and cross-entropy
+    L  the output head h x V and its cross-entropy, once for the main prediction and once per MTP depth
+       (megatron computes every MTP depth's logits and loss in the post-process stage, the one holding L)
+    m  one MTP depth: eh_proj and the MTP layer (the last layer's spec); its head runs with L
     E  the embedding
 
 The embedding's look-up and the cross-entropy over V are memory-bound, not matrix work; they count as
@@ -30,6 +31,8 @@ start only at a layer whose DSA indexer is "full" (`model.dsa_indexer_types`).
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 from typing import List, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import format_layout, stage_entries
@@ -41,12 +44,17 @@ from pretrain.training.flops import (
 )
 
 H100_FLOP_PER_BYTE = 989.4e12 / 3.35e12
+EXHAUSTIVE_SPLITS = 200_000  # up to this many ways to cut, every split is estimated (a local search from above)
 
 
-def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE) -> Tuple[List[str], List[float]]:
-    """The model's entries in order (E, t.., one "m"*D block, L) and their training cost per token."""
+def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
+                gpu: Optional[str] = None) -> Tuple[List[str], List[float]]:
+    """The model's entries in order (E, t.., one "m"*D block, L) and their training cost per token: FLOPs, or with
+    `gpu` ("h100", "h200") the layout planner's calibrated seconds (`calibrated_costs`)."""
     from pretrain.config import moe_layer_pattern
 
+    if gpu:
+        return calibrated_costs(cfg, gpu)
     m = cfg.model
     dsa = m.experimental_attention_variant == "dsa"
     kwargs = dict(dsa_sparse=dsa and m.dsa_sparse_attention, dsa_indexer=dsa and m.dsa_indexer_loss_coeff > 0)
@@ -59,10 +67,12 @@ def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE) -> T
     costs += [layer_training_flops(m, seq, bool(is_moe), **kwargs) for is_moe in pattern]
     depths = m.mtp_num_layers or 0
     if depths:
-        depth = mtp_eh_proj_training_flops(m) + layer_training_flops(m, seq, bool(pattern[-1]), **kwargs) + head
+        depth = mtp_eh_proj_training_flops(m) + layer_training_flops(m, seq, bool(pattern[-1]), **kwargs)
         entries.append("m" * depths)
         costs.append(depths * depth)
-    return entries + ["L"], costs + [head]
+    # GPTModel._postprocess runs the MTP block where "m" is, then every head (main and each depth's) where L is;
+    # measured on 2 x H200 (glm5-proxy, PP=2): the first rank, holding m*3, ran no output-layer kernel at all.
+    return entries + ["L"], costs + [(1 + depths) * head]
 
 
 def balanced_split(costs: Sequence[float], stages: int, can_start: Optional[Sequence[bool]] = None) -> List[int]:
@@ -98,6 +108,31 @@ def balanced_split(costs: Sequence[float], stages: int, can_start: Optional[Sequ
     return sizes[::-1]
 
 
+def calibrated_costs(cfg: GLM5Config, gpu: str) -> Tuple[List[str], List[float]]:
+    """`entry_costs` in seconds per micro-batch from the layout planner's time model calibrated on `gpu`
+    (`pretrain.layout.timing.entry_seconds`): the measured speed of each part, where FLOPs alone weigh the output
+    head 2.2x too heavy against a decoder layer (glm5-proxy on H200: a head 84 ms, a layer 136 ms per step of
+    8 x 16K tokens, against 1.5 : 1 in FLOPs)."""
+    from pretrain.config import moe_layer_pattern
+    from pretrain.layout.search import layout_of
+    from pretrain.layout.timing import entry_seconds, load_calibration
+    from pretrain.layout.types import ModelDims, cluster_preset
+
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * max(
+        1, p.expert_model_parallel_size)
+    layout, work = layout_of(cfg, world)
+    sec = entry_seconds(ModelDims.from_config(cfg), layout, work, cluster_preset(f"{gpu}-nvl-ib400", world),
+                        load_calibration(gpu))
+    entries = ["E"] + ["t"] * cfg.model.num_layers
+    costs = [sec["E"]] + [sec["t_moe"] if is_moe else sec["t_dense"] for is_moe in moe_layer_pattern(cfg.model)]
+    depths = cfg.model.mtp_num_layers or 0
+    if depths:
+        entries.append("m" * depths)
+        costs.append(depths * sec["m"])
+    return entries + ["L"], costs + [sec["L"]]
+
+
 def step_time(sizes: Sequence[int], costs: Sequence[float], pp: int, microbatches: int) -> float:
     """Estimated step time of a split, per token of a micro-batch: m x the busiest rank's work (steady state)
     plus (p - 1) x the slowest stage (the warm-up and drain)."""
@@ -112,12 +147,19 @@ def step_time(sizes: Sequence[int], costs: Sequence[float], pp: int, microbatche
 def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: int,
                       can_start: Optional[Sequence[bool]] = None) -> List[int]:
     """Stage sizes for PP x VPP stages minimizing `step_time`: exact (`balanced_split`) for VPP = 1; with
-    virtual stages a rank's work is the sum of non-adjacent stages, so the minimax split is the start of a
-    local search that moves one stage boundary by one entry while the estimate improves."""
+    virtual stages a rank's work is the sum of non-adjacent stages: every split when there are at most
+    EXHAUSTIVE_SPLITS, else a local search from the minimax split that moves one stage boundary by one entry while
+    the estimate improves."""
     sizes = balanced_split(costs, pp * vpp, can_start)
     if vpp == 1:
         return sizes
     can_start = can_start or [True] * len(costs)
+    if math.comb(len(costs) - 1, pp * vpp - 1) <= EXHAUSTIVE_SPLITS:  # small models: every split, the best estimate
+        starts = [i for i in range(1, len(costs)) if can_start[i]]
+        best_cuts = min(itertools.combinations(starts, pp * vpp - 1),
+                        key=lambda cuts: step_time(_sizes(cuts, len(costs)), costs, pp, microbatches), default=None)
+        if best_cuts is not None:
+            return _sizes(best_cuts, len(costs))
     best = step_time(sizes, costs, pp, microbatches)
     improved = True
     while improved:
@@ -135,12 +177,18 @@ def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: i
     return sizes
 
 
-def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE
+def _sizes(cuts: Sequence[int], n: int) -> List[int]:
+    """Stage sizes from the entry indices where stages 1.. start."""
+    bounds = [0, *cuts, n]
+    return [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+
+
+def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, gpu: Optional[str] = None
                  ) -> Tuple[List[str], List[float], List[bool]]:
     """(entries, their costs per token, whether a stage may start at each) as the split sees them: with tied
     embeddings the MTP block stays with the loss; a stage starts only at a "full" DSA indexer."""
     m = cfg.model
-    entries, costs = entry_costs(cfg, flop_per_byte)
+    entries, costs = entry_costs(cfg, flop_per_byte, gpu)
     if m.share_embeddings_and_output_weights and m.mtp_num_layers:  # MTP stays with the loss
         entries, costs = entries[:-2] + [entries[-2] + "L"], costs[:-2] + [costs[-2] + costs[-1]]
     types = m.dsa_indexer_types if m.experimental_attention_variant == "dsa" else None
@@ -160,18 +208,19 @@ def balanced_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp
 
 
 def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
-                    microbatches: Optional[int] = None) -> List[List[str]]:
+                    microbatches: Optional[int] = None, gpu: Optional[str] = None) -> List[List[str]]:
     """The balanced stages (lists of entry letters) for the config's PP x VPP."""
     p = cfg.parallel
-    entries, costs, can_start = split_inputs(cfg, flop_per_byte)
+    entries, costs, can_start = split_inputs(cfg, flop_per_byte, gpu)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
     return balanced_stages(entries, costs, pp, vpp, m_count, can_start)
 
 
-def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE) -> List[float]:
-    """Each stage's cost per token (the entries' costs, in model order)."""
-    entries, costs = entry_costs(cfg, flop_per_byte)
+def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE,
+                gpu: Optional[str] = None) -> List[float]:
+    """Each stage's cost (the entries' costs, in model order)."""
+    entries, costs = entry_costs(cfg, flop_per_byte, gpu)
     per_letter = []
     for e, c in zip(entries, costs):
         per_letter += [c / len(e)] * len(e)
@@ -182,34 +231,36 @@ def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float =
     return out
 
 
-def report(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, microbatches: Optional[int] = None) -> str:
+def report(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, microbatches: Optional[int] = None,
+           gpu: Optional[str] = None) -> str:
     import dataclasses
 
     p = cfg.parallel
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
-    layout = balanced_layout(cfg, flop_per_byte, m_count)
+    layout = balanced_layout(cfg, flop_per_byte, m_count, gpu)
     even_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pipeline_model_parallel_layout=None))
     rows = [("balanced", layout)]
     try:
         rows.append(("even (no layout)", stage_entries(even_cfg.model, even_cfg.parallel)))
     except ValueError as e:  # ConfigError: the even split does not exist at these sizes
         rows.append(("even (no layout)", str(e)))
-    lines = [f"PP={pp} x VPP={vpp}, {m_count} micro-batches per step; cost per token in training GFLOPs "
-             f"(FLOP per byte {flop_per_byte:.0f})"]
+    unit, scale = ("ms per micro-batch", 1e-3) if gpu else ("GFLOPs per token", 1e9)
+    lines = [f"PP={pp} x VPP={vpp}, {m_count} micro-batches per step; cost in " + (
+        f"{unit}, the layout planner's {gpu} calibration" if gpu else f"training {unit} (FLOP per byte {flop_per_byte:.0f})")]
     for name, stages in rows:
         if isinstance(stages, str):
             lines.append(f"{name}: not possible: {stages}")
             continue
-        costs = stage_costs(cfg, stages, flop_per_byte)
+        costs = stage_costs(cfg, stages, flop_per_byte, gpu)
         ideal = sum(costs) / len(costs)
         ranks = [sum(costs[i] for i in range(r, len(costs), pp)) for r in range(pp)]
         lines.append(f"{name}: {format_layout(stages)}")
-        lines.append("  stages: " + "  ".join(f"{c / 1e9:.2f}" for c in costs)
+        lines.append("  stages: " + "  ".join(f"{c / scale:.2f}" for c in costs)
                      + f"   slowest / mean = {max(costs) / ideal:.3f}")
         # the step against an ideal pipeline (every rank's share equal, no bubble)
         estimate = (m_count * max(ranks) + (pp - 1) * max(costs)) / (m_count * sum(costs) / pp)
-        lines.append("  per pipeline rank: " + "  ".join(f"{c / 1e9:.2f}" for c in ranks)
+        lines.append("  per pipeline rank: " + "  ".join(f"{c / scale:.2f}" for c in ranks)
                      + f"   estimated step / ideal = {estimate:.3f}")
     vpp_key = f" parallel.virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else ""
     lines.append(f"overrides: parallel.pipeline_model_parallel_layout='{format_layout(layout)}'{vpp_key}")
@@ -229,6 +280,9 @@ def main(argv=None) -> None:
                         help="micro-batches per step per pipeline (default: global / micro batch size, DP=1)")
     parser.add_argument("--flop-per-byte", type=float, default=H100_FLOP_PER_BYTE,
                         help="the GPU's bf16 peak over its memory bandwidth (memory-bound entries' weight)")
+    parser.add_argument("--gpu", choices=("h100", "h200"),
+                        help="weigh the entries by the layout planner's time model calibrated on this GPU kind "
+                             "(measured speeds) instead of FLOPs")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     # loaded without pipeline stages: the config's own split may not exist at these sizes (what the tool is for)
@@ -240,8 +294,8 @@ def main(argv=None) -> None:
     vpp = args.vpp if args.vpp is not None else wanted.virtual_pipeline_model_parallel_size
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None))
-    print(report(cfg, args.flop_per_byte, args.microbatches))
-    layout = format_layout(balanced_layout(cfg, args.flop_per_byte, args.microbatches))
+    print(report(cfg, args.flop_per_byte, args.microbatches, args.gpu))
+    layout = format_layout(balanced_layout(cfg, args.flop_per_byte, args.microbatches, args.gpu))
     stage_entries(cfg.model, dataclasses.replace(cfg.parallel, pipeline_model_parallel_layout=layout))  # it loads
 
 
