@@ -12,6 +12,8 @@ GLOBAL=${GLOBAL:-32}            # global batch: 8 micro-batches of 4 per pipelin
 MICRO=${MICRO:-}                # micro-batches per pipeline for the split tool (default: GLOBAL / micro-batch size)
 STEPS=${STEPS:-10}
 EXTRA=${EXTRA:-}
+# the split weighs its entries by the layout planner's calibration for this GPU kind (h100, h200; FLOPs if none)
+GPU_KIND=${GPU_KIND:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200' | tr A-Z a-z || true)}
 read -r -a extra <<<"$EXTRA"
 mkdir -p "$out"
 port=29650
@@ -25,6 +27,7 @@ bench() {  # NAME NPROC overrides...
 }
 layout() {  # PP VPP: the balanced layout string
     python -m pretrain.tools.pipeline_split --config "$MODEL" --pp "$1" --vpp "$2" ${MICRO:+--microbatches $MICRO} \
+        ${GPU_KIND:+--gpu $GPU_KIND} \
         "${extra[@]}" 2>/dev/null | tee -a "$out/layouts.txt" | sed -n "s/.*pipeline_model_parallel_layout='\([^']*\)'.*/\1/p"
 }
 pp=(parallel.pipeline_model_parallel_size=2)
