@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Workload(args.seq, args.global_batch)
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
                          optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
-                         pipeline_costs=pipeline_costs(cfg, work))
+                         pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
         step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
     except (RuntimeError, FileNotFoundError, ValueError) as e:

@@ -125,14 +125,17 @@ def bubble_refusal(layout: Layout, bound: float) -> Optional[str]:
     return None
 
 
-def pipeline_costs(cfg, work: Workload) -> Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]:
-    """`SearchOptions.pipeline_costs` of `cfg` at the workload's sequence length (docs/parallelism.md's cost model)."""
+def pipeline_costs(cfg, work: Workload, gpu: Optional[str] = None
+                   ) -> Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]:
+    """`SearchOptions.pipeline_costs` of `cfg` at the workload's sequence length (docs/parallelism.md's cost model):
+    with `gpu` ("h100", "h200") each entry weighed by this package's time model calibrated on it, else by FLOPs."""
     import dataclasses
 
     from pretrain.tools.pipeline_split import split_inputs
 
-    at_seq = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=work.seq_length))
-    entries, costs, can_start = split_inputs(at_seq)
+    at_seq = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=work.seq_length),
+                                 train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    entries, costs, can_start = split_inputs(at_seq, gpu=gpu)
     return tuple(entries), tuple(costs), tuple(can_start)
 
 

@@ -313,7 +313,9 @@ def entry_seconds(dims: ModelDims, layout: Layout, work: Workload, cluster: Clus
         return _stage_time(dims, layout, work, cluster, calib, v, layers, moe, mtp, first, last, notes=[])["total"]
 
     empty = rank()
-    return {"t_dense": rank(1) - empty, "t_moe": rank(1, 1) - empty, "m": rank(mtp=1) - empty,
+    dense = rank(1) - empty
+    moe = rank(1, 1) - empty if dims.num_experts else dense  # a cut with no MoE layer has no expert to time
+    return {"t_dense": dense, "t_moe": moe, "m": rank(mtp=1) - empty,
             "E": rank(first=True) - empty, "L": rank(last=True) - empty}
 
 
