@@ -45,7 +45,7 @@ MISSES = {
                         "attention and KL, full recompute) on today's code: the model is 27-36% optimistic on one "
                         "GPU and under CP alike (the CP ratios it predicts, 0.89 at CP=2 and 0.85 at CP=4, are below "
                         "the measured 0.95 and 0.90), so the missing time is per token, not in the CP gathers. These "
-                        "runs were not profiled (the call's device time), so it is not yet attributed to a part.",
+                        "runs were not profiled, so it is not yet attributed to a part.",
 }
 
 
