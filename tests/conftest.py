@@ -68,3 +68,21 @@ def kern():
     return {name: importlib.import_module(f"pretrain.model.dsa.kernels.{name}")
             for name in ["segment_sum", "sparse_mla", "sparse_mla_dkv", "indexer_kl", "indexer_topk", "radix_select",
                          "packed_indices"]}
+
+
+@pytest.fixture(scope="session")
+def one_node_two_ranks(stdlib_data, tmp_path_factory):
+    """The losses of 6 steps of the tiny model on `stdlib_data`, one node of 2 ranks through torchrun, no checkpoint
+    before the end: the uninterrupted reference of tests/test_preemption.py and tests/test_training_launch.py (the
+    same run: one launch serves both)."""
+    from tests.distributed import free_port
+    from tests.test_training import ROOT
+    from tests.test_training_launch import ENV, TORCHRUN, losses, overrides
+
+    root = tmp_path_factory.mktemp("one_node_two_ranks")
+    args = [a for a in overrides(stdlib_data, root / "run", root / "ckpt", 6) if "save_interval" not in a]
+    cmd = TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pretrain.train", "--config",
+                      "configs/models/glm5-tiny.yaml", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(root / "run")
