@@ -46,28 +46,32 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout=240):
 
 def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    subprocess.run(TRAIN + overrides(stdlib_data, reference, tmp_path / "ckpt_a"), cwd=ROOT, env=ENV, check=True,
-                   capture_output=True, timeout=600)
-    kill_at = random.Random().randint(5, 7)  # after the step-4 checkpoint, at least 3 steps before the end
-    cmd = TRAIN + overrides(stdlib_data, interrupted, tmp_path / "ckpt_b")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The reference runs beside the interrupted run (each is one single-threaded process: two share the 2 cores).
+    ref = subprocess.Popen(TRAIN + overrides(stdlib_data, reference, tmp_path / "ckpt_a"), cwd=ROOT, env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_step(interrupted, kill_at, proc)
+        kill_at = random.Random().randint(5, 7)  # after the step-4 checkpoint, at least 3 steps before the end
+        cmd = TRAIN + overrides(stdlib_data, interrupted, tmp_path / "ckpt_b")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_step(interrupted, kill_at, proc)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        _, err = ref.communicate(timeout=600)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+    assert ref.returncode == 0, err[-3000:]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert losses(interrupted) == losses(reference), f"killed at step {kill_at}"
 
 
-def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "pretrain.train",
-                         "--config", "configs/models/glm5-tiny.yaml"]
-    subprocess.run(single + overrides(stdlib_data, one, tmp_path / "c1", 6), cwd=ROOT, env=ENV, check=True,
-                   capture_output=True, timeout=600)
+def test_two_torchrun_nodes_match_one_node(stdlib_data, one_node_two_ranks, tmp_path):
+    two = tmp_path / "two"
     port = str(free_port())
     nodes = [  # through the launch script, as a user starts each node
         subprocess.Popen(["bash", "launch/train.sh", "--config", "configs/models/glm5-tiny.yaml"]
@@ -80,7 +84,7 @@ def test_two_torchrun_nodes_match_one_node(stdlib_data, tmp_path):
     for node in nodes:
         _, err = node.communicate(timeout=600)
         assert node.returncode == 0, err[-3000:]
-    a, b = losses(one), losses(two)
+    a, b = one_node_two_ranks, losses(two)
     assert len(a) == 6
     assert a == pytest.approx(b, rel=1e-6, abs=0)
 
