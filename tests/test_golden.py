@@ -23,7 +23,9 @@ Each variant runs the user's entry point (`python -m pretrain.train`) in a fresh
 """
 
 import itertools
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
 import pytest
@@ -67,10 +69,20 @@ def differences(got: dict, by_cpu: Dict[str, dict], name: str, fingerprint: str)
     return out
 
 
+@pytest.fixture(scope="module")
+def variant_runs(tmp_path_factory):
+    """Every variant's run, as many at once as there are cores: each is one single-threaded process
+    (OMP_NUM_THREADS=1, which fixes its summation order), so runs side by side change no bit. {name: future}: a
+    variant that fails raises in its own test."""
+    root = tmp_path_factory.mktemp("golden")
+    with ThreadPoolExecutor(max(1, min(len(VARIANTS), os.cpu_count() or 1))) as pool:
+        return {name: pool.submit(run_variant, name, root / name) for name in sorted(VARIANTS)}
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_losses_unchanged_bit_for_bit(name, tmp_path):
+def test_losses_unchanged_bit_for_bit(name, variant_runs):
     by_cpu, fingerprint = load_goldens(), cpu_fingerprint()
-    got = run_variant(name, tmp_path)
+    got = variant_runs[name].result()
     assert len(got["loss"]) == 20
     if fingerprint not in by_cpu:
         warnings.warn(f"golden {name}: this CPU kind ({fingerprint}) has no recording; compared with "
