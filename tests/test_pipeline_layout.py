@@ -250,14 +250,13 @@ def test_split_tool_prints_a_layout_that_loads(capsys):
     _config(PIPELINE[:2] + [f"parallel.pipeline_model_parallel_layout={layout}"])
 
 
-def test_interleaved_split_finds_the_best_estimate(monkeypatch):
+def test_interleaved_split_finds_the_best_estimate():
     """glm5-proxy's entries as the H200 calibration weighs them (ms per micro-batch: E, the dense layer, 11 MoE
     layers, the 3 MTP depths, every head with L), PP=2 x VPP=2, 8 micro-batches. A naive enumeration of every
-    split is the reference; the local search alone (EXHAUSTIVE_SPLITS = 0) stops at Et*4|t*6|t*2m*3|L, which the
+    split is the reference; the local search alone (exhaustive=0) stops at Et*4|t*6|t*2m*3|L, which the
     estimate puts about 3% above the best."""
     import itertools
 
-    from pretrain.tools import pipeline_split
     from pretrain.tools.pipeline_split import interleaved_split, step_time
 
     costs = [0.3, 17.0] + [17.6] * 11 + [59.4, 43.6]
@@ -265,8 +264,7 @@ def test_interleaved_split_finds_the_best_estimate(monkeypatch):
     best = min(step_time([b - a for a, b in zip((0,) + cuts, cuts + (n,))], costs, 2, 8)
                for cuts in itertools.combinations(range(1, n), 3))
     assert step_time(interleaved_split(costs, 2, 2, 8), costs, 2, 8) == pytest.approx(best)
-    monkeypatch.setattr(pipeline_split, "EXHAUSTIVE_SPLITS", 0)
-    assert step_time(interleaved_split(costs, 2, 2, 8), costs, 2, 8) > 1.02 * best
+    assert step_time(interleaved_split(costs, 2, 2, 8, exhaustive=0), costs, 2, 8) > 1.02 * best
 
 
 def _breakdown_ms(path):

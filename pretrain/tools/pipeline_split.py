@@ -114,7 +114,7 @@ def calibrated_costs(cfg: GLM5Config, gpu: str) -> Tuple[List[str], List[float]]
     head 2.2x too heavy against a decoder layer (glm5-proxy on H200: a head 84 ms, a layer 136 ms per step of
     8 x 16K tokens, against 1.5 : 1 in FLOPs)."""
     from pretrain.config import moe_layer_pattern
-    from pretrain.layout.search import layout_of
+    from pretrain.layout.from_config import layout_of
     from pretrain.layout.timing import entry_seconds, load_calibration
     from pretrain.layout.types import ModelDims, cluster_preset
 
@@ -145,16 +145,16 @@ def step_time(sizes: Sequence[int], costs: Sequence[float], pp: int, microbatche
 
 
 def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: int,
-                      can_start: Optional[Sequence[bool]] = None) -> List[int]:
+                      can_start: Optional[Sequence[bool]] = None, exhaustive: int = EXHAUSTIVE_SPLITS) -> List[int]:
     """Stage sizes for PP x VPP stages minimizing `step_time`: exact (`balanced_split`) for VPP = 1; with
     virtual stages a rank's work is the sum of non-adjacent stages: every split when there are at most
-    EXHAUSTIVE_SPLITS, else a local search from the minimax split that moves one stage boundary by one entry while
-    the estimate improves."""
+    `exhaustive` (EXHAUSTIVE_SPLITS), else a local search from the minimax split that moves one stage boundary by
+    one entry while the estimate improves."""
     sizes = balanced_split(costs, pp * vpp, can_start)
     if vpp == 1:
         return sizes
     can_start = can_start or [True] * len(costs)
-    if math.comb(len(costs) - 1, pp * vpp - 1) <= EXHAUSTIVE_SPLITS:  # small models: every split, the best estimate
+    if math.comb(len(costs) - 1, pp * vpp - 1) <= exhaustive:  # small models: every split, the best estimate
         starts = [i for i in range(1, len(costs)) if can_start[i]]
         best_cuts = min(itertools.combinations(starts, pp * vpp - 1),
                         key=lambda cuts: step_time(_sizes(cuts, len(costs)), costs, pp, microbatches), default=None)
