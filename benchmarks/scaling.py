@@ -167,10 +167,17 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
                  Run("cp4_128k_docs_work", n, 1, n // 4, "gpu1_128k_docs", LONG_128K + DOCS + cp4 + BALANCED_CP,
                      "allgather")]
     for run in runs:
-        mbs = 1 if "train.micro_batch_size=1" in run.overrides or run.name == "width_128k" else \
-            4 if run.name == "width" else micro_batch  # the width configs' own micro-batch
+        mbs = 1 if "train.micro_batch_size=1" in run.overrides else \
+            config_micro_batch(run.config) if run.config else micro_batch
         run.overrides = [f"train.global_batch_size={mbs * run.microbatches * run.dp}"] + run.overrides
     return {run.name: run for run in runs}
+
+
+def config_micro_batch(config: str) -> int:
+    """A run's own config's micro-batch size (the GLM-5-width configs set theirs)."""
+    from pretrain.config import load_config
+
+    return load_config(config).train.micro_batch_size
 
 
 def select(runs: Dict[str, Run], only: Optional[str]) -> List[Run]:

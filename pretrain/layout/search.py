@@ -134,8 +134,7 @@ def pipeline_costs(cfg, work: Workload, gpu: Optional[str] = None
 
     from pretrain.tools.pipeline_split import split_inputs
 
-    at_seq = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=work.seq_length),
-                                 train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    at_seq = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=work.seq_length))
     entries, costs, can_start = split_inputs(at_seq, gpu=gpu)
     return tuple(entries), tuple(costs), tuple(can_start)
 

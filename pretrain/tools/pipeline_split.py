@@ -150,16 +150,16 @@ def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: i
     virtual stages a rank's work is the sum of non-adjacent stages: every split when there are at most
     `exhaustive` (EXHAUSTIVE_SPLITS), else a local search from the minimax split that moves one stage boundary by
     one entry while the estimate improves."""
-    sizes = balanced_split(costs, pp * vpp, can_start)
     if vpp == 1:
-        return sizes
-    can_start = can_start or [True] * len(costs)
+        return balanced_split(costs, pp, can_start)
     if math.comb(len(costs) - 1, pp * vpp - 1) <= exhaustive:  # small models: every split, the best estimate
-        starts = [i for i in range(1, len(costs)) if can_start[i]]
+        starts = [i for i in range(1, len(costs)) if can_start is None or can_start[i]]
         best_cuts = min(itertools.combinations(starts, pp * vpp - 1),
                         key=lambda cuts: step_time(_sizes(cuts, len(costs)), costs, pp, microbatches), default=None)
         if best_cuts is not None:
             return _sizes(best_cuts, len(costs))
+    sizes = balanced_split(costs, pp * vpp, can_start)
+    can_start = can_start or [True] * len(costs)
     best = step_time(sizes, costs, pp, microbatches)
     improved = True
     while improved:
