@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from the repository root
 
@@ -65,6 +65,9 @@ DSA = {"h200": {"file": f"{R}/dsa_kernels_h200/dsa_kernels_s16k_s32k.json",
 DSA128_H100 = dict(DSA["h100"], file=f"{R}/dsa_kernels_h100/dsa_kernels_s128k.json",
                    command="python benchmarks/dsa_kernels.py --seqs 131072 --reference-max 0 --reps 3 --out "
                            "dsa_kernels_s128k.json")
+DSA128_STEP = {"file": f"{R}/scaling_h200x4_b/call2/b/gpu1_128k.breakdown.md",
+               "command": "python benchmarks/scaling.py --out OUT --only gpu1_128k --iters 6 --breakdown gpu1_128k",
+               "date": "2026-11-28", "gpu": "H200"}
 HEADS = {"file": f"{R}/dsa_kernels_h200/heads_8_16_32.json",
          "command": 'python lab/dsa/dsa_heads_sweep.py --heads 16,8,32 --seqs 16384,32768 --configs "" '
                     '--ws off,on --reps 3',
@@ -142,8 +145,9 @@ def _breakdown_entries() -> Dict[str, Dict]:
         {"attention_proj": fwd_share["mla_proj"], "attention_core": fwd_share["core_attn"],
          "routed_experts": fwd_share["experts"], "shared_expert": fwd_share["shared_expert"],
          "dense_mlp": fwd_share["dense_mlp"], "router": fwd_share["router"], "dispatch": fwd_share["dispatch"],
-         "glue": fwd_share["glue"]}, "fraction", "derived", src,
-        "forward ms / (forward + backward ms) per row: what recomputing that part's forward costs")
+         "glue": fwd_share["glue"], "dsa_indexer": _indexer_forward_share()}, "fraction", "derived", src,
+        "forward ms / (forward + backward ms) per row: what recomputing that part's forward costs (dsa_indexer: "
+        "index scores + top-k over those + the sparse KL, from " + DSA128_STEP["file"] + ")")
     busy = _load(BREAKDOWN["file"])
     opt_ms = ms["muon"] + ms["adamw"] + ms["optimizer"]
     e["profile.gpu_busy_per_microbatch_s"] = _entry((busy["busy_ms"] * 1e-3 - opt_ms) / 8, "s", "derived", src,
@@ -229,6 +233,9 @@ def _dsa_entries(gpu: str) -> Dict[str, Dict]:
         idx.append({"seq": s, "indexer_heads": 32, "s_per_token": (d["topk_ms"] + d["kl_ms"]) * 1e-3 / s,
                     "source": src})
     if gpu == "h200":
+        att_pt, idx_pt = _dsa_in_step_128k()
+        att.append(att_pt)
+        idx.append(idx_pt)
         for r in _load(HEADS["file"])["rows"]:
             if r.get("ws") == "on":
                 s, h = r["S"], r["heads"]
@@ -242,6 +249,44 @@ def _dsa_entries(gpu: str) -> Dict[str, Dict]:
                                       "(top-k ms + sparse KL ms) / S at the GLM-5 indexer (32 heads x 128); "
                                       "the index-score GEMMs are inside the top-k time"),
     }
+
+
+def _kernel_ms(path: str) -> Dict[str, float]:
+    """ms per step by kernel name, from a step breakdown's "Largest kernels" table (summed over its rows)."""
+    ms: Dict[str, float] = {}
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) > 6 and cells[5].startswith("`"):
+                name = cells[5].strip("`")
+                ms[name] = ms.get(name, 0.0) + float(cells[1])
+    return ms
+
+
+def _dsa_in_step_128k() -> Tuple[Dict, Dict]:
+    """glm5-proxy's DSA sparse step at 131,072 tokens (one GPU, full recompute, 15 layer slots), profiled: the sparse
+    attention's forward + backward and the indexer's index scores + top-k + KL, once per layer (the recompute runs
+    the forward kernels a second time; their two passes are averaged). The kernel benchmark measured only to 32K, and
+    at 128K the sparse backward runs in key partitions (model.dsa_key_partition_mib): 6.9x its forward, 4.3x at 32K."""
+    k = _kernel_ms(DSA128_STEP["file"])
+    s, layers, heads = 131072, 15, 16
+    fwd = k["fwd_kernel"] / 2
+    attn_s = (fwd + k["_bwd_kernel"]) * 1e-3 / layers
+    index_s = (k["_scores_kernel"] / 2 + k["_radix_select_kernel"] / 2 + k["_sparse_kl_kernel"]) * 1e-3 / layers
+    keys = 2048 - 2048 * 2048 / (2 * s)
+    src = dict(DSA128_STEP, note="in-step kernels of a profiled training step (SparseMLACore forward + backward; "
+                                 "index scores + radix top-k + sparse KL), per layer")
+    return ({"seq": s, "heads": heads, "flops_per_s": 3 * heads * (2 * 576 + 2 * 512) * keys * s / attn_s,
+             "source": src},
+            {"seq": s, "indexer_heads": 32, "s_per_token": index_s / s * 32 / 16, "source": src})
+
+
+def _indexer_forward_share() -> float:
+    """The indexer's forward share: index scores and top-k run only forward (a recompute repeats them whole), the
+    sparse KL's kernel runs in the backward; from the 128K profile."""
+    k = _kernel_ms(DSA128_STEP["file"])
+    fwd = (k["_scores_kernel"] + k["_radix_select_kernel"]) / 2
+    return fwd / (fwd + k["_sparse_kl_kernel"])
 
 
 def _output_entries(gpu: str) -> Dict[str, Dict]:

@@ -37,15 +37,16 @@ MISSES = {
                         "per step) take 0.25-0.35 s per step more than the model at every length (4K-64K), a "
                         "constant the H200's one-sequence runs (fitted step.fixed_s 0.07 s) do not show; it "
                         "dominates at 4K and 16K. Likely warm-up left in step 2 (not profiled).",
-    "h200 dsa 200K / h100 dsa 64K-128K (2026-11-24)": "DSA kernels of 2026-11-24: the variant scales today's DSA "
-                        "estimate by the 11-24 profile's ratio at 16K; the selection and KL of that code grew faster "
-                        "with the sequence (top-k selection has been 1.3-2x faster since), which no committed 11-24 "
-                        "measurement at long sequences separates.",
-    "128K DSA sparse full (11-28b)": "glm5-proxy's whole step at 128K with DSA sparse (indexer top-k, sparse "
-                        "attention and KL, full recompute) on today's code: the model is 27-36% optimistic on one "
-                        "GPU and under CP alike (the CP ratios it predicts, 0.89 at CP=2 and 0.85 at CP=4, are below "
-                        "the measured 0.95 and 0.90), so the missing time is per token, not in the CP gathers. These "
-                        "runs were not profiled, so it is not yet attributed to a part.",
+    "h100 dsa 128K (2026-11-24)": "DSA kernels of 2026-11-24: the variant scales today's DSA estimate by the 11-24 "
+                        "profile's ratio at 16K; the selection and KL of that code grew faster with the sequence "
+                        "(top-k selection has been 1.3-2x faster since), which no committed 11-24 measurement at long "
+                        "sequences separates. (The H200's 200K run of that code is within 15% since the 128K profile "
+                        "of 2026-11-28 calibrates the indexer and the sparse attention at 131,072.)",
+    "pp2 vpp2 mbs4 calibrated split (11-28c)": "the calibrated split (Et*4|t*3|t*5|m*3L) measured 0.77 of one GPU "
+                        "(0.70 with the old split), the model predicts 0.90. Rank 0's profile: host-side gaps 21.6% "
+                        "and NCCL send/receive kernels 10.5% of the step, 32% idle against the 6% the 1F1B bubble "
+                        "(1 / (vpp x m) = 1/16) explains. Rank 1 was not profiled, so stage imbalance, send/receive "
+                        "latency and the schedule's host stalls are not yet separated.",
 }
 
 
