@@ -2,16 +2,20 @@
 checkpoint save blocks training.
 
     python benchmarks/soak.py --out soak.json                     # glm5-ablate, 1,000 steps, one GPU
-    python benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 20 --interval 5 --no-eval \
-        --async-save false --out save_sync.json                    # seconds blocked per save, synchronous
-    torchrun --nproc-per-node 2 benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 20 \
-        --interval 5 --no-eval --async-save true --out save_async_2gpu.json
+    python benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 360 --interval 120 --no-eval \
+        --async-save false --out save_sync.json train.global_batch_size=4   # seconds blocked per save, synchronous
+    torchrun --nproc-per-node 2 benchmarks/soak.py --config configs/models/glm5-proxy.yaml --steps 360 \
+        --interval 120 --no-eval --async-save true --out save_async_2gpu.json train.global_batch_size=8
 
 The run is the ordinary trainer (`pretrain.training.loop.Trainer`) in this process, with an evaluation
 and a checkpoint every `--interval` steps (`checkpoint.async_save` from `--async-save`). After every
 step rank 0 records: GPU memory allocated and reserved, host RSS, open file descriptors and threads of
 the process (from /proc), and the step's tokens/s; after every save, the seconds the save blocked
-training (`Trainer.save_blocked_s`: the whole write when synchronous, staging the tensors when async).
+training (`Trainer.save_blocked_s`) and its two parts: `waited_s`, waiting for the previous save's background
+write and pruning to finish (`Trainer.save_waited_s`: near 0 unless `--interval` is shorter than one background
+write), and `staged_s`, this save's own work (`Trainer.save_staged_s`: staging the tensors when async, the whole
+write when synchronous). The JSON has the median of each; to measure what an asynchronous save itself costs,
+choose an `--interval` longer than one write (then `waited_s` stays near 0).
 Without `--data` the tokens are synthetic (`data.mock=true`); with `--data PREFIX --tokenizer FILE` they
 are the preprocessed files.
 
@@ -39,6 +43,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a sc
 ROOT = Path(__file__).resolve().parents[1]
 GROWING = ("gpu_allocated_gib", "gpu_reserved_gib", "host_rss_gib")  # may grow by --max-growth
 FIXED = ("open_files", "threads")  # must not grow
+SAVE_PARTS = ("waited_s", "staged_s", "blocked_s")  # per save: waited for the previous one + its own = blocked
+
+
+def _median_and_all(values: List[float]) -> dict:
+    return {"median": statistics.median(values) if values else None, "all": values}
 
 
 def _proc_status(field: str) -> int:
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
 
     def saved():
         path = save()
-        saves.append({"step": trainer.iteration, "blocked_s": trainer.save_blocked_s})
+        saves.append({"step": trainer.iteration, "waited_s": trainer.save_waited_s,
+                      "staged_s": trainer.save_staged_s, "blocked_s": trainer.save_blocked_s})
         return path
 
     trainer.metrics.log_step, trainer.save = logged, saved
@@ -167,12 +177,11 @@ def main(argv=None) -> int:
     import torch
 
     warmup = args.warmup if args.warmup is not None else min(args.interval + 10, args.steps // 2)
-    blocked = [s["blocked_s"] for s in saves]
     result = {
         "config": args.config, "steps": args.steps, "interval": args.interval, "async_save": args.async_save == "true",
         "data": args.data or "synthetic (data.mock=true)", "world_size": trainer.world_size,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "warmup": warmup,
-        "save_blocked_s": {"median": statistics.median(blocked) if blocked else None, "all": blocked},
+        **{f"save_{part}": _median_and_all([s[part] for s in saves]) for part in SAVE_PARTS},
         "saves": saves, "samples": samples,
     }
     result["verdict"] = verdict(samples, warmup, args.max_growth, args.max_slowdown)
@@ -180,8 +189,10 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(plot(result, out.with_suffix(".png")))
     v = result["verdict"]
+    median = {part: result[f"save_{part}"]["median"] for part in SAVE_PARTS}
     print(f"soak {'PASS' if v['pass'] else 'FAIL'}: {v['why']}; checkpoints block training a median "
-          f"{result['save_blocked_s']['median']} s ({'async' if result['async_save'] else 'sync'}); {out}")
+          f"{median['blocked_s']} s ({'async' if result['async_save'] else 'sync'}: waiting for the previous save "
+          f"{median['waited_s']} s, this save's own {median['staged_s']} s); {out}")
     return 0 if v["pass"] else 1
 
 

@@ -75,6 +75,63 @@ def test_crash_during_async_save_resumes_the_previous_checkpoint(stdlib_data, tm
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]
 
 
+def test_save_time_splits_into_waiting_for_the_previous_save_and_its_own(monkeypatch, caplog):
+    """`Trainer.save` times the wait for the previous background write (`save_waited_s`) apart from this save's own
+    work (`save_staged_s`), checked against known sleeps of a fake writer queue and a fake save; a wait of more than
+    a second says once that the checkpoint interval is shorter than a write."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from pretrain.notices import forget_said
+    from pretrain.training import checkpoint
+    from pretrain.training.loop import Trainer
+
+    write_s, stage_s = 1.05, 0.2  # the write just over the warning's 1 s; staging well under the write
+
+    class SlowWriter:
+        """One write in flight at a time, which takes `write_s` to finish once waited for."""
+
+        def __init__(self):
+            self.in_flight = 0
+
+        def get_num_unfinalized_calls(self):
+            return self.in_flight
+
+        def maybe_finalize_async_calls(self, blocking):
+            assert blocking
+            time.sleep(write_s)
+            self.in_flight = 0
+
+    def save_checkpoint(save_dir, iteration, *args, async_queue=None):
+        checkpoint.finalize_async_saves(async_queue, blocking=True)  # as the real one: nothing left in flight here
+        time.sleep(stage_s)
+        async_queue.in_flight = 1  # this save's write goes on in the background
+        return f"{save_dir}/iter_{iteration:07d}"
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+    forget_said()
+    trainer = Trainer.__new__(Trainer)  # the save alone: no process group, model or data
+    trainer.cfg = SimpleNamespace(checkpoint=SimpleNamespace(save="ckpt", save_interval=2))
+    trainer.model = trainer.optimizer = trainer.scheduler = None
+    trainer.rank, trainer.skipped_steps, trainer.async_queue = 0, 0, SlowWriter()
+    trainer._data_iterators = lambda: [SimpleNamespace(state_dict=dict)]
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="pretrain.training.loop"):
+        for trainer.iteration in (2, 4, 6):
+            assert trainer.save() == f"ckpt/iter_{trainer.iteration:07d}"
+            seen.append((trainer.save_waited_s, trainer.save_staged_s, trainer.save_blocked_s))
+    first, *later = seen
+    assert first[0] < 0.1 and stage_s <= first[1] < stage_s + 0.5  # nothing in flight: only its own staging
+    for waited, staged, blocked in later:  # the previous write was in flight: waited for it, then staged
+        assert write_s <= waited < write_s + stage_s, seen
+        assert stage_s <= staged < stage_s + write_s, seen
+        assert blocked == pytest.approx(waited + staged)
+    warned = [r for r in caplog.records if "checkpoint.save_interval" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert "step 4 waited 1." in warned[0].getMessage() and "shorter than one background" in warned[0].getMessage()
+
+
 def test_each_rank_fsyncs_only_the_files_it_wrote(tmp_path):
     """Rank 0 must not touch another rank's files (a rank's state file may still be a .tmp being renamed)."""
     from pretrain.training.checkpoint_files import rank_files

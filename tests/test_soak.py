@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_training import ROOT
 
 
@@ -21,10 +23,17 @@ def test_soak_smoke_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert [s["step"] for s in result["samples"]] == [1, 2, 3, 4]
     assert [s["step"] for s in result["saves"]] == [2, 4] and all(s["blocked_s"] > 0 for s in result["saves"])
+    for s in result["saves"]:  # blocked = waiting for the previous save + this save's own (`Trainer.save` splits it)
+        assert s["waited_s"] >= 0 and s["staged_s"] > 0
+        assert s["blocked_s"] == pytest.approx(s["waited_s"] + s["staged_s"])
+    for part in ("waited_s", "staged_s", "blocked_s"):
+        values = [s[part] for s in result["saves"]]
+        assert result[f"save_{part}"] == {"median": pytest.approx(sum(values) / 2), "all": values}
     assert result["async_save"] is True and result["verdict"]["pass"] == (proc.returncode == 0)
     for s in result["samples"]:
         assert s["host_rss_gib"] > 0 and s["open_files"] > 0 and s["threads"] > 0 and s["tokens_per_sec"] > 0
     assert "soak PASS" in proc.stdout or "soak FAIL" in proc.stdout
+    assert f"waiting for the previous save {result['save_waited_s']['median']} s" in proc.stdout
 
 
 def test_verdict_windows_and_limits():

@@ -15,6 +15,7 @@ are `pretrain.training.metrics.StepTimer`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -34,11 +35,15 @@ from pretrain.config.schema import GLM5Config, TrainConfig
 from pretrain.model.aux_losses import ReduceGroups, aux_losses_for
 from pretrain.model.builder import build_model_chunks as build_rank_chunks
 from pretrain.model.stages import freeze_for_stage
+from pretrain.notices import first_time
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
 from pretrain.training.metrics import synchronize
 from pretrain.training.preflight import preflight
 from pretrain.training.profile_scopes import scope
 from pretrain.training.step import forward_step
+
+log = logging.getLogger(__name__)
+SAVE_WAIT_WARN_S = 1.0  # a save that waited longer for the previous one says so (once): the interval is too short
 
 
 class TrainingStopped(RuntimeError):
@@ -79,7 +84,8 @@ class Trainer:
             from pretrain.training.checkpoint import async_save_queue
 
             self.async_queue = async_save_queue()
-        self.saved_iteration, self.saved_path, self.save_blocked_s = None, None, None
+        self.saved_iteration, self.saved_path = None, None
+        self.save_blocked_s = self.save_waited_s = self.save_staged_s = None  # seconds, of the last save
         from pretrain.training.flops import configured_flops_per_step
         from pretrain.training.metrics import MetricsLogger, StepTimer
 
@@ -250,13 +256,26 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.save:
             return None
-        from pretrain.training.checkpoint import save_checkpoint
+        from pretrain.training.checkpoint import finalize_async_saves, save_checkpoint, wait_for_pruning
 
         extra = {"data": self._data_iterators()[0].state_dict(), "skipped_steps": self.skipped_steps}
         began = time.perf_counter()
+        # The previous save's tail first (its background write, then its pruning), timed apart from this save's own
+        # work, so `save_blocked_s` (all that training waited) splits into `save_waited_s` (for the previous save)
+        # and `save_staged_s` (this save: staging the tensors when async, the whole write when synchronous).
+        finalize_async_saves(self.async_queue, blocking=True)
+        wait_for_pruning()
+        waited = time.perf_counter()
         self.saved_path = save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self.scheduler, self.cfg,
                                           extra, async_queue=self.async_queue)
-        self.saved_iteration, self.save_blocked_s = self.iteration, time.perf_counter() - began  # training waited
+        done = time.perf_counter()
+        self.saved_iteration = self.iteration
+        self.save_waited_s, self.save_staged_s, self.save_blocked_s = waited - began, done - waited, done - began
+        if self.rank == 0 and self.save_waited_s > SAVE_WAIT_WARN_S and first_time("checkpoint interval too short"):
+            log.warning("checkpoint.save_interval=%s steps is shorter than one background checkpoint write: the save "
+                        "at step %d waited %.1f s for the previous save to finish (training blocked); a longer "
+                        "checkpoint.save_interval avoids the wait (said once)", c.save_interval, self.iteration,
+                        self.save_waited_s)
         return self.saved_path
 
     def _stop_on_signal(self, signal_name: str, profiler, exit_signals) -> None:
