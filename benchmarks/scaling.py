@@ -220,8 +220,14 @@ def torchrun_command(run: Run, args, port: int) -> List[str]:
               f"data.data_cache_path={args.out}/data_cache"]
     if run.profile or broken_down(run, args):  # the last two steps on rank 0: the collective's share, the breakdown
         common += [f"logging.profile_step_start={args.iters - 1}", f"logging.profile_step_end={args.iters}"]
+        if broken_down(run, args) and is_pipelined(run):  # the last rank holds the last stage: both ends of the pipe
+            common.append(f"logging.profile_ranks=[0,{run.gpus - 1}]")
     return (["torchrun", "--nproc-per-node", str(run.gpus), "--master-port", str(port), "-m", "pretrain.train",
              "--config", run.config or args.config] + common + run.overrides + args.extra)
+
+
+def is_pipelined(run: Run) -> bool:
+    return any(o.startswith("parallel.pipeline_model_parallel_size=") and not o.endswith("=1") for o in run.overrides)
 
 
 def broken_down(run: Run, args) -> bool:
@@ -277,14 +283,14 @@ def summarize(run: Run, run_dir: Path, iters: int, profiled: bool = False) -> di
             "overrides": run.overrides}
 
 
-def write_breakdown(run_dir: Path, path: Path) -> None:
-    """`python -m pretrain.tools.step_breakdown` of rank 0's profiled steps (where the step's time goes, by part,
+def write_breakdown(run_dir: Path, path: Path, rank: int = 0) -> None:
+    """`python -m pretrain.tools.step_breakdown` of `rank`'s profiled steps (where the step's time goes, by part,
     with the largest kernels) into `path`, next to the tables: small enough to keep when the trace is not."""
     from pretrain.tools import step_breakdown
 
-    traces = sorted((run_dir / "profile").glob("trace_rank0_*.json"))
+    traces = sorted((run_dir / "profile").glob(f"trace_rank{rank}_*.json"))
     if not traces:
-        path.write_text(f"no rank-0 trace under {run_dir / 'profile'}\n")
+        path.write_text(f"no rank-{rank} trace under {run_dir / 'profile'}\n")
         return
     with contextlib.redirect_stdout(io.StringIO()):
         step_breakdown.main([str(traces[-1]), "--steps", "2", "--out", str(path), "--kernels", "12"])
@@ -415,6 +421,8 @@ def main(argv=None) -> int:
             row = summarize(run, out / run.name, args.iters, profiled=broken_down(run, args))
             if broken_down(run, args):
                 write_breakdown(out / run.name, out / f"{run.name}.breakdown.md")
+                if is_pipelined(run):  # the last stage's rank too: imbalance and waiting show on both ends
+                    write_breakdown(out / run.name, out / f"{run.name}.rank{run.gpus - 1}.breakdown.md", run.gpus - 1)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as err:
             row = {"run": run.name, "gpus": run.gpus, "baseline": run.baseline, "error": str(err).splitlines()[0]}
         row["wall_s"] = round(time.time() - started, 1)

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from pretrain.config.errors import ConfigError
 from pretrain.config.schema import GLM5Config, LoggingConfig
 from pretrain.training.metrics import (
     REQUIRED_KEYS,
@@ -175,6 +176,29 @@ def test_profiler_window_writes_a_chrome_trace(tmp_path):
     assert [t.name for t in traces] == ["trace_rank0_steps2-3.json"]
     names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
     assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
+
+
+def test_profiler_window_profiles_the_listed_ranks(tmp_path):
+    """logging.profile_ranks: only the listed global ranks write a trace (e.g. both ends of a pipeline)."""
+    cfg = make_cfg(tmp_path, profile_step_start=1, profile_step_end=1, profile_ranks=[1, 3])
+    for rank in range(4):
+        window = ProfilerWindow(cfg, rank=rank)
+        with window.step(1):
+            torch.ones(4).sum()
+        window.close()
+    traces = sorted(t.name for t in (tmp_path / "run" / "profile").glob("trace_*.json"))
+    assert traces == ["trace_rank1_steps1-1.json", "trace_rank3_steps1-1.json"]
+
+
+def test_profile_ranks_are_checked_before_launch(tmp_path):
+    from pretrain.config import validate_config
+
+    with pytest.raises(ConfigError, match="profile_ranks"):
+        validate_config(make_cfg(tmp_path, profile_ranks=[]))
+    with pytest.raises(ConfigError, match="profile_ranks names ranks \\[1\\] of a world of 1"):
+        validate_config(make_cfg(tmp_path, profile_step_start=1, profile_step_end=2, profile_ranks=[0, 1]),
+                        world_size=1)
+    validate_config(make_cfg(tmp_path, profile_step_start=1, profile_step_end=2, profile_ranks=[0]), world_size=1)
 
 
 def test_profiler_off_and_misconfigured(tmp_path):

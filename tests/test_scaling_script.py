@@ -121,6 +121,9 @@ def test_breakdown_table_from_a_trace(tmp_path):
     scaling.write_breakdown(tmp_path / "r", tmp_path / "r.breakdown.md")
     text = (tmp_path / "r.breakdown.md").read_text()
     assert "mla_proj" in text and "sm90_gemm_bwd" in text  # the part table and the largest kernels
+    (tmp_path / "r" / "profile" / "trace_rank0_steps7-8.json").rename(tmp_path / "r" / "profile" / "trace_rank3_steps7-8.json")
+    scaling.write_breakdown(tmp_path / "r", tmp_path / "r.rank3.breakdown.md", rank=3)  # another rank's trace
+    assert "mla_proj" in (tmp_path / "r.rank3.breakdown.md").read_text()
 
 
 def test_glm5_width_runs_have_their_own_configs(capsys):
@@ -143,6 +146,8 @@ def test_breakdown_of_named_runs_only(capsys):
     lines = {line.split("]")[0][1:]: line for line in out.splitlines() if line.startswith("[")}
     assert "logging.profile_step_start=7" in lines["pp2"] and "logging.profile_step_start=7" in lines["ep"]  # EP: a2a
     assert "logging.profile_step_start" not in lines["gpu1"]
+    # a pipeline's breakdown profiles both ends: rank 0 (first stage) and the last rank (last stage); the others one
+    assert "logging.profile_ranks=[0,1]" in lines["pp2"] and "profile_ranks" not in lines["ep"]
 
 
 def test_runs_use_the_given_devices_and_calibration(monkeypatch):

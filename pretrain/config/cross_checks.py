@@ -11,7 +11,7 @@ import logging
 from pretrain.config.errors import require
 from pretrain.config.pipeline_layout import LAYOUT_KEY, stage_entries
 from pretrain.config.schema import (
-    CP_WORK_CHUNKS_PER_RANK, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig,
+    CP_WORK_CHUNKS_PER_RANK, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig,
 )
 from pretrain.notices import say_once
 
@@ -207,6 +207,13 @@ def check_schedule(o: OptimizerConfig, t: TrainConfig) -> None:
         f"optimizer.lr_warmup_iters ({o.lr_warmup_iters}) must be < the decay length ({decay_iters}, "
         "optimizer.lr_decay_iters or train.train_iters); shorten the warm-up",
     )
+
+
+def check_profile_ranks(lg: LoggingConfig, world_size: int) -> None:
+    beyond = [r for r in lg.profile_ranks if r >= world_size]
+    require(not beyond or lg.profile_step_start is None,
+            f"logging.profile_ranks names ranks {beyond} of a world of {world_size} (ranks 0 .. {world_size - 1}); "
+            "list ranks that exist")
 
 
 def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None:

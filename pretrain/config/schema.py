@@ -384,6 +384,8 @@ class LoggingConfig:
     """Step after the last profiled one."""
     profile_memory: bool = False
     """Ours: the profile window also records CUDA allocations: a memory snapshot and a report of the peak."""
+    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks that write a profile trace (megatron-LM's --profile-ranks), e.g. both pipeline ends."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pretrain.config.cross_checks import (
     check_documents,
     check_model_parallel,
     check_schedule,
+    check_profile_ranks,
     check_sequence,
     check_trainable,
     check_world_size,
@@ -57,6 +58,7 @@ def validate_config(cfg: GLM5Config, world_size: Optional[int] = None) -> None:
     check_trainable(cfg.model, cfg.train)
     if world_size is not None:
         check_world_size(cfg.parallel, cfg.train, world_size)
+        check_profile_ranks(cfg.logging, world_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +409,10 @@ def check_logging(lg: LoggingConfig) -> None:
             f"logging.profile_step_start ({show(start)}) and logging.profile_step_end ({show(end)}) must be set together "
             "with 0 <= start < end; set both to null to disable profiling",
         )
+    require(
+        bool(lg.profile_ranks) and all(isinstance(r, int) and r >= 0 for r in lg.profile_ranks),
+        f"logging.profile_ranks ({show(lg.profile_ranks)}) must list one or more global ranks >= 0, e.g. [0]",
+    )
     require(
         not lg.profile_memory or start is not None,
         "logging.profile_memory records allocations over the profile window: set logging.profile_step_start and "

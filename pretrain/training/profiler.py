@@ -46,7 +46,7 @@ class ProfilerWindow:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.rank = rank
         self.start, self.end = start, end
-        self.enabled = start is not None and (all_ranks or rank == 0)
+        self.enabled = start is not None and (all_ranks or rank in log.profile_ranks)
         self.out_dir = Path(log.run_dir) / "profile"
         self._profiler: Optional[torch.profiler.profile] = None
         self._first: Optional[int] = None
