@@ -77,8 +77,10 @@ def main(argv=None) -> None:
         base = json.load(f)
     with open(args.measured) as f:
         measured = json.load(f)
+    # the entries this run measured name it as their source; the rest of the file is the table it started from
+    # (an older h200.json by now, perhaps), so only these are merged
     changed = [k for k, v in measured["entries"].items()
-               if json.dumps(v["value"]) != json.dumps(base["entries"].get(k, {}).get("value"))]
+               if os.path.basename(str((v.get("source") or {}).get("file"))) == os.path.basename(args.measured)]
     if args.entries:
         unknown = sorted(set(args.entries.split(",")) - set(changed))
         if unknown:
