@@ -201,6 +201,17 @@ def test_profile_ranks_are_checked_before_launch(tmp_path):
     validate_config(make_cfg(tmp_path, profile_step_start=1, profile_step_end=2, profile_ranks=[0]), world_size=1)
 
 
+def test_flops_caveat_names_documents(tmp_path):
+    """Packed documents: the logged MFU counts whole causal windows, and the run says so."""
+    from pretrain.training.metrics import flops_caveat
+
+    cfg = make_cfg(tmp_path)
+    assert flops_caveat(cfg) is None
+    cfg.data.reset_attention_mask = True
+    cfg.data.seq_length = 131072
+    assert "every 131072-token window as one causal sequence" in flops_caveat(cfg)
+
+
 def test_profiler_off_and_misconfigured(tmp_path):
     off = ProfilerWindow(make_cfg(tmp_path), rank=0)
     with off.step(1):

@@ -87,12 +87,15 @@ class Trainer:
         self.saved_iteration, self.saved_path = None, None
         self.save_blocked_s = self.save_waited_s = self.save_staged_s = None  # seconds, of the last save
         from pretrain.training.flops import configured_flops_per_step
-        from pretrain.training.metrics import MetricsLogger, StepTimer
+        from pretrain.training.metrics import MetricsLogger, StepTimer, flops_caveat
 
         tokens = cfg.train.global_batch_size * cfg.data.seq_length
         self.timer = StepTimer(configured_flops_per_step(cfg.model, cfg.data.seq_length, tokens), tokens,
                                self.world_size)
         self.metrics = MetricsLogger(cfg, self.rank, self.world_size, resume_step=self.iteration)
+        caveat = flops_caveat(cfg)
+        if caveat and self.rank == 0:
+            log.info(caveat)
 
     # ----------------------------------------------------------------------------- setup
     def _configure_schedule(self) -> None:

@@ -261,6 +261,15 @@ def device_name() -> Optional[str]:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+def flops_caveat(cfg) -> Optional[str]:
+    """What the logged TFLOP/s and MFU leave out for this config, or None: the FLOP counter
+    (`pretrain.training.flops`, like megatron-LM's) counts every window as one causal sequence."""
+    if not cfg.data.reset_attention_mask:
+        return None
+    return (f"TFLOP/s and MFU count every {cfg.data.seq_length}-token window as one causal sequence; attention within "
+            "packed documents (data.reset_attention_mask) does less work, so both overstate it")
+
+
 class StepTimer:
     """Wall time of a step (synchronized with the GPU) -> tokens/s, TFLOP/s per GPU, MFU and the
     peak memory so far; the trainer logs these for every step.
