@@ -19,6 +19,8 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
     pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout (weighed by the planner's
                            calibration for the GPU kind), x DP = N / 2
+    pp2_overlap            pp2 with parallel.overlap_p2p_comm=true (separate send/receive requests overlapping
+                           compute, megatron-LM's default under VPP; pp2 batches them and syncs the device)
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -84,7 +86,7 @@ GROUPS = {
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2"],
+    "pp": ["pp2", "pp2_overlap"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
            "gpu1_32k_dsa", "cp2_32k_dsa"],
@@ -140,6 +142,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("ep_bal", n, 8, n, "gpu1_bal", ep + DEDUP + BALANCED, "a2a"),
         Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, "a2a"),
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
+        Run("pp2_overlap", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
+            + ["parallel.overlap_p2p_comm=true"]),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
         Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),

@@ -114,7 +114,8 @@ def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
         grads.append({chunk_names[n]: (getattr(p, "main_grad", None) if ddp else p.grad) for n, p in chunk.named_parameters()})
         grads[-1] = {n: None if g is None else g.detach().clone() for n, g in grads[-1].items()}
     return {"losses": losses, "grads": grads, "initial_embedding_copies": copies,
-            "roles": [(c.pre_process, c.post_process, getattr(c, "mtp_process", False)) for c in chunks]}
+            "roles": [(c.pre_process, c.post_process, getattr(c, "mtp_process", False)) for c in chunks],
+            "p2p": (chunks[0].config.overlap_p2p_comm, chunks[0].config.batch_p2p_comm)}
 
 
 def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: dict) -> dict:
@@ -124,7 +125,10 @@ def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: d
     try:
         initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)  # other seeds: values come from ref_state
         return {"local": _pipeline_step(cfg, tokens, ref_state, ddp=False),
-                "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True)}
+                "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True),
+                # sends and receives as separate requests overlapping compute (parallel.overlap_p2p_comm)
+                "overlap": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=true"]), tokens, ref_state,
+                                          ddp=False)}
     finally:
         destroy_parallel()
 
@@ -162,7 +166,8 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     # the MTP chunk's embedding starts as the first chunk's, not zero (megatron zero-fills it)
     first, mtp = rank0["local"]["initial_embedding_copies"]
     assert torch.equal(first, mtp) and mtp.abs().max() > 0
-    for mode in ("local", "ddp"):
+    assert rank0["local"]["p2p"] == (False, True) and rank0["overlap"]["p2p"] == (True, False)
+    for mode in ("local", "ddp", "overlap"):
         losses = rank1[mode]["losses"]
         assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"]))
     chunks = rank0["local"]["grads"] + rank1["local"]["grads"]
@@ -171,6 +176,7 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     assert min(rel_err(g[EMBEDDING], ref["grads"][EMBEDDING]) for g in rank0["local"]["grads"]) > 100 * TOL
     # after DDP + finalize_model_grads each copy holds the whole gradient
     worst = max(worst, _compare(ref, rank0["ddp"]["grads"] + rank1["ddp"]["grads"], sum_embedding=False))
+    worst = max(worst, _compare(ref, rank0["overlap"]["grads"] + rank1["overlap"]["grads"], sum_embedding=True))
     print(f"\nPP=2 x VPP=2 {LAYOUT}: worst relative max-abs error {worst:.2e}")
 
 
@@ -231,6 +237,8 @@ def test_stage_entries(extra, expected):
     (PIPELINE + ["model.share_embeddings_and_output_weights=true"], ["model.share_embeddings_and_output_weights"]),
     (PIPELINE + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.num_layers_in_first_pipeline_stage"]),
     (PIPELINE[:2] + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.virtual_pipeline_model_parallel_size"]),
+    (["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=true"],
+     ["parallel.overlap_p2p_comm", "virtual_pipeline_model_parallel_size"]),
 ])
 def test_bad_layouts_refused_in_one_line(extra, keys):
     from pretrain.config.errors import ConfigError

@@ -73,6 +73,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> GLM5Tran
     assert not unknown, f"ModelConfig keys without a TransformerConfig field: {sorted(unknown)}"
     # ParallelConfig also holds DDP settings (overlap_grad_reduce) that the trainer consumes
     kwargs.update({k: v for k, v in dataclasses.asdict(parallel).items() if k in fields})
+    # megatron-LM's pairing: overlapped sends/receives are separate requests; a batched one ends in a device sync
+    kwargs["batch_p2p_comm"] = not parallel.overlap_p2p_comm
     pattern = moe_layer_pattern(model)
     backend = specs.resolve_backend(model.transformer_impl)
     if model.num_moe_experts is None:
