@@ -19,8 +19,9 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
     pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout (weighed by the planner's
                            calibration for the GPU kind), x DP = N / 2
-    pp2_overlap            pp2 with parallel.overlap_p2p_comm=true (separate send/receive requests overlapping
-                           compute, megatron-LM's default under VPP; pp2 batches them and syncs the device)
+    pp2_overlap            pp2 with megatron-LM's pipeline settings: parallel.overlap_p2p_comm=true (separate
+                           send/receive requests overlapping compute; pp2 batches them and syncs the device) and
+                           deallocate_pipeline_outputs=true (a stage's output freed once sent)
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -143,7 +144,7 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, "a2a"),
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
         Run("pp2_overlap", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
-            + ["parallel.overlap_p2p_comm=true"]),
+            + ["parallel.overlap_p2p_comm=true", "parallel.deallocate_pipeline_outputs=true"]),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
         Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),

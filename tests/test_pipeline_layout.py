@@ -115,7 +115,8 @@ def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
         grads[-1] = {n: None if g is None else g.detach().clone() for n, g in grads[-1].items()}
     return {"losses": losses, "grads": grads, "initial_embedding_copies": copies,
             "roles": [(c.pre_process, c.post_process, getattr(c, "mtp_process", False)) for c in chunks],
-            "p2p": (chunks[0].config.overlap_p2p_comm, chunks[0].config.batch_p2p_comm)}
+            "p2p": (chunks[0].config.overlap_p2p_comm, chunks[0].config.batch_p2p_comm,
+                    chunks[0].config.deallocate_pipeline_outputs)}
 
 
 def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: dict) -> dict:
@@ -127,8 +128,10 @@ def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: d
         return {"local": _pipeline_step(cfg, tokens, ref_state, ddp=False),
                 "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True),
                 # sends and receives as separate requests overlapping compute (parallel.overlap_p2p_comm)
-                "overlap": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=true"]), tokens, ref_state,
-                                          ddp=False)}
+                # megatron-LM's pipeline settings: parallel.overlap_p2p_comm, deallocate_pipeline_outputs
+                "overlap": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=true",
+                                                              "parallel.deallocate_pipeline_outputs=true"]),
+                                          tokens, ref_state, ddp=False)}
     finally:
         destroy_parallel()
 
@@ -166,7 +169,7 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     # the MTP chunk's embedding starts as the first chunk's, not zero (megatron zero-fills it)
     first, mtp = rank0["local"]["initial_embedding_copies"]
     assert torch.equal(first, mtp) and mtp.abs().max() > 0
-    assert rank0["local"]["p2p"] == (False, True) and rank0["overlap"]["p2p"] == (True, False)
+    assert rank0["local"]["p2p"] == (False, True, False) and rank0["overlap"]["p2p"] == (True, False, True)
     for mode in ("local", "ddp", "overlap"):
         losses = rank1[mode]["losses"]
         assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"]))

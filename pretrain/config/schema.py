@@ -238,6 +238,8 @@ class ParallelConfig:
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
     overlap_p2p_comm: bool = False
     """Interleaved PP: sends/receives as separate requests overlapping compute, not a synced batch (megatron-LM's)."""
+    deallocate_pipeline_outputs: bool = False
+    """PP: free a stage's output once sent (megatron-LM sets it): less activation memory per micro-batch in flight."""
     overlap_moe_expert_parallel_comm: bool = False
     """megatron-core's combined 1F1B (EP all-to-all under another micro-batch); refused: docs/parallelism.md says why."""
     grad_reduce_in_fp32: bool = True
