@@ -141,26 +141,6 @@ def test_every_case_names_a_source_and_a_role():
         assert math.isfinite(c["measured"]["tokens_per_s_per_gpu"]), c["id"]
 
 
-def test_calibration_benchmark_smoke_on_cpu(tmp_path, proxy):
-    """The GPU calibration benchmark's whole single-process path at tiny sizes on CPU: it writes the table format
-    the time model reads (and a step time comes out of it)."""
-    from benchmarks.layout_calibration import main
-    from pretrain.layout.calibration import Calibration
-
-    out = tmp_path / "calib.json"
-    main(["--device", "cpu", "--smoke", "--gpu-kind", "h200", "--out", str(out)])
-    with open(out) as f:
-        table = json.load(f)
-    measured = {k for k, v in table["entries"].items() if v["kind"] == "measured" and v["source"]["file"] == str(out)}
-    want = {"attention.dense", "output_loss", "muon.newton_schulz_flops_per_s", "kernel.rate.routed_experts"}
-    assert want <= measured
-    assert all(p["flops_per_s"] > 0 for p in table["entries"]["attention.dense"]["value"])
-    _, dims = proxy
-    st = step_time(dims, Layout(micro_batch_size=4, num_microbatches=8, zero="ddp"), Workload(4096, 32),
-                   CLUSTERS["h200-nvl-ib400"].with_gpus(1), Calibration(table))
-    assert st.total > 0 and math.isfinite(st.tokens_per_s_per_gpu)
-
-
 def test_groups_spanning_nodes_use_the_network(proxy):
     """EP=4 with 2 GPUs per node crosses nodes (megatron's rank order puts the EP group on consecutive ranks): its
     all-to-all time scales by the intra-node all-to-all bandwidth over the inter-node one; DP=2 x TP=4 on 4-GPU
