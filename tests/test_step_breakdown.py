@@ -81,6 +81,7 @@ def synthetic_trace():
         _x("Optimizer.step#AdamW.step", 700, 100, cat="user_annotation"),
         _launch(710, 108),
         _launch(820, 109),  # under no part: "other"
+        _x("aten::item", 880, 30), _x("cudaStreamSynchronize", 882, 25, cat="cuda_runtime"),  # a host wait
         # kernels (ms): stream 7 in sequence, one on stream 8 overlapping
         _kernel("sm90_gemm_fwd", 100, 40, 101), _kernel("grouped_gemm", 140, 60, 102),
         _kernel("mul_kernel", 200, 10, 103), _kernel("add_kernel", 300, 10, 104),
@@ -216,3 +217,14 @@ def test_profiled_tiny_run_breakdown(tmp_path):
     counted = sum(v for k, v in counts.items() if re.search(r"(^|\.)(mm|addmm|bmm|baddbmm|_grouped_mm)(\.|$)", k))
     assert counted > 0
     assert summary["gemm_flops"] == pytest.approx(counted, rel=0.01), (summary["gemm_flops"], counts)
+
+
+def test_host_waits_are_the_synchronizing_calls():
+    from pretrain.tools.step_breakdown import format_waits, host_waits
+
+    rows = host_waits(Trace(synthetic_trace()))
+    assert rows == [{"call": "cudaStreamSynchronize", "inside": "aten::item < ProfilerStep#5", "ms": 25e-3,
+                     "calls": 1}]  # the kernel launches are not waits
+    text = format_waits(rows, 5)
+    assert "1 per step, 0.03 ms per step" in text and "| 0.03 | 1 | `cudaStreamSynchronize` | aten::item" in text
+

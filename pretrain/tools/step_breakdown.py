@@ -19,6 +19,8 @@ MTP depths. "host-side gaps" is wall time minus device-busy time (the union of k
 kernels overlapping on several streams are subtracted once as "stream overlap", so the shares sum
 to 100%. `--kernels N` adds the N largest kernels by part and the operator chain that launched them,
 which names the code behind a part's time (e.g. a copy inside core attention and the function that made it).
+A GPU trace also lists the host's waits on the device (synchronizing CUDA calls, by the ranges around them):
+with "host-side gaps", they tell a step whose host cannot run ahead (syncs) from one bound by launching kernels.
 """
 
 from __future__ import annotations
@@ -185,6 +187,47 @@ def kernel_rows(trace: Trace, steps: Optional[int] = None, depth: int = 4) -> Li
     return sorted(rows, key=lambda r: -r["ms"])
 
 
+# CUDA runtime / driver calls that return only when the device has caught up: while the host sits in one it
+# queues no kernels, so the GPU idles once the queue drains (`.item()`, `.cpu()`, `torch.cuda.synchronize()`,
+# a data-sized output such as `nonzero`).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2")
+
+
+def host_waits(trace: Trace, steps: Optional[int] = None, depth: int = 4) -> List[dict]:
+    """Host ms per step in synchronizing CUDA calls (SYNC_CALLS), by call and the host ranges around it
+    (innermost first), largest first: what keeps the host from running ahead of the GPU."""
+    chosen = trace.steps()[-steps:] if steps else trace.steps()
+    ms: Dict[tuple, float] = defaultdict(float)
+    calls: Dict[tuple, int] = defaultdict(int)
+    for step in chosen:
+        for evs in trace.host.values():
+            for e in evs:
+                if e["name"] not in SYNC_CALLS or not step["ts"] <= e["ts"] <= end(step):
+                    continue
+                chain, cur = [], e["_parent"]
+                while cur is not None and len(chain) < depth:
+                    chain.append(cur["name"])
+                    cur = cur["_parent"]
+                key = (e["name"], " < ".join(chain))
+                ms[key] += e.get("dur", 0.0)
+                calls[key] += 1
+    n = max(len(chosen), 1)
+    rows = [{"call": k[0], "inside": k[1], "ms": v * 1e-3 / n, "calls": calls[k] / n} for k, v in ms.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def format_waits(rows: List[dict], top: int) -> str:
+    """The `top` largest `host_waits` as a Markdown table (or one line when there are none)."""
+    total, count = sum(r["ms"] for r in rows), sum(r["calls"] for r in rows)
+    lines = ["", f"Host waits on the device (synchronizing CUDA calls): {count:g} per step, {total:.2f} ms per step. "
+                 "While the host waits it queues nothing, so each one drains the GPU's queue.", ""]
+    if rows:
+        lines += ["| ms/step | calls/step | call | inside (innermost first) |", "|---:|---:|---|---|"]
+        lines += [f"| {r['ms']:.2f} | {r['calls']:g} | `{r['call']}` | {r['inside'][:160]} |" for r in rows[:top]]
+    return "\n".join(lines) + "\n"
+
+
 def format_kernels(rows: List[dict], top: int) -> str:
     """The `top` largest `kernel_rows` as a Markdown table."""
     lines = ["", f"Largest kernels by part and launching operator (ms per step, top {top}):", "",
@@ -274,6 +317,10 @@ def main(argv=None) -> int:
         rows = kernel_rows(trace, args.steps)
         summary["kernels"] = rows[:args.kernels]
         table += format_kernels(rows, args.kernels)
+    if summary["device"] == "gpu":
+        waits = host_waits(trace, args.steps)
+        summary["host_waits"] = waits[:12]
+        table += format_waits(waits, 12)
     print(table, end="")
     if args.out:
         Path(args.out).write_text(table, encoding="utf-8")
