@@ -179,3 +179,19 @@ def test_expert_tensor_parallelism_gathers_the_received_rows(proxy):
     bw = cl.intra_node_bw * cal["collective.busbw_fraction_intra"]
     one = rows * dims.hidden * 2 * (etp - 1) / etp / bw + cal["collective.latency_s"]
     assert gathered.ep_a2a == pytest.approx(m * moe_slots * 4 * one, rel=1e-9)
+
+
+@pytest.mark.parametrize("config", ["configs/models/glm5-tiny.yaml", "configs/models/glm5-proxy.yaml"])
+def test_newton_schulz_flops_are_the_optimizers(config):
+    """The planner's Newton-Schulz count against the blocks one Muon step orthogonalizes: the meta-device model's
+    matrices cut by the optimizer's own Muon Split (benchmarks/layout_calibration.py: muon_batches)."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.layout_calibration import muon_batches
+    from pretrain.config import load_config
+    from pretrain.layout.timing import newton_schulz_flops
+
+    cfg = load_config(os.path.join(ROOT, config), ["optimizer.optimizer=muon"])
+    counted = sum(5 * (4 * m * m * n + 2 * m ** 3) * blocks for blocks, m, n in muon_batches(cfg))
+    assert newton_schulz_flops(ModelDims.from_config(cfg)) == pytest.approx(counted, rel=1e-9)

@@ -92,18 +92,20 @@ def _per_layer(dims: ModelDims, seq: int) -> Tuple[Dict[str, float], Dict[str, f
 
 @lru_cache(maxsize=64)
 def newton_schulz_flops(dims: ModelDims, steps: int = 5) -> float:
-    """Newton-Schulz FLOPs of one Muon step over the model's matrices (4 m^2 n + 2 m^3 per iteration, m <= n):
-    attention projections split per head (optimizer.muon_split), experts and FFNs whole, embedding/output/router
-    on AdamW."""
+    """Newton-Schulz FLOPs of one Muon step over the model's matrices (4 m^2 n + 2 m^3 per iteration, m <= n), cut
+    as `pretrain.optim.roles.param_split` cuts them (optimizer.muon_split): the q up-projection per head, the kv
+    up-projection per head as W_UK and W_UV, the output projection whole; experts and FFNs whole;
+    embedding/output/router on AdamW."""
     h, H = dims.hidden, dims.heads
     ns = lambda a, b: steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3)
     q_in = dims.q_lora_rank or h
     attn = (ns(h, dims.q_lora_rank) if dims.q_lora_rank else 0) + H * ns(q_in, dims.qk_head)
     attn += ns(h, dims.kv_lora_rank + dims.qk_pos_emb_head_dim)
-    attn += H * ns(dims.kv_lora_rank, dims.qk_head_dim + dims.v_head_dim)
-    attn += H * ns(dims.v_head_dim, h)
+    attn += H * (ns(dims.kv_lora_rank, dims.qk_head_dim) + ns(dims.kv_lora_rank, dims.v_head_dim))
+    attn += ns(H * dims.v_head_dim, h)
     if dims.dsa_indexer_heads:
-        attn += ns(q_in, dims.dsa_indexer_heads * dims.dsa_indexer_head_dim) + ns(h, dims.dsa_indexer_head_dim)
+        attn += (ns(q_in, dims.dsa_indexer_heads * dims.dsa_indexer_head_dim) + ns(h, dims.dsa_indexer_head_dim)
+                 + ns(h, dims.dsa_indexer_heads))  # queries, keys, and the per-head weights
     swiglu = lambda f: ns(h, 2 * f) + ns(f, h)
     moe = dims.num_experts * swiglu(dims.expert_ffn_hidden) + (swiglu(dims.shared_expert_ffn_hidden)
                                                                if dims.shared_expert_ffn_hidden else 0)
