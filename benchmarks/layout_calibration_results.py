@@ -21,82 +21,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from the repository root
 
-R = "benchmarks/results"
-PROXY = "configs/models/glm5-proxy.yaml"
-PROXY_PARAMS = 2_290_000_000  # glm5-proxy with MTP (its config header; pretrain.layout.types.ModelDims counts 2.29e9)
-
-# --- sources -------------------------------------------------------------------------------------------------
-BREAKDOWN = {"file": f"{R}/train_throughput_h200/muon_seq4096_mbs4_breakdown.json",
-             "command": "python benchmarks/train_throughput.py --seqs 4096 --optimizers muon --micro-batch-sizes 4 "
-                        "--tokens-per-step 131072 --steps 6 --profile-step 4", "date": "2026-11-24", "gpu": "H200"}
-MBS = {"file": f"{R}/train_throughput_h200/mbs_1_vs_4_h200.json",
-       "command": "python benchmarks/train_throughput.py --seqs 4096 --optimizers muon,adam --micro-batch-sizes 1,4 "
-                  "--tokens-per-step 131072 --steps 6", "date": "2026-11-24", "gpu": "H200"}
-TT_H100 = {"file": f"{R}/train_throughput_h100/throughput_4k_h100.json",
-           "command": "python benchmarks/train_throughput.py --seqs 4096 --optimizers muon,adam --micro-batch-sizes 4 "
-                      "--tokens-per-step 131072 --steps 6 --out throughput_4k.json",
-           "date": "2026-11-24", "gpu": "H100"}
-TT_H200 = dict(TT_H100, file=f"{R}/train_throughput_h200/throughput_4k_h200.json", gpu="H200")
-MUON = {"file": f"{R}/muon_h200/muon_step_final_default.json",
-        "command": "python benchmarks/muon_step.py --config configs/models/glm5-proxy.yaml --variants "
-                   "muon_split_unfused,muon_split,muon_glu_split --steps 5 --warmup 2",
-        "date": "2026-11-25", "gpu": "H200"}
-SCALING = {"file": f"{R}/multi_gpu_h200x4/scaling/gpu1.metrics.jsonl",
-           "command": "bash benchmarks/multi_gpu.sh scaling OUT", "date": "2026-11-26", "gpu": "H200"}
-EP = {"file": f"{R}/ep_dispatch_h200/ep_dispatch_layer.json",
-      "command": "torchrun --nproc-per-node 2 benchmarks/ep_dispatch_layer.py --out ep_dispatch_layer.json",
-      "date": "2026-11-28", "gpu": "2 x H200"}
-CP = {"file": f"{R}/cp_attention_h200/cp_attention.json",
-      "command": "python benchmarks/cp_attention.py --seqs 32768,131072 --cp 2,4 --out cp_attention.json",
-      "date": "2026-11-27", "gpu": "H200"}
-DOC = {"file": f"{R}/document_attention_h200/document_attention.json",
-       "command": "python benchmarks/document_attention.py --seqs 32768,131072 --cp 1 --out document_attention.json",
-       "date": "2026-11-28", "gpu": "H200"}
-DSA = {"h200": {"file": f"{R}/dsa_kernels_h200/dsa_kernels_s16k_s32k.json",
-                "command": "python benchmarks/dsa_kernels.py --seqs 16384,32768 --reference-max 0 --reps 3",
-                "date": "2026-11-27", "gpu": "H200"},
-       "h100": {"file": f"{R}/dsa_kernels_h100/dsa_kernels_s16k_s32k.json",
-                "command": "python benchmarks/dsa_kernels.py --seqs 16384,32768 --reference-max 0 --reps 3 --out "
-                           "dsa_kernels_s16k_s32k.json", "date": "2026-11-26", "gpu": "H100"}}
-DSA128_H100 = dict(DSA["h100"], file=f"{R}/dsa_kernels_h100/dsa_kernels_s128k.json",
-                   command="python benchmarks/dsa_kernels.py --seqs 131072 --reference-max 0 --reps 3 --out "
-                           "dsa_kernels_s128k.json")
-DSA128_STEP = {"file": f"{R}/scaling_h200x4_b/call2/b/gpu1_128k.breakdown.md",
-               "command": "python benchmarks/scaling.py --out OUT --only gpu1_128k --iters 6 --breakdown gpu1_128k",
-               "date": "2026-11-28", "gpu": "H200"}
-HEADS = {"file": f"{R}/dsa_kernels_h200/heads_8_16_32.json",
-         "command": 'python lab/dsa/dsa_heads_sweep.py --heads 16,8,32 --seqs 16384,32768 --configs "" '
-                    '--ws off,on --reps 3',
-         "date": "2026-11-27", "gpu": "H200"}
-OUT_H200 = {"file": f"{R}/output_loss_h200/output_loss_h200.json",
-            "command": "python benchmarks/output_loss.py --tokens 32768 --out output_loss_h200.json",
-            "date": "2026-11-24", "gpu": "H200"}
-OUT_H100 = {"file": f"{R}/long_context_h100/output_loss.json",
-            "command": "python benchmarks/output_loss.py --tokens 32768 --out output_loss.json", "date": "2026-11-24",
-            "gpu": "H100"}
-LC16 = {"file": f"{R}/long_context_h200/lc_16k_h200.json",
-        "command": "python benchmarks/long_context.py --seqs 16384 --attention dense,dsa --features "
-                   "liger,selective,selective+offload --steps 4 --out lc_16k_h200.json",
-        "date": "2026-11-24", "gpu": "H200"}
-NONE = {"file": None, "command": None, "date": None, "gpu": None}
-
-
-def _load(path: str):
-    with open(path) as f:
-        return json.load(f)
-
-
-def _entry(value, unit: str, kind: str, source: Dict, derivation: str = "") -> Dict:
-    return {"value": value, "unit": unit, "kind": kind, "source": source, "derivation": derivation}
+from benchmarks.layout_calibration_sources import (  # noqa: E402  (after the path line above)
+    BREAKDOWN, CP, DOC, DSA, DSA16, DSA128_H100, DSA128_STEP, EP, HEADS, LC16, MBS, MUON, NONE, OUT_H100, OUT_H200,
+    PROXY_PARAMS, TT_H100, TT_H200, dsa_entries, entry, indexer_forward_share, load,
+)
 
 
 def _breakdown_entries() -> Dict[str, Dict]:
     """Per op class rates and per-token overheads from the profiled 4K step (H200, glm5-proxy, 8 x (4 x 4096))."""
-    p = _load(BREAKDOWN["file"])["parts"]
+    p = load(BREAKDOWN["file"])["parts"]
     ms = {k: (v.get("fwd", 0.0) + v.get("bwd", 0.0)) * 1e-3 for k, v in p.items()}
     fwd_share = {k: v.get("fwd", 0.0) / max(v.get("fwd", 0.0) + v.get("bwd", 0.0), 1e-12) for k, v in p.items()}
     tokens, layers, moe_slots, embeds = 131072, 15, 14, 4  # 12 layers + 3 MTP depths; 11 + 3 MoE; main + 3 MTP
@@ -108,7 +45,7 @@ def _breakdown_entries() -> Dict[str, Dict]:
     e = {}
     src = BREAKDOWN
     def rate(name, flops, sec, what):
-        return _entry(flops / sec, "FLOP/s", "derived", src,
+        return entry(flops / sec, "FLOP/s", "derived", src,
                       f"{what}: flops.py {name} {flops / 1e12:.2f} TFLOP / {sec * 1e3:.1f} ms")
     e["rate.attention_proj"] = rate("attention_proj", f["attention_proj"], ms["mla_proj"] + kv_up_gemm_s,
                                     "MLA projections row + the kv up-projection GEMMs of the core-attention row")
@@ -117,40 +54,40 @@ def _breakdown_entries() -> Dict[str, Dict]:
     e["rate.routed_experts"] = rate("routed_experts", f["routed_experts"], ms["experts"],
                                     "expert GEMMs row (grouped GEMM, 2,731 rows per expert)")
     e["rate.mtp_eh_proj"] = rate("mtp_eh_proj", f["mtp_eh_proj"], ms["mtp"], "MTP eh_proj + glue row")
-    e["routed_experts.rows_per_expert"] = _entry(16384 * 8 / 48, "rows", "derived", src,
+    e["routed_experts.rows_per_expert"] = entry(16384 * 8 / 48, "rows", "derived", src,
                                                  "4 x 4096 tokens x top-8 / 48 experts: where rate.routed_experts ran")
-    e["overhead.glue_s_per_token_layer_hidden"] = _entry(
+    e["overhead.glue_s_per_token_layer_hidden"] = entry(
         ms["glue"] / (tokens * layers * 2048), "s", "derived", src,
         f"norms/RoPE/residual row {ms['glue'] * 1e3:.1f} ms / (131,072 tokens x 15 layers x hidden 2048)")
-    e["overhead.router_s_per_token_layer_expert"] = _entry(
+    e["overhead.router_s_per_token_layer_expert"] = entry(
         ms["router"] / (tokens * moe_slots * 48), "s", "derived", src,
         f"router row {ms['router'] * 1e3:.1f} ms / (131,072 tokens x 14 MoE layers x 48 experts)")
-    e["overhead.dispatch_s_per_row_hidden"] = _entry(
+    e["overhead.dispatch_s_per_row_hidden"] = entry(
         ms["dispatch"] / (tokens * moe_slots * 8 * 2048), "s", "derived", src,
         f"permute/unpermute row {ms['dispatch'] * 1e3:.1f} ms / (131,072 x 14 MoE layers x top-8 x hidden 2048)")
-    e["overhead.embedding_s_per_token_hidden"] = _entry(
+    e["overhead.embedding_s_per_token_hidden"] = entry(
         ms["embedding"] / (tokens * embeds * 2048), "s", "derived", src,
         f"embedding row {ms['embedding'] * 1e3:.1f} ms / (131,072 x 4 look-ups x hidden 2048)")
-    e["overhead.grad_accum_s_per_param_microbatch"] = _entry(
+    e["overhead.grad_accum_s_per_param_microbatch"] = entry(
         ms["grad_reduce"] / (8 * PROXY_PARAMS), "s", "derived", src,
         f"gradient zero/accumulate row {ms['grad_reduce'] * 1e3:.1f} ms / (8 micro-batches x 2.29e9 parameters)")
     # the output row (main + 3 MTP heads) at this shape: one point of the output-loss table
     e["rate.output_head_in_step"] = rate("output_head", f["output_head"], ms["output"], "output layer + Liger loss row")
     # the core attention row minus the kv up-projection: dense attention at 4K, 16 heads, with its concatenations
-    e["attention.s4096_in_step"] = _entry(f["attention_core"] / (ms["core_attn"] - kv_up_gemm_s), "FLOP/s", "derived",
+    e["attention.s4096_in_step"] = entry(f["attention_core"] / (ms["core_attn"] - kv_up_gemm_s), "FLOP/s", "derived",
                                           src,
                                           "core-attention row minus its kv up-projection GEMMs (cuDNN SDPA + "
                                           "concatenations), 16 heads, S 4096")
-    e["recompute.forward_share"] = _entry(
+    e["recompute.forward_share"] = entry(
         {"attention_proj": fwd_share["mla_proj"], "attention_core": fwd_share["core_attn"],
          "routed_experts": fwd_share["experts"], "shared_expert": fwd_share["shared_expert"],
          "dense_mlp": fwd_share["dense_mlp"], "router": fwd_share["router"], "dispatch": fwd_share["dispatch"],
-         "glue": fwd_share["glue"], "dsa_indexer": _indexer_forward_share()}, "fraction", "derived", src,
+         "glue": fwd_share["glue"], "dsa_indexer": indexer_forward_share()}, "fraction", "derived", src,
         "forward ms / (forward + backward ms) per row: what recomputing that part's forward costs (dsa_indexer: "
         "index scores + top-k over those + the sparse KL, from " + DSA128_STEP["file"] + ")")
-    busy = _load(BREAKDOWN["file"])
+    busy = load(BREAKDOWN["file"])
     opt_ms = ms["muon"] + ms["adamw"] + ms["optimizer"]
-    e["profile.gpu_busy_per_microbatch_s"] = _entry((busy["busy_ms"] * 1e-3 - opt_ms) / 8, "s", "derived", src,
+    e["profile.gpu_busy_per_microbatch_s"] = entry((busy["busy_ms"] * 1e-3 - opt_ms) / 8, "s", "derived", src,
                                                     "(device-busy ms - optimizer rows) / 8 micro-batches of 4 x 4096")
     return e
 
@@ -158,18 +95,18 @@ def _breakdown_entries() -> Dict[str, Dict]:
 def _host_entries(fixed: float = 0.0) -> Dict[str, Dict]:
     """Host time per micro-batch: micro-batch 1 is bound by launching kernels, 4 by the GPU (same step, same day).
     `fixed`: step.fixed_s, the per-step time outside micro-batches and optimizer."""
-    pts = {(p["optimizer"], p["micro_batch_size"]): p for p in _load(MBS["file"])["points"]}
+    pts = {(p["optimizer"], p["micro_batch_size"]): p for p in load(MBS["file"])["points"]}
     b = _breakdown_entries()["profile.gpu_busy_per_microbatch_s"]["value"]
     m4, m1 = pts[("Muon", 4)], pts[("Muon", 1)]
     t4 = ((m4["step_ms"] - m4["optimizer_ms"]) * 1e-3 - fixed) / 8
     t1 = ((m1["step_ms"] - m1["optimizer_ms"]) * 1e-3 - fixed) / 32
     sync = max(t4 - b, 0.0)
     return {
-        "host.sync_s_per_layer_microbatch": _entry(
+        "host.sync_s_per_layer_microbatch": entry(
             sync / 15, "s", "derived", MBS,
             f"micro-batch 4: (step - optimizer) / 8 = {t4 * 1e3:.1f} ms against {b * 1e3:.1f} ms of GPU work "
             f"(profile) -> {sync * 1e3:.1f} ms of gaps per micro-batch / 15 layers"),
-        "host.launch_s_per_layer_microbatch": _entry(
+        "host.launch_s_per_layer_microbatch": entry(
             (t1 - sync) / 15, "s", "derived", MBS,
             f"micro-batch 1: (step - optimizer) / 32 = {t1 * 1e3:.1f} ms per micro-batch, above its GPU work "
             f"(~{b / 4 * 1e3:.1f} ms), so the host's kernel launches bound it: ({t1 * 1e3:.1f} - gaps) / 15 layers"),
@@ -180,125 +117,51 @@ def _attention_entries(gpu: str) -> Dict[str, Dict]:
     """Dense causal attention (cuDNN SDPA), achieved model FLOP/s at each (S, heads)."""
     flops = lambda s, heads, tokens: 3 * 2 * heads * 512 * (s / 2) * tokens  # qk 256 + v 256 at MLA-256
     pts: List[Dict] = []
-    dsa = _load(DSA[gpu]["file"])["rows"]
+    dsa = load(DSA[gpu]["file"])["rows"]
     for r in dsa:
         s = r["S"]
         pts.append({"seq": s, "heads": 64, "flops_per_s": flops(s, 64, s) / (r["dense"]["fwdbwd_ms"] * 1e-3),
                     "source": DSA[gpu]})
     if gpu == "h100":
-        r = _load(DSA128_H100["file"])["rows"][0]
+        r = load(DSA128_H100["file"])["rows"][0]
         sec = r["dense"]["fwdbwd_ms"] * 1e-3
         pts.append({"seq": 131072, "heads": 64, "flops_per_s": flops(131072, 64, 131072) / sec, "source": DSA128_H100})
     if gpu == "h200":
         pts.append({"seq": 4096, "heads": 16, "flops_per_s": _breakdown_entries()["attention.s4096_in_step"]["value"],
                     "source": BREAKDOWN})
-        for r in _load(CP["file"])["rows"]:
+        for r in load(CP["file"])["rows"]:
             if r["cp"] == 2:
                 s = r["seq"]
                 pts.append({"seq": s, "heads": 16, "flops_per_s": flops(s, 16, s) / (2 * r["ideal_ms"] * 1e-3),
                             "source": CP})
-    entries = {"attention.dense": _entry(pts, "FLOP/s", "derived", NONE,
+    entries = {"attention.dense": entry(pts, "FLOP/s", "derived", NONE,
                                          "3 x 2 x heads x 512 x S/2 x S (flops.py causal count) / fwd+bwd time of one "
                                          "causal cuDNN call (cp_attention: 2 x its 'ideal' = the whole sequence)")}
     if gpu == "h200":
-        rows = [r for r in _load(CP["file"])["rows"]]
-        entries["cp.chunks_over_ideal"] = _entry(
+        rows = [r for r in load(CP["file"])["rows"]]
+        entries["cp.chunks_over_ideal"] = entry(
             [{"seq": r["seq"], "cp": r["cp"], "value": r["chunks_over_ideal"]} for r in rows], "ratio", "measured", CP,
             "one CP rank's per-chunk causal attention / (1/cp of one causal call)")
-        entries["cp.mask_over_ideal"] = _entry(
+        entries["cp.mask_over_ideal"] = entry(
             [{"seq": r["seq"], "cp": r["cp"], "value": r["mask_ms"] / r["ideal_ms"]} for r in rows], "ratio",
             "derived", CP, "the explicit-mask CP attention (before 2026-11-27) / (1/cp of one causal call)")
-        entries["documents.attention_ratio"] = _entry(
-            [{"seq": r["seq"], "value": r["varlen_ratio"]} for r in _load(DOC["file"]) if "varlen_ratio" in r],
+        entries["documents.attention_ratio"] = entry(
+            [{"seq": r["seq"], "value": r["varlen_ratio"]} for r in load(DOC["file"]) if "varlen_ratio" in r],
             "ratio", "measured", DOC, "FlashAttention varlen over packed documents / one causal call over the window "
             "(documents log-uniform, seeded)")
     return entries
 
 
-def _dsa_entries(gpu: str) -> Dict[str, Dict]:
-    """DSA sparse attention rate at (S, heads) and the indexer's top-k + KL seconds per token at S."""
-    def sparse_flops(s, heads, topk=2048):
-        keys = topk - topk * topk / (2 * s) if s > topk else s / 2
-        return 3 * heads * (2 * 576 + 2 * 512) * keys * s
-    att, idx = [], []
-    rows = list(_load(DSA[gpu]["file"])["rows"])
-    srcs = [DSA[gpu]] * len(rows)
-    if gpu == "h100":
-        rows.append(_load(DSA128_H100["file"])["rows"][0])
-        srcs.append(DSA128_H100)
-    for r, src in zip(rows, srcs):
-        s, d = r["S"], r["dsa"]
-        sec = (d["attn_fwd_ms"] + d["attn_bwd_ms"]) * 1e-3
-        att.append({"seq": s, "heads": 64, "flops_per_s": sparse_flops(s, 64) / sec, "source": src})
-        idx.append({"seq": s, "indexer_heads": 32, "s_per_token": (d["topk_ms"] + d["kl_ms"]) * 1e-3 / s,
-                    "source": src})
-    if gpu == "h200":
-        att_pt, idx_pt = _dsa_in_step_128k()
-        att.append(att_pt)
-        idx.append(idx_pt)
-        for r in _load(HEADS["file"])["rows"]:
-            if r.get("ws") == "on":
-                s, h = r["S"], r["heads"]
-                sec = (r["fwd_ms"] + r["bwd_ms"]) * 1e-3
-                att.append({"seq": s, "heads": h, "flops_per_s": sparse_flops(s, h) / sec, "source": HEADS})
-    return {
-        "dsa.sparse_attention": _entry(att, "FLOP/s", "derived", NONE,
-                                       "flops.py attention_sparse (3 x heads x (2 x 576 + 2 x 512) x keys) x S / "
-                                       "(sparse attention forward + backward ms)"),
-        "dsa.indexer_topk_kl": _entry(idx, "s per token", "derived", NONE,
-                                      "(top-k ms + sparse KL ms) / S at the GLM-5 indexer (32 heads x 128); "
-                                      "the index-score GEMMs are inside the top-k time"),
-    }
-
-
-def _kernel_ms(path: str) -> Dict[str, float]:
-    """ms per step by kernel name, from a step breakdown's "Largest kernels" table (summed over its rows)."""
-    ms: Dict[str, float] = {}
-    with open(path) as f:
-        for line in f:
-            cells = [c.strip() for c in line.split("|")]
-            if len(cells) > 6 and cells[5].startswith("`"):
-                name = cells[5].strip("`")
-                ms[name] = ms.get(name, 0.0) + float(cells[1])
-    return ms
-
-
-def _dsa_in_step_128k() -> Tuple[Dict, Dict]:
-    """glm5-proxy's DSA sparse step at 131,072 tokens (one GPU, full recompute, 15 layer slots), profiled: the sparse
-    attention's forward + backward and the indexer's index scores + top-k + KL, once per layer (the recompute runs
-    the forward kernels a second time; their two passes are averaged). The kernel benchmark measured only to 32K, and
-    at 128K the sparse backward runs in key partitions (model.dsa_key_partition_mib): 6.9x its forward, 4.3x at 32K."""
-    k = _kernel_ms(DSA128_STEP["file"])
-    s, layers, heads = 131072, 15, 16
-    fwd = k["fwd_kernel"] / 2
-    attn_s = (fwd + k["_bwd_kernel"]) * 1e-3 / layers
-    index_s = (k["_scores_kernel"] / 2 + k["_radix_select_kernel"] / 2 + k["_sparse_kl_kernel"]) * 1e-3 / layers
-    keys = 2048 - 2048 * 2048 / (2 * s)
-    src = dict(DSA128_STEP, note="in-step kernels of a profiled training step (SparseMLACore forward + backward; "
-                                 "index scores + radix top-k + sparse KL), per layer")
-    return ({"seq": s, "heads": heads, "flops_per_s": 3 * heads * (2 * 576 + 2 * 512) * keys * s / attn_s,
-             "source": src},
-            {"seq": s, "indexer_heads": 32, "s_per_token": index_s / s * 32 / 16, "source": src})
-
-
-def _indexer_forward_share() -> float:
-    """The indexer's forward share: index scores and top-k run only forward (a recompute repeats them whole), the
-    sparse KL's kernel runs in the backward; from the 128K profile."""
-    k = _kernel_ms(DSA128_STEP["file"])
-    fwd = (k["_scores_kernel"] + k["_radix_select_kernel"]) / 2
-    return fwd / (fwd + k["_sparse_kl_kernel"])
-
-
 def _output_entries(gpu: str) -> Dict[str, Dict]:
     src = OUT_H200 if gpu == "h200" else OUT_H100
-    rows = _load(src["file"])["rows"]
+    rows = load(src["file"])["rows"]
     pts = []
     for r in rows:
         names = {"liger": "liger", "unfused": "unfused", "chunked-8192": "chunked", "chunked-4096": "chunked"}
         name = names.get(r["backend"])
         if name is None or r.get("ms") is None:
             continue
-        flops = 6 * r["hidden"] * r["vocab"] * _load(src["file"]).get("tokens", 32768)
+        flops = 6 * r["hidden"] * r["vocab"] * load(src["file"]).get("tokens", 32768)
         pts.append({"backend": name, "chunk": r["backend"], "hidden": r["hidden"], "vocab": r["vocab"],
                     "flops_per_s": flops / (r["ms"] * 1e-3)})
     note = "6 x hidden x vocab x 32,768 tokens / fwd+bwd ms per backend and head shape"
@@ -311,31 +174,31 @@ def _output_entries(gpu: str) -> Dict[str, Dict]:
                 for p in pts if p["backend"] == "liger"]
         note += ("; chunked on the H100 = its Liger rate x the H200's chunked-8192 / Liger ratio (assumption: the "
                  "H100 file predates the Triton chunked kernels)")
-    return {"output_loss": _entry(pts, "FLOP/s", "derived", src, note)}
+    return {"output_loss": entry(pts, "FLOP/s", "derived", src, note)}
 
 
 def _optimizer_entries() -> Dict[str, Dict]:
-    res = {r["variant"]: r for r in _load(MUON["file"])["results"]}
+    res = {r["variant"]: r for r in load(MUON["file"])["results"]}
     m = res["muon_split"]
     ns = m["newton_schulz"]
     rest = (m["optimizer_step_ms"] - ns["ms"]) * 1e-3
-    a = {(p["optimizer"], p["micro_batch_size"]): p for p in _load(MBS["file"])["points"]}[("AdamW", 4)]
+    a = {(p["optimizer"], p["micro_batch_size"]): p for p in load(MBS["file"])["points"]}[("AdamW", 4)]
     return {
-        "muon.newton_schulz_flops_per_s": _entry(ns["tflops"] * 1e12, "FLOP/s", "measured", MUON,
+        "muon.newton_schulz_flops_per_s": entry(ns["tflops"] * 1e12, "FLOP/s", "measured", MUON,
                                                  f"{ns['tflop']:.1f} TFLOP of Newton-Schulz (5 steps, bf16) in "
                                                  f"{ns['ms']:.1f} ms"),
-        "muon.newton_schulz_flops_per_step": _entry(ns["tflop"] * 1e12, "FLOP", "measured", MUON,
+        "muon.newton_schulz_flops_per_step": entry(ns["tflop"] * 1e12, "FLOP", "measured", MUON,
                                                     "glm5-proxy's Muon matrices (fc1 whole, heads split), one step"),
-        "muon.other_s_per_param": _entry(rest / PROXY_PARAMS, "s", "derived", MUON,
+        "muon.other_s_per_param": entry(rest / PROXY_PARAMS, "s", "derived", MUON,
                                          f"(optimizer step {m['optimizer_step_ms']:.1f} ms - Newton-Schulz "
                                          f"{ns['ms']:.1f} ms) / 2.29e9 parameters: momentum, update, grad norm, clip"),
-        "adamw.s_per_param": _entry(a["optimizer_ms"] * 1e-3 / PROXY_PARAMS, "s", "derived", MBS,
+        "adamw.s_per_param": entry(a["optimizer_ms"] * 1e-3 / PROXY_PARAMS, "s", "derived", MBS,
                                     f"AdamW optimizer_ms {a['optimizer_ms']:.1f} / 2.29e9 parameters"),
     }
 
 
 def _comm_entries() -> Dict[str, Dict]:
-    res = {(r["dispatcher"], r["forced_balance"]): r for r in _load(EP["file"])["results"]}
+    res = {(r["dispatcher"], r["forced_balance"]): r for r in load(EP["file"])["results"]}
     a2a, ded = res[("alltoall", False)], res[("alltoall_dedup", False)]
     ep = 2
     off_a2a = a2a["rows_dispatched_rank0"] * (ep - 1) / ep
@@ -343,35 +206,35 @@ def _comm_entries() -> Dict[str, Dict]:
     dt = (a2a["ms_fwd_bwd_slowest_rank"] - ded["ms_fwd_bwd_slowest_rank"]) * 1e-3
     bytes_ = (off_a2a - off_ded) * 2048 * 2 * 4  # bf16 rows, dispatch + combine, forward and backward
     return {
-        "a2a.intra_node_bytes_per_s": _entry(
+        "a2a.intra_node_bytes_per_s": entry(
             bytes_ / dt, "B/s", "derived", EP,
             f"EP=2 MoE layer: alltoall {a2a['ms_fwd_bwd_slowest_rank']:.2f} ms vs alltoall_dedup "
             f"{ded['ms_fwd_bwd_slowest_rank']:.2f} ms for {off_a2a - off_ded:,.0f} fewer off-rank rows x 4 transfers "
             f"x 4 KiB (includes the permutes of those rows)"),
-        "collective.busbw_fraction_intra": _entry(0.75, "fraction of Cluster.intra_node_bw", "assumption", NONE,
+        "collective.busbw_fraction_intra": entry(0.75, "fraction of Cluster.intra_node_bw", "assumption", NONE,
                                                   "NCCL all-gather / reduce-scatter / all-reduce bus bandwidth inside "
                                                   "a node; not measured by a committed run (layout_calibration.py "
                                                   "--collectives measures it)"),
-        "collective.busbw_fraction_inter": _entry(0.8, "fraction of Cluster.inter_node_bw", "assumption", NONE,
+        "collective.busbw_fraction_inter": entry(0.8, "fraction of Cluster.inter_node_bw", "assumption", NONE,
                                                   "NCCL bus bandwidth across nodes (one NIC per GPU); not measured"),
-        "a2a.inter_node_fraction": _entry(0.6, "fraction of Cluster.inter_node_bw", "assumption", NONE,
+        "a2a.inter_node_fraction": entry(0.6, "fraction of Cluster.inter_node_bw", "assumption", NONE,
                                           "all-to-all across nodes; not measured"),
-        "collective.latency_s": _entry(30e-6, "s", "assumption", NONE,
+        "collective.latency_s": entry(30e-6, "s", "assumption", NONE,
                                        "launch + synchronisation per NCCL call on the critical path; not measured"),
-        "tp.exposed_fraction_backward": _entry(0.5, "fraction", "assumption", NONE,
+        "tp.exposed_fraction_backward": entry(0.5, "fraction", "assumption", NONE,
                                                "megatron 0.16.1 without TE overlaps only the backward all-gather / "
                                                "reduce-scatter with the weight-gradient GEMM; half assumed hidden"),
-        "dp.overlap_fraction_of_backward": _entry(0.8, "fraction", "assumption", NONE,
+        "dp.overlap_fraction_of_backward": entry(0.8, "fraction", "assumption", NONE,
                                                   "share of the last micro-batch's backward that the bucketed "
                                                   "gradient reduce can hide behind (overlap_grad_reduce)"),
-        "p2p.exposed_fraction": _entry(1.0, "fraction", "assumption", NONE, "pipeline send/recv on the critical path"),
+        "p2p.exposed_fraction": entry(1.0, "fraction", "assumption", NONE, "pipeline send/recv on the critical path"),
     }
 
 
 def _memory_features() -> Dict[str, Dict]:
-    pts = {(p["attention"], p["features"]): p for p in _load(LC16["file"])["points"]}
+    pts = {(p["attention"], p["features"]): p for p in load(LC16["file"])["points"]}
     return {
-        "offload.time_fraction": _entry(
+        "offload.time_fraction": entry(
             {a: pts[(a, "selective")]["tokens_per_sec"] / pts[(a, "selective+offload")]["tokens_per_sec"] - 1
              for a in ("dense", "dsa")},
             "fraction of layer time", "derived", LC16,
@@ -379,11 +242,6 @@ def _memory_features() -> Dict[str, Dict]:
     }
 
 
-DSA16 = {"file": f"{R}/long_context_h200/dsa_16k_breakdown.md",
-         "command": "python -m pretrain.tools.step_breakdown on a profile of steps 3-4 of python -m pretrain.train "
-                    "--config "
-                    "configs/models/glm5-proxy.yaml data.mock=true data.seq_length=16384 train.micro_batch_size=1 "
-                    "train.global_batch_size=1 (DSA sparse + sparse KL)", "date": "2026-11-24", "gpu": "H200"}
 FITS = [  # (entry, the case whose measurement it is fitted to, what it stands for)
     ("step.fixed_s", "h200 dense 16K none",
      "time per step outside the micro-batches and the optimizer step (zeroing, loss reduction, logging); seen "
@@ -416,7 +274,7 @@ def _fit(table: Dict, gpu: str) -> None:
         lo, hi, unit, shape = FIT_SHAPES.get(name, (0.0, 0.1, "s", lambda v: v))
         for _ in range(60):
             mid = (lo + hi) / 2
-            table["entries"][name] = _entry(shape(mid), unit, "derived", NONE)
+            table["entries"][name] = entry(shape(mid), unit, "derived", NONE)
             cache[("calib", case["gpu_kind"])] = Calibration(table)
             err = predict(case, cache)["error"]
             lo, hi = (mid, hi) if err > 0 else (lo, mid)
@@ -424,7 +282,7 @@ def _fit(table: Dict, gpu: str) -> None:
         kind, note = "derived", ""
         if gpu != case["gpu_kind"]:
             kind, note = "assumption", f" (fitted on the {case['gpu_kind'].upper()}, assumed on the {gpu.upper()})"
-        table["entries"][name] = _entry(shape((lo + hi) / 2), unit, kind, src,
+        table["entries"][name] = entry(shape((lo + hi) / 2), unit, kind, src,
                                         f"fitted: the time model meets the measured tokens/s of '{case_id}'{note}; "
                                         f"{what}")
 
@@ -434,7 +292,7 @@ def build(gpu: str) -> Dict:
     entries.update(_breakdown_entries())
     entries.update(_host_entries())
     entries.update(_attention_entries(gpu))
-    entries.update(_dsa_entries(gpu))
+    entries.update(dsa_entries(gpu))
     entries.update(_output_entries(gpu))
     entries.update(_optimizer_entries())
     entries.update(_comm_entries())
@@ -442,21 +300,21 @@ def build(gpu: str) -> Dict:
     with open(DSA16["file"]) as f:
         row = [line for line in f if line.startswith("| core attention")][0].split("|")
     core_ms, gemm_ms = float(row[4]), float(row[6])
-    entries["dsa.core_s_per_token_layer_2026_11_24"] = _entry(
+    entries["dsa.core_s_per_token_layer_2026_11_24"] = entry(
         (core_ms - gemm_ms) * 1e-3 / (15 * 16384), "s", "derived" if gpu == "h200" else "assumption", DSA16,
         f"DSA core attention row ({core_ms} ms minus its {gemm_ms} ms of absorption GEMMs) / (15 layers x 16,384 "
         f"tokens): the DSA kernels before 2026-11-25, for predicting runs made on them (16 heads, 16K)"
         + ("" if gpu == "h200" else "; the H200 profile assumed on the H100"))
-    entries["gemm.small_m_knee_rows"] = _entry(1024, "rows", "assumption", NONE,
+    entries["gemm.small_m_knee_rows"] = entry(1024, "rows", "assumption", NONE,
                                                "GEMM rates hold down to this many rows per expert (or tokens per "
                                                "micro-batch and rank) and fall in proportion below it; not measured")
     device = "NVIDIA H200" if gpu == "h200" else "NVIDIA H100 80GB HBM3"
     if gpu == "h100":
         def pick(src):
-            return [p for p in _load(src["file"])["points"] if p["optimizer"] == "Muon" and "tokens_per_sec" in p][0]
+            return [p for p in load(src["file"])["points"] if p["optimizer"] == "Muon" and "tokens_per_sec" in p][0]
         h1, h2 = pick(TT_H100), pick(TT_H200)
         scale = h1["tokens_per_sec"] / h2["tokens_per_sec"]
-        entries["h100.scale_of_h200"] = _entry(
+        entries["h100.scale_of_h200"] = entry(
             scale, "ratio", "derived", TT_H100,
             f"glm5-proxy Muon 4K micro-batch 4 tokens/s on the H100 ({h1['tokens_per_sec']:,.0f}) / on the H200 "
             f"({h2['tokens_per_sec']:,.0f}) the same day: applied to every rate, overhead and optimizer entry "
@@ -480,7 +338,7 @@ def build(gpu: str) -> Dict:
             e["kind"] = "assumption"
             e["derivation"] = "the H200 measurement, assumed to hold on the H100: " + e["derivation"]
             entries[name] = e
-        heads = [p for p in _dsa_entries("h200")["dsa.sparse_attention"]["value"] if p["source"] is HEADS]
+        heads = [p for p in dsa_entries("h200")["dsa.sparse_attention"]["value"] if p["source"] is HEADS]
         for p in heads:
             p["flops_per_s"] *= scale
             p["source"] = dict(HEADS, note="H200 heads sweep x h100.scale_of_h200 (assumption)")
@@ -493,7 +351,7 @@ def build(gpu: str) -> Dict:
             "about": "Calibration of pretrain.layout.timing; every entry names its source, kind and derivation. "
                      "Regenerate: python benchmarks/layout_calibration_results.py --gpu " + gpu,
             "entries": entries}
-    entries["step.fixed_s"] = _entry(0.0, "s", "derived", NONE)
+    entries["step.fixed_s"] = entry(0.0, "s", "derived", NONE)
     for _ in range(3):  # the host entries subtract the fixed step time the fit finds; a few rounds settle both
         _fit(table, gpu)
         host = _host_entries(entries["step.fixed_s"]["value"])
