@@ -276,7 +276,8 @@ class Trainer:
         self.save_waited_s, self.save_staged_s, self.save_blocked_s = waited - began, done - waited, done - began
         if self.rank == 0 and self.save_waited_s > SAVE_WAIT_WARN_S and first_time("checkpoint interval too short"):
             log.warning("checkpoint.save_interval=%s steps is shorter than one background checkpoint write: the save "
-                        "at step %d waited %.1f s for the previous save to finish (training blocked); a longer "
+                        "at step %d waited %.1f s for the previous save's background work (its write, then the "
+                        "pruning of older checkpoints) to finish (training blocked); a longer "
                         "checkpoint.save_interval avoids the wait (said once)", c.save_interval, self.iteration,
                         self.save_waited_s)
         return self.saved_path
