@@ -18,10 +18,10 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     ep_overlap             ep + both overlaps
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
     pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout (weighed by the planner's
-                           calibration for the GPU kind), x DP = N / 2
-    pp2_overlap            pp2 with megatron-LM's pipeline settings: parallel.overlap_p2p_comm=true (separate
-                           send/receive requests overlapping compute; pp2 batches them and syncs the device) and
-                           deallocate_pipeline_outputs=true (a stage's output freed once sent)
+                           calibration for the GPU kind), x DP = N / 2; the config's pipeline settings
+                           (megatron-LM's: parallel.overlap_p2p_comm and deallocate_pipeline_outputs true)
+    pp2_batched            pp2 with megatron-core's defaults instead: each send/receive batched, ending in a device
+                           synchronize (overlap_p2p_comm=false), outputs kept (deallocate_pipeline_outputs=false)
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -34,6 +34,7 @@ fewer than N model-parallel ranks fill the rest with data parallelism):
     gpu1_32k_dsa, cp2_32k_dsa                  DSA sparse (indexer top-k + sparse KL) at 32K
     width                  GLM-5's own layer dims (configs/scaling/glm5-width.yaml: one dense + one MoE layer),
                            EP = N x DP = N, Muon + ZeRO-2; fits no single GPU, so MFU is its measure
+    width_tp2              (4 GPUs) width with TP = 2 + SP x EP = N / 2 (expert TP 1, experts of full width)
     width_128k             configs/scaling/glm5-width-128k.yaml (two dense layers of GLM-5's width, 128K windows
                            of isolated documents, DSA sparse), CP = N, mock windows
     gpu1_128k, cp2_128k, gpu1_128k_docs, cp2_128k_docs, cp2_128k_docs_work
@@ -87,11 +88,11 @@ GROUPS = {
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2", "pp2_overlap"],
+    "pp": ["pp2", "pp2_batched"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
            "gpu1_32k_dsa", "cp2_32k_dsa"],
-    "glm5_width": ["width", "width_128k"],
+    "glm5_width": ["width", "width_128k", "width_tp2"],
     "cp_long": ["gpu1_128k", "cp2_128k", "gpu1_128k_docs", "cp2_128k_docs", "cp2_128k_docs_work", "cp4_128k",
                 "cp4_128k_docs_work"],
 }
@@ -143,8 +144,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("ep_bal", n, 8, n, "gpu1_bal", ep + DEDUP + BALANCED, "a2a"),
         Run("ep_overlap_bal", n, 8, n, "gpu1_bal", ep + DEDUP + OVERLAP + BALANCED, "a2a"),
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
-        Run("pp2_overlap", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
-            + ["parallel.overlap_p2p_comm=true", "parallel.deallocate_pipeline_outputs=true"]),
+        Run("pp2_batched", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
+            + ["parallel.overlap_p2p_comm=false", "parallel.deallocate_pipeline_outputs=false"]),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
         Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),
@@ -166,7 +167,10 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
              Run("width_128k", n, 2, 1, "", [f"parallel.context_parallel_size={n}", "data.mock=true", "data.data_path=[]",
                                               "data.tokenizer=null"],  # mock windows: no corpus files needed
                  "allgather", WIDTH_128K)]
-    if n >= 4:
+    if n >= 4:  # GLM-5's width with TP=2 x EP=n/2 (expert TP follows TP): the issue's TP-at-width question
+        runs.append(Run("width_tp2", n, 8, n // 2, "", ["parallel.tensor_model_parallel_size=2",
+                                                        "parallel.sequence_parallel=true",
+                                                        f"parallel.expert_model_parallel_size={n // 2}"], "a2a", WIDTH))
         cp4 = ["parallel.context_parallel_size=4"]
         runs += [Run("cp4_128k", n, 1, n // 4, "gpu1_128k", LONG_128K + cp4, "allgather"),
                  Run("cp4_128k_docs_work", n, 1, n // 4, "gpu1_128k_docs", LONG_128K + DOCS + cp4 + BALANCED_CP,

@@ -127,10 +127,10 @@ def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: d
         initialize_parallel(cfg.parallel, seed=SEED + 100 + rank)  # other seeds: values come from ref_state
         return {"local": _pipeline_step(cfg, tokens, ref_state, ddp=False),
                 "ddp": _pipeline_step(cfg, tokens, ref_state, ddp=True),
-                # sends and receives as separate requests overlapping compute (parallel.overlap_p2p_comm)
-                # megatron-LM's pipeline settings: parallel.overlap_p2p_comm, deallocate_pipeline_outputs
-                "overlap": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=true",
-                                                              "parallel.deallocate_pipeline_outputs=true"]),
+                # the config's defaults (megatron-LM's) overlap sends and receives with compute and free each
+                # stage's output once sent; megatron-core's own defaults batch each transfer and keep the output
+                "batched": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=false",
+                                                              "parallel.deallocate_pipeline_outputs=false"]),
                                           tokens, ref_state, ddp=False)}
     finally:
         destroy_parallel()
@@ -169,8 +169,8 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     # the MTP chunk's embedding starts as the first chunk's, not zero (megatron zero-fills it)
     first, mtp = rank0["local"]["initial_embedding_copies"]
     assert torch.equal(first, mtp) and mtp.abs().max() > 0
-    assert rank0["local"]["p2p"] == (False, True, False) and rank0["overlap"]["p2p"] == (True, False, True)
-    for mode in ("local", "ddp", "overlap"):
+    assert rank0["local"]["p2p"] == (True, False, True) and rank0["batched"]["p2p"] == (False, True, False)
+    for mode in ("local", "ddp", "batched"):
         losses = rank1[mode]["losses"]
         assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"]))
     chunks = rank0["local"]["grads"] + rank1["local"]["grads"]
@@ -179,7 +179,7 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     assert min(rel_err(g[EMBEDDING], ref["grads"][EMBEDDING]) for g in rank0["local"]["grads"]) > 100 * TOL
     # after DDP + finalize_model_grads each copy holds the whole gradient
     worst = max(worst, _compare(ref, rank0["ddp"]["grads"] + rank1["ddp"]["grads"], sum_embedding=False))
-    worst = max(worst, _compare(ref, rank0["overlap"]["grads"] + rank1["overlap"]["grads"], sum_embedding=True))
+    worst = max(worst, _compare(ref, rank0["batched"]["grads"] + rank1["batched"]["grads"], sum_embedding=True))
     print(f"\nPP=2 x VPP=2 {LAYOUT}: worst relative max-abs error {worst:.2e}")
 
 
@@ -240,8 +240,6 @@ def test_stage_entries(extra, expected):
     (PIPELINE + ["model.share_embeddings_and_output_weights=true"], ["model.share_embeddings_and_output_weights"]),
     (PIPELINE + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.num_layers_in_first_pipeline_stage"]),
     (PIPELINE[:2] + ["parallel.num_layers_in_first_pipeline_stage=1"], ["parallel.virtual_pipeline_model_parallel_size"]),
-    (["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=true"],
-     ["parallel.overlap_p2p_comm", "virtual_pipeline_model_parallel_size"]),
 ])
 def test_bad_layouts_refused_in_one_line(extra, keys):
     from pretrain.config.errors import ConfigError
@@ -250,6 +248,27 @@ def test_bad_layouts_refused_in_one_line(extra, keys):
         _config(extra)
     message = str(err.value)
     assert "\n" not in message and all(k in message for k in keys), message
+
+
+def test_p2p_overlap_applies_under_virtual_stages_and_is_said_otherwise(caplog):
+    """megatron-LM's semantics: overlap_p2p_comm (default true) overlaps the interleaved schedule's transfers;
+    megatron-core's non-interleaved 1F1B raises on it, so without virtual stages the builder batches the transfers
+    and says so once."""
+    import logging
+
+    from pretrain.model.builder import pipeline_p2p_fields
+    from pretrain.notices import forget_said
+
+    assert pipeline_p2p_fields(_config(PIPELINE).parallel) == {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+    forget_said()
+    with caplog.at_level(logging.INFO, logger="pretrain"):
+        cfg = _config(["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=true"])
+        assert pipeline_p2p_fields(cfg.parallel) == {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+        pipeline_p2p_fields(cfg.parallel)
+    said = [r.getMessage() for r in caplog.records if "overlap_p2p_comm" in r.getMessage()]
+    assert len(said) == 1 and "virtual_pipeline_model_parallel_size" in said[0], said
+    off = _config(["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=false"]).parallel
+    assert pipeline_p2p_fields(off) == {"overlap_p2p_comm": False, "batch_p2p_comm": True}
 
 
 def test_split_tool_prints_a_layout_that_loads(capsys):

@@ -127,12 +127,16 @@ def test_breakdown_table_from_a_trace(tmp_path):
 
 
 def test_glm5_width_runs_have_their_own_configs(capsys):
-    """The GLM-5-width slices run their configs at EP = N (width) and CP = N (width_128k, mock windows: no corpus
-    or tokenizer files), with no 1-GPU baseline (none fits one GPU)."""
+    """The GLM-5-width slices run their configs at EP = N (width), TP = 2 x EP = N/2 (width_tp2, 4 GPUs) and CP = N
+    (width_128k, mock windows: no corpus or tokenizer files), with no 1-GPU baseline (none fits one GPU)."""
     for gpus in (2, 4):
         out = dry_run(capsys, "--gpus", str(gpus), "--only", "glm5_width")
         commands = {line.split("]")[0][1:]: line for line in out.splitlines() if line.startswith("[")}
-        assert set(commands) == {"width", "width_128k"}
+        assert set(commands) == ({"width", "width_128k"} | ({"width_tp2"} if gpus == 4 else set()))
+        if gpus == 4:  # TP = 2 x EP = 2, expert TP 1 (alltoall_dedup), 8 micro-batches of 4 per DP rank (DP = 2)
+            tp2 = commands["width_tp2"]
+            assert all(f" {o}" in tp2 for o in ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                                               "parallel.expert_model_parallel_size=2", "train.global_batch_size=64"))
         width, long = commands["width"], commands["width_128k"]
         assert "--config configs/scaling/glm5-width.yaml " in width and "--config configs/scaling/glm5-width-128k.yaml " in long
         assert f"parallel.expert_model_parallel_size={gpus}" in width and f"--nproc-per-node {gpus} " in width

@@ -59,11 +59,6 @@ def check_model_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "vocab-parallel); use output_loss_backend=chunked with model.output_chunk_size under TP",
     )
     check_pipeline_layout(m, p)
-    require(
-        not p.overlap_p2p_comm or p.virtual_pipeline_model_parallel_size is not None,
-        "parallel.overlap_p2p_comm=true overlaps the interleaved schedule's sends and receives: it needs "
-        "parallel.virtual_pipeline_model_parallel_size (set it, or set overlap_p2p_comm=false)",
-    )
 
 
 def check_moe_overlap(m: ModelConfig, p: ParallelConfig) -> None:

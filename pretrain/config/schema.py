@@ -236,9 +236,10 @@ class ParallelConfig:
     """Split norms/dropout activations along the sequence over TP (needed by MoE with TP > 1)."""
     overlap_grad_reduce: bool = True
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
-    overlap_p2p_comm: bool = False
-    """Interleaved PP: sends/receives as separate requests overlapping compute, not a synced batch (megatron-LM's)."""
-    deallocate_pipeline_outputs: bool = False
+    overlap_p2p_comm: bool = True
+    """Interleaved PP (virtual stages): sends/receives as separate requests overlapping compute, not a batch that
+    syncs the device (megatron-LM's default; the non-interleaved 1F1B always batches, said in the log)."""
+    deallocate_pipeline_outputs: bool = True
     """PP: free a stage's output once sent (megatron-LM sets it): less activation memory per micro-batch in flight."""
     overlap_moe_expert_parallel_comm: bool = False
     """megatron-core's combined 1F1B (EP all-to-all under another micro-batch); refused: docs/parallelism.md says why."""
