@@ -30,7 +30,8 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     zero = "optimizer.use_distributed_optimizer=true"
     ddp = run("ddp", 2, *start)
     runs = {"micro": run("micro", 2, *start, zero), "step": run("step", 2, *start, zero, "optimizer.zero2_grad_reduce=step"),
-            "micro_bf16": run("micro_bf16", 2, *start, zero, "parallel.grad_reduce_in_fp32=false")}
+            "micro_bf16": run("micro_bf16", 2, *start, zero, "parallel.grad_reduce_in_fp32=false"),
+            "scatter": run("scatter", 2, *start, zero, "optimizer.zero2_grad_reduce=microbatch_scatter")}
     # The noise floor of bf16 training on GPUs: one GPU (4 micro-batches) against DDP on two, both correct. Muon's
     # Newton-Schulz lifts every singular direction of the momentum to ~1, so reordered sums (and the bf16 weights
     # they round to) move some matrices by a few percent in 6 steps while the losses agree within 2e-3. A ZeRO-2

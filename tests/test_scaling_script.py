@@ -30,6 +30,8 @@ def test_dry_run_plans_every_layout_on_two_and_four_gpus(capsys):
         assert "train.global_batch_size=32 " in commands["gpu1"] + " "
         assert f"train.global_batch_size={32 * gpus} " in commands["ddp_m8"] + " "
         assert f"train.global_batch_size={128 * gpus} " in commands["zero2_m32"] + " "
+        assert "optimizer.zero2_grad_reduce=microbatch_scatter" in commands["zero2_scatter_m32"]
+        assert "zero2_grad_reduce" not in commands["zero2_m32"] and "overlap_p2p_comm=false" in commands["pp2_batched"]
         assert f"train.global_batch_size={16 * gpus} " in commands["pp2"] + " "
 
 
