@@ -248,7 +248,7 @@ def test_radix_select_sampled_threshold(kern, prefetch):
     assert torch.equal(out2, out)
 
 
-def sparse_case(seed: int, b=2, s=37, h=5, c=24, r=8, topk=12):
+def sparse_case(seed: int, b=2, s=21, h=5, c=24, r=8, topk=12):
     """bf16-free fp32 inputs and causal top-k style indices (valid slots first, -1 after)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, s, h, c + r, generator=gen)
@@ -272,7 +272,7 @@ SMALL_TILES = (16, 4, 1, 16)
 def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     """Each key-gradient path: the separate pass over stored dS and P (the default from 32 heads), the fused
     kernel's atomics (the default below), the deterministic reduction; the two atomic paths also with the keys
-    walked in partitions (4 ranges of 10 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows),
+    walked in partitions (4 ranges of 6 keys, the fused kernel's fp32 dq accumulated over 3 blocks of query rows),
     and with their rows added four columns at a time (`DSAKernelTuning.vector_atomics`, the interpreter's form of
     the GPU's 16-byte reductions). The backward runs as the DSA layer calls it (dO head-major, the head sums asked
     for); through autograd (`SparseMLAFunction.backward`, which passes the tuning and the deterministic flag on)
@@ -291,12 +291,12 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     if partitioned:
         # the fused kernel through its default budget, the separate pass through an explicit one
         budget = "fused_partition_bytes" if mode is KeyGradient.FUSED else "key_partition_bytes"
-        tuning = replace(tuning, dq32_bytes=2 * 5 * 32 * 4 * 15, **{budget: 6 * 32 * 10})
-        budget = kernel_plan(5, 24, 8, 37, None, tuning).partition_bytes
-        assert key_partitions(37, 32, budget) == [(0, 10), (10, 20), (20, 30), (30, 37)]
+        tuning = replace(tuning, dq32_bytes=2 * 5 * 32 * 4 * 8, **{budget: 6 * 32 * 6})
+        budget = kernel_plan(5, 24, 8, 21, None, tuning).partition_bytes
+        assert key_partitions(21, 32, budget) == [(0, 6), (6, 12), (12, 18), (18, 21)]
     if config is not None:  # several key blocks and latent column slices per token; blocks of query rows
         tuning = replace(tuning, triton_tiles=config, dkv_tiles=(16, 16, 4, 1),
-                         dkv_scratch_bytes=2 * 12 * 2 * 5 * 4 * 10)  # 10 of 37 rows per block
+                         dkv_scratch_bytes=2 * 12 * 2 * 5 * 4 * 8)  # 8 of 21 rows per block
     # what the backward launched: the fused kernel's partition flags, the separate pass's key ranges
     flags, ranges = [], set()
     bwd_kernel, key_gradient = sm._bwd_kernel, sm.key_gradient
@@ -325,10 +325,10 @@ def test_sparse_mla_kernel_matches_reference(kern, monkeypatch, dkv, config):
     rdq, rdkv = torch.autograd.grad(ref, (q2, kv2), g.double())
 
     def check_launches():
-        # the fused kernel walks 4 key ranges per block of 15 query rows (3 blocks); the separate pass's first
+        # the fused kernel walks 4 key ranges per block of 8 query rows (3 blocks); the separate pass's first
         # kernel runs once per block and only its key-gradient pass walks the ranges
         assert flags == ([True] * 12 if fused_parts else [False] * len(flags)) and flags
-        parts = {(0, 10), (10, 20), (20, 30), (30, 37)} if partitioned else {None}
+        parts = {(0, 6), (6, 12), (12, 18), (18, 21)} if partitioned else {None}
         assert ranges == (parts if mode is KeyGradient.SEPARATE else set())
         flags.clear(), ranges.clear()
 
