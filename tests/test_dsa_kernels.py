@@ -113,7 +113,9 @@ def test_indexer_scores_and_exact_selection(kern, mode):
     assert rel(buf[vis], want[vis]) < 1e-6
     scores = buf.masked_fill(~vis, NEG_INF)
     assert int(((scores == 0) & vis).sum()) > b * s  # the tie case is real
-    for topk in (1, 6):
+    # k = 1 (the edge case) once: the modes differ only in the ranges, which k = 6 covers in each (the radix
+    # select's interpreted passes are most of this test's time)
+    for topk in (1, 6) if mode == "causal" else (6,):
         out = torch.full((b, s, min(topk, t)), -7, dtype=torch.int32)
         ksel.select_rows(buf, lo, hi, 0, s, topk, out)
         assert torch.equal(out.long(), ref_topk(scores, topk)), topk
@@ -185,13 +187,13 @@ def test_radix_select_compaction_both_ways(kern, prefetch):
     candidate list), each loaded one iteration ahead or not."""
     ksel = kern["radix_select"]
     gen = torch.Generator().manual_seed(11)
-    n, t, topk = 12, 300, 20  # 4 rows of each kind below
+    n, t, topk = 6, 300, 20  # 2 rows of each kind below
     rows = torch.randn(n, t, generator=gen)
     rows[::3] = rows[::3].round()  # coarse values: wide ties at the boundary, buckets beyond the capacity
     rows[1::3] = rows[1::3] * 1e-3 + 7.0  # one exponent: the first two digits leave a wide bucket
     lo = torch.zeros(1, n, dtype=torch.int32)
     hi = torch.full((1, n), t, dtype=torch.int32)
-    tuning = SelectTuning(prefetch=prefetch, block=64, capacity=2, scratch_bytes=8 * 40 * 5)  # 5 rows a launch: 5
+    tuning = SelectTuning(prefetch=prefetch, block=64, capacity=2, scratch_bytes=8 * 40 * 4)  # 4 rows a launch: 4
     cap = ksel.select_capacity(topk, t, tuning)
     # which rows compact: the K-th largest key's top 16 bits, counted as the kernel counts them
     keys = _order_key(rows)
@@ -219,7 +221,7 @@ def test_radix_select_sampled_threshold(kern, prefetch):
     # n / 128 = 2 keys per chunk here
     tuning = SelectTuning(prefetch=prefetch, block=64, sample_chunks=8, sample_chunk=16, sample_min_chunk=2)
     gen = torch.Generator().manual_seed(12)
-    n_rows, t, topk = 15, 300, 20  # 3 rows of each kind below
+    n_rows, t, topk = 10, 300, 20  # 2 rows of each kind below
     rows = torch.randn(n_rows, t, generator=gen)
     rows[::5] = rows[::5].round()  # wide ties: more candidates than the capacity
     rows[1::5] = torch.linspace(-1, 1, t)  # ascending: the chunks' last keys decide
