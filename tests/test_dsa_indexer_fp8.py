@@ -78,7 +78,7 @@ def test_fp8_score_kernel_and_selection(kern, ktop, causal_prefix):
     want = index_scores(q8.double(), k8.double(), w8.double(), vis, k_scale=sk.double())
     assert rel(buf[vis], want[vis]) < 1e-6
     scores = buf.masked_fill(~vis, NEG_INF)
-    for topk in (1, 6):
+    for topk in (1, 6) if causal_prefix == 0 else (6,):  # k = 1 once: the prefix changes only the ranges
         got = torch.full((b, s, topk), -7, dtype=torch.int32)
         kern["radix_select"].select_rows(buf, lo, hi, 0, s, topk, got)
         assert torch.equal(got.long(), ref_topk(scores, topk)), topk
@@ -113,7 +113,7 @@ def test_model_selects_in_fp8_on_both_backends(ktop, tmp_path):
     from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, relative_error, tokens
 
     hf_checkpoint(tmp_path, 43, layers=2, dense=1, index_topk=6, index_n_heads=NO_TIE_INDEX_HEADS)
-    ids_all = tokens(43, 2, 20)
+    ids_all = tokens(43, 2, 13)  # 12 tokens, 6 of them see more keys than the top-6 (interpreter time grows with them)
     ids, labels = ids_all[:, :-1], ids_all[:, 1:]
     common = dict(mtp_num_layers=None, dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=True,
                   dsa_indexer_fp8=True)

@@ -39,10 +39,12 @@ def test_triton_backend_matches_transformers(interpret, tmp_path):
 
 
 def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
-    """Sparse attention + sparse indexer loss, LM and indexer gradients: Triton vs reference backend
-    (same weights, same tokens), with the keys walked in partitions too. The deterministic backward's kernels
-    are checked against float64 in tests/test_dsa_kernels.py (sparse MLA with the head sums, the sparse KL); here
-    `deterministic_mode` must reach every layer's backend."""
+    """Sparse attention + sparse indexer loss, LM and indexer gradients: Triton with the keys walked in partitions vs
+    the reference backend (same weights, same tokens). The same step unpartitioned on the Triton backend is
+    tests/test_dsa_indexer_fp8.py's model test (which differs only in selecting in FP8); every key-gradient path,
+    partitioned or not, is checked against float64 in tests/test_dsa_kernels.py, and so are the deterministic
+    backward's kernels (sparse MLA with the head sums, the sparse KL); here `deterministic_mode` must reach every
+    layer's backend."""
     from pretrain.convert import load_hf_model
     from tests.dsa_helpers import NO_TIE_INDEX_HEADS, hf_checkpoint, lm_step, positions, relative_error, tokens
 
@@ -60,32 +62,26 @@ def test_triton_backend_training_step_matches_reference(interpret, tmp_path):
     with torch.no_grad():  # only to have the layers choose their backend: a short sequence does
         model(ids[:, :4], positions(2, 4), None)
     assert len(backends(model)) == 2 and all(b.deterministic and b.name == "triton" for b in backends(model))
-    runs = {}
     part_mib = 6 * 24 * 5 / 2**20  # kv + fp32 dkv rows of 5 keys (latent 16 + rope 8): 12 keys in 3 partitions of 4
-    for name, extra in [("reference", dict(dsa_kernel_backend="reference")),
-                        ("triton", dict(dsa_kernel_backend="triton")),
-                        ("partitioned", dict(dsa_kernel_backend="triton", dsa_key_partition_mib=part_mib))]:
-        _, model = load_hf_model(str(tmp_path), **common, **extra)
-        if name == "triton":
-            assert not any(b.deterministic for b in backends(model))
-        runs[name] = lm_step(model, ids, labels, scale=1.0)
-        if name == "partitioned":  # the layers' backend got the budget (model.dsa_key_partition_mib)
-            assert {b.key_partition_bytes for b in backends(model)} == {int(part_mib * 2**20)}
-    ref_loss, ref_grads, ref_kl = runs["reference"]
-    for name in ("triton", "partitioned"):
-        loss, grads, recorded = runs[name]
-        assert relative_error(loss, ref_loss) <= 1e-5
-        assert set(recorded) == set(ref_kl) and len(recorded) == 2
-        for layer in recorded:
-            assert abs(float(recorded[layer]) - float(ref_kl[layer])) <= 1e-5 * abs(float(ref_kl[layer])) + 1e-7
-        indexer_seen = 0
-        for n, g in ref_grads.items():
-            if g is None:
-                assert grads[n] is None, n
-                continue
-            assert relative_error(grads[n], g) <= 1e-4, (name, n, relative_error(grads[n], g))
-            indexer_seen += ".indexer." in n
-        assert indexer_seen >= 8  # the indexer really trained through the kernels
+    _, model = load_hf_model(str(tmp_path), **common, dsa_kernel_backend="reference")
+    ref_loss, ref_grads, ref_kl = lm_step(model, ids, labels, scale=1.0)
+    _, model = load_hf_model(str(tmp_path), **common, dsa_kernel_backend="triton", dsa_key_partition_mib=part_mib)
+    loss, grads, recorded = lm_step(model, ids, labels, scale=1.0)
+    # the layers' backend got the budget (model.dsa_key_partition_mib), and not determinism
+    assert {b.key_partition_bytes for b in backends(model)} == {int(part_mib * 2**20)}
+    assert not any(b.deterministic for b in backends(model))
+    assert relative_error(loss, ref_loss) <= 1e-5
+    assert set(recorded) == set(ref_kl) and len(recorded) == 2
+    for layer in recorded:
+        assert abs(float(recorded[layer]) - float(ref_kl[layer])) <= 1e-5 * abs(float(ref_kl[layer])) + 1e-7
+    indexer_seen = 0
+    for n, g in ref_grads.items():
+        if g is None:
+            assert grads[n] is None, n
+            continue
+        assert relative_error(grads[n], g) <= 1e-4, (n, relative_error(grads[n], g))
+        indexer_seen += ".indexer." in n
+    assert indexer_seen >= 8  # the indexer really trained through the kernels
 
 
 @pytest.mark.parametrize("sparse_kl", [True, False], ids=["sparse_kl", "dense_kl_warmup"])
