@@ -19,7 +19,9 @@ code (`cross_cpu_tolerance`), and warns that it did. Between the AVX-512 + AMX a
 difference is <= 1.5e-7 in loss and <= 2.6e-6 in grad norm for AdamW and dense Muon, and 2.1e-4 / 6.0e-4 for
 Muon with DSA sparse (it grows from step 12, when a top-k tie flips between the kernels).
 
-Each variant runs the user's entry point (`python -m pretrain.train`) in a fresh process.
+Each variant runs the user's entry point, `pretrain.train`'s `main`, in a fresh single-threaded process forked like a
+rank (`tests.distributed.run_ranks`: torch and megatron-core already imported, ~9 s less per variant than a new
+interpreter; the recordings come from new interpreters, and match these bit for bit).
 """
 
 import itertools
@@ -30,7 +32,8 @@ from typing import Dict, List
 
 import pytest
 
-from tests.golden.record import VARIANTS, cpu_fingerprint, load_goldens, run_variant
+from tests.distributed import run_ranks
+from tests.golden.record import VARIANTS, cpu_fingerprint, load_goldens, read_run, variant_argv
 
 KEYS = ("loss", "grad_norm")
 TOLERANCE_FACTOR = 3.0  # times the measured cross-CPU difference
@@ -69,10 +72,24 @@ def differences(got: dict, by_cpu: Dict[str, dict], name: str, fingerprint: str)
     return out
 
 
+def _train(rank, world_size, argv):
+    from pretrain.train import main
+
+    return main(argv)
+
+
+def run_variant(name: str, run_dir) -> dict:
+    """`python -m pretrain.train` of variant `name` in one rank with one intra-op thread (as OMP_NUM_THREADS=1)."""
+    code = run_ranks(_train, 1, variant_argv(name, run_dir), threads_per_rank=1, env={"OMP_NUM_THREADS": "1"},
+                     timeout=900)[0]
+    assert code == 0, f"{name}: pretrain.train exited with {code}"
+    return read_run(run_dir)
+
+
 @pytest.fixture(scope="module")
 def variant_runs(tmp_path_factory):
     """Every variant's run, as many at once as there are cores: each is one single-threaded process
-    (OMP_NUM_THREADS=1, which fixes its summation order), so runs side by side change no bit. {name: future}: a
+    (one intra-op thread, which fixes its summation order), so runs side by side change no bit. {name: future}: a
     variant that fails raises in its own test."""
     root = tmp_path_factory.mktemp("golden")
     with ThreadPoolExecutor(max(1, min(len(VARIANTS), os.cpu_count() or 1))) as pool:

@@ -47,16 +47,26 @@ def cpu_fingerprint() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}:{','.join(wanted)}"
 
 
+def variant_argv(name: str, run_dir: Path) -> list:
+    """The arguments of `python -m pretrain.train` that train variant `name` for STEPS steps in `run_dir`."""
+    return ["--config", str(ROOT / "configs/models/glm5-tiny.yaml"), *_COMMON, f"logging.run_dir={run_dir}",
+            *VARIANTS[name]]
+
+
+def read_run(run_dir: Path) -> dict:
+    """The loss and grad norm per step of a finished variant's run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
+
+
 def run_variant(name: str, run_dir: Path) -> dict:
     """Train the tiny model for STEPS steps through `python -m pretrain.train`; the loss and grad norm per step."""
-    args = [sys.executable, "-m", "pretrain.train", "--config", str(ROOT / "configs/models/glm5-tiny.yaml"),
-            *_COMMON, f"logging.run_dir={run_dir}", *VARIANTS[name]]
+    args = [sys.executable, "-m", "pretrain.train", *variant_argv(name, run_dir)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
+    return read_run(run_dir)
 
 
 def load_goldens() -> dict:
