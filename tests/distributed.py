@@ -272,13 +272,15 @@ def _command_lines(rank: int, world_size: int, calls: Dict[str, tuple], cwd: str
     return results
 
 
-def run_command_lines(calls: Dict[str, tuple], cwd: Optional[str] = None) -> Dict[str, dict]:
+def run_command_lines(calls: Dict[str, tuple], cwd: Optional[str] = None, timeout: float = 240,
+                      threads: Optional[int] = None) -> Dict[str, dict]:
     """`python -m MODULE ARGV` for each `calls[name] = (MODULE, ARGV, extra environment)`, run as `MODULE.main(ARGV)`
     in turn in one fresh process forked like a rank (torch and megatron-core already imported: ~9 s saved per
     command line), with the caller's environment plus the extra one (not the torchrun variables a rank gets), in
-    `cwd` (default: the caller's). For command lines that end early (a refused launch): returns, by name, the exit
-    code, what was printed to stdout and stderr, and whether a process group existed afterwards."""
-    return run_ranks(_command_lines, 1, calls, cwd or os.getcwd())[0]
+    `cwd` (default: the caller's). For command lines that end early (a refused launch), or whose work is all in
+    `main` (`timeout` and torch's intra-op `threads` as for `run_ranks`): returns, by name, the exit code, what was
+    printed to stdout and stderr, and whether a process group existed afterwards."""
+    return run_ranks(_command_lines, 1, calls, cwd or os.getcwd(), timeout=timeout, threads_per_rank=threads)[0]
 
 
 def _errors(procs: List[mp.Process], paths: List[Path], skip: List[int] = ()) -> str:
