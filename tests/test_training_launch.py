@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from tests.distributed import free_port, run_command_lines
 from tests.test_training import ROOT, read_metrics, tiny_overrides
 
 TRAIN = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
@@ -44,29 +45,32 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout=240):
     raise TimeoutError(f"step {step} not reached")
 
 
+def _train_forked(args):
+    """`python -m pretrain.train ARGS` (TRAIN[3:] + overrides) as its main in a single-threaded process forked like a rank
+    (`run_command_lines`: torch and megatron-core already imported, ~9 s less than a new interpreter)."""
+    got = run_command_lines({"train": ("pretrain.train", args, {"OMP_NUM_THREADS": "1"})}, cwd=str(ROOT),
+                            timeout=600, threads=1)["train"]
+    assert got["code"] == 0, got["stderr"][-3000:]
+    return got["stdout"]
+
+
 def test_kill9_then_resume_reproduces_the_losses_bitwise(stdlib_data, tmp_path):
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    # The reference runs beside the interrupted run (each is one single-threaded process: two share the 2 cores).
-    ref = subprocess.Popen(TRAIN + overrides(stdlib_data, reference, tmp_path / "ckpt_a"), cwd=ROOT, env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    # The reference runs beside the interrupted run (each is one single-threaded process: two share the 2 cores);
+    # only the killed run is a new interpreter (it must die whole), the reference and the restart run forked.
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(_train_forked, TRAIN[3:] + overrides(stdlib_data, reference, tmp_path / "ckpt_a"))
         kill_at = random.Random().randint(5, 7)  # after the step-4 checkpoint, at least 3 steps before the end
-        cmd = TRAIN + overrides(stdlib_data, interrupted, tmp_path / "ckpt_b")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args = overrides(stdlib_data, interrupted, tmp_path / "ckpt_b")
+        proc = subprocess.Popen(TRAIN + args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for_step(interrupted, kill_at, proc)
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-        _, err = ref.communicate(timeout=600)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait()
-    assert ref.returncode == 0, err[-3000:]
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+        resumed = _train_forked(TRAIN[3:] + args)
+        ref.result()
+    assert "resumed from" in resumed
     assert losses(interrupted) == losses(reference), f"killed at step {kill_at}"
 
 
