@@ -237,8 +237,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
     overlap_p2p_comm: bool = True
-    """Interleaved PP (virtual stages): sends/receives as separate requests overlapping compute, not a batch that
-    syncs the device (megatron-LM's default; the non-interleaved 1F1B always batches, said in the log)."""
+    """Interleaved PP: sends/receives overlap compute, not a batch that syncs the device (megatron-LM's default)."""
     deallocate_pipeline_outputs: bool = True
     """PP: free a stage's output once sent (megatron-LM sets it): less activation memory per micro-batch in flight."""
     overlap_moe_expert_parallel_comm: bool = False
