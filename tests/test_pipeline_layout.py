@@ -267,8 +267,14 @@ def test_p2p_overlap_applies_under_virtual_stages_and_is_said_otherwise(caplog):
         pipeline_p2p_fields(cfg.parallel)
     said = [r.getMessage() for r in caplog.records if "overlap_p2p_comm" in r.getMessage()]
     assert len(said) == 1 and "virtual_pipeline_model_parallel_size" in said[0], said
-    off = _config(["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=false"]).parallel
-    assert pipeline_p2p_fields(off) == {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+    # nothing to say where nothing is batched against the user's setting: overlap off, or no pipeline at all
+    forget_said()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pretrain"):
+        off = _config(["parallel.pipeline_model_parallel_size=3", "parallel.overlap_p2p_comm=false"]).parallel
+        assert pipeline_p2p_fields(off) == {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+        assert pipeline_p2p_fields(_config([]).parallel) == {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+    assert not [r for r in caplog.records if "overlap_p2p_comm" in r.getMessage()]
 
 
 def test_split_tool_prints_a_layout_that_loads(capsys):
