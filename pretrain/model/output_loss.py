@@ -272,7 +272,10 @@ def liger_linear_cross_entropy(hidden, weight, labels, loss_weights) -> torch.Te
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     flat_w, flat_y = loss_weights.reshape(-1), labels.reshape(-1)
-    if not bool(((flat_w == 0) | (flat_w == 1)).all()):
+    binary = ((flat_w == 0) | (flat_w == 1)).all()
+    if flat_w.is_cuda:  # checked on the device: a host sync here would stall the launch queue once per head call
+        torch._assert_async(binary, "output_loss_backend 'liger' takes a 0/1 loss mask")
+    elif not bool(binary):
         raise ValueError("output_loss_backend 'liger' takes a 0/1 loss mask")
     masked = torch.where(flat_w > 0, flat_y, torch.full_like(flat_y, -100))
     out = LigerFusedLinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, masked, None,
