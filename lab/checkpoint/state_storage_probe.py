@@ -6,7 +6,7 @@ memory. On glm5-proxy (bf16, fp32 main weights, Muon, one H200) allocated memory
 asynchronous save was in flight (benchmarks/results/soak_h200/save_proxy), about two fp32 copies of 2.29e9
 parameters. This probe trains a few steps, builds the state as `save_checkpoint` does, and reports the bytes whose
 storage is not the model's or optimizer's, by state key, the device memory the build allocated, and the bytes
-megatron-core's writer will clone on the device because they are views into a larger storage:
+megatron-core's save copies before staging them (non-contiguous tensors; CPU views into a larger storage):
 
     python lab/checkpoint/state_storage_probe.py --config configs/models/glm5-proxy.yaml train.global_batch_size=4 \
         train.micro_batch_size=4
@@ -72,17 +72,19 @@ def new_storage(state, known: Set[int]) -> Tuple[int, int, Dict[str, int]]:
     return total, new, by_key
 
 
-def writer_clones(state) -> Tuple[int, Dict[str, int]]:
-    """Bytes megatron-core 0.16.1's checkpoint writer clones on the tensors' device before copying them to the host
-    (`FileSystemWriterAsync.prepare_write_data`: a tensor whose storage is larger than itself, a view into a flat
-    buffer, is cloned whole), by key suffix. Sync and async saves both stage through it; an async save's clones
-    live until its staging step has copied them."""
+def save_copies(state) -> Tuple[int, Dict[str, int]]:
+    """Bytes megatron-core 0.16.1's save copies before its device-to-host staging, by key suffix:
+    `sharded_tensor_to_torch_sharded_tensor` makes every non-contiguous tensor contiguous (a copy on the tensor's
+    device), and `FileSystemWriterAsync.prepare_write_data` clones a CPU tensor that is a view into a larger storage
+    (its `_clone_if_needed`; device tensors are left as they are). A synchronous save frees the copies when it returns;
+    an asynchronous one keeps them, referenced by its request, until the request is finalized."""
     total, by_key = 0, {}
     for _, sh in sharded_leaves(state):
         data = getattr(sh, "data", None)
         if not torch.is_tensor(data):
             continue
-        if data.untyped_storage().size() != data.numel() * data.element_size():
+        cpu_view = data.device.type == "cpu" and data.untyped_storage().size() != data.numel() * data.element_size()
+        if not data.is_contiguous() or cpu_view:
             n = data.numel() * data.element_size()
             total += n
             key = ".".join(sh.key.split(".")[-2:])
@@ -136,8 +138,8 @@ def main(argv=None) -> int:
           f"({new / max(total, 1):.1%}); building it allocated {built / 2**30:.3f} GiB of device memory")
     for key, n in sorted(by_key.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  {n / 2**30:9.3f} GiB  {key}")
-    cloned, clone_keys = writer_clones(state)
-    print(f"views the checkpoint writer clones before its device-to-host copy: {cloned / 2**30:.3f} GiB "
+    cloned, clone_keys = save_copies(state)
+    print(f"tensors megatron-core's save copies before staging them to the host: {cloned / 2**30:.3f} GiB "
           f"({cloned / max(total, 1):.1%} of the state)")
     for key, n in sorted(clone_keys.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  {n / 2**30:9.3f} GiB  {key}")

@@ -20,13 +20,15 @@ def test_views_are_free_and_copies_are_counted():
     assert new == 4 * 8 * 4 and by_key == {"decoder.w": 4 * 8 * 4}
 
 
-def test_writer_clones_counts_views_into_larger_storage():
-    """megatron-core 0.16.1's writer clones a tensor whose storage is larger than itself (a slice of a parameter);
-    a tensor that owns its storage, and a whole parameter, are copied to the host as they are."""
-    from lab.checkpoint.state_storage_probe import writer_clones
+def test_save_copies_counts_non_contiguous_tensors_and_cpu_views():
+    """megatron-core 0.16.1's save makes a non-contiguous tensor contiguous (a copy) and its writer clones a CPU
+    tensor whose storage is larger than itself (a slice of a parameter); a contiguous tensor that owns its storage,
+    and a whole parameter, are staged as they are."""
+    from lab.checkpoint.state_storage_probe import save_copies
 
-    weight, whole = torch.zeros(4, 8), torch.zeros(2, 8)
+    weight, whole, square = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(8, 8)
     state = {"model": {"w": ShardedTensor.from_rank_offsets("decoder.w", weight[1:], replica_id=0),
                        "b": ShardedTensor.from_rank_offsets("decoder.b", whole, replica_id=0)},
-             "optimizer": {"m": ShardedTensor.from_rank_offsets("optimizer.m.decoder.w", weight.clone(), replica_id=0)}}
-    assert writer_clones(state) == (3 * 8 * 4, {"decoder.w": 3 * 8 * 4})
+             "optimizer": {"m": ShardedTensor.from_rank_offsets("optimizer.m.decoder.w", weight.clone(), replica_id=0),
+                           "t": ShardedTensor.from_rank_offsets("optimizer.m.decoder.t", square.t(), replica_id=0)}}
+    assert save_copies(state) == (3 * 8 * 4 + 8 * 8 * 4, {"decoder.w": 3 * 8 * 4, "decoder.t": 8 * 8 * 4})
