@@ -132,6 +132,11 @@ def main(argv=None) -> int:
     before = torch.cuda.memory_allocated() if cuda else 0
     state = model_sharded_state(trainer.model)
     _, state["optimizer"] = optimizer_sharded_state(trainer.optimizer, dict(state), is_loading=False)
+    # The save applies the state's factories (expert and gated-MLP weights are reshaped, transposed or chunked by
+    # them) before it writes: count what it writes, not the factories' inputs.
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    apply_factories(state)
     built = (torch.cuda.memory_allocated() - before) if cuda else 0
     total, new, by_key = new_storage(state, storages(owned_tensors(trainer.model, trainer.optimizer)))
     print(f"sharded state: {total / 2**30:.3f} GiB in tensors, {new / 2**30:.3f} GiB of it new storage "
