@@ -215,3 +215,57 @@ def test_activation_model_matches_saved_tensors(attention, recompute, monkeypatc
         counted, modeled = saved_bytes(cfg, b, s, monkeypatch), modeled_saved_bytes(cfg, b, s, recompute)
         errors.append((modeled - counted) / counted)
     assert max(abs(e) for e in errors) <= ACTIVATION_TOLERANCE, (attention, recompute, errors)
+
+
+def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
+    """`memory.async_save_terms` against the bytes megatron-core's save actually copies: glm5-tiny built on CPU (fp32
+    weights, one Muon momentum per matrix), its sharded state with one optimizer entry per parameter made as
+    megatron's optimizers make them (`make_sharded_optimizer_tensor`), the factories applied as a save applies them,
+    and every tensor counted whose storage is no parameter's or optimizer tensor's."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory, apply_factories
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    import torch.distributed as dist
+
+    from pretrain import compat
+    from pretrain.layout.memory import async_save_terms
+    from pretrain.model.builder import build_model_chunks
+    from pretrain.training.checkpoint_state import model_sharded_state
+
+    cfg = load_config(TINY, FOUR_LAYERS)
+    compat.install()
+    _fake_world(1, 0, cfg.parallel)
+    try:
+        chunks = build_model_chunks(cfg)
+        state = model_sharded_state(chunks)
+        owned = {t.untyped_storage().data_ptr() for c in chunks for t in c.parameters()}
+        buffers = {t.untyped_storage().data_ptr() for c in chunks for t in c.buffers()}  # the routers' expert bias
+        # the parameters' entries (not buffers, not objects): the optimizer keeps state for these
+        model_entries = [v for v in _leaves(state) if isinstance(v, ShardedBase) and torch.is_tensor(v.data)
+                         and v.data.untyped_storage().data_ptr() in owned]
+        momenta = {id(e): torch.zeros_like(e.data) for e in model_entries}
+        state["optimizer"] = [make_sharded_optimizer_tensor(e, momenta[id(e)], "optimizer.state.momentum")
+                              for e in model_entries]
+        assert any(isinstance(e, ShardedTensorFactory) for e in model_entries)  # the grouped experts' factories
+        owned |= buffers | {t.untyped_storage().data_ptr() for t in momenta.values()}
+        apply_factories(state)
+        copied = sum(v.data.numel() * v.data.element_size() for v in _leaves(state) if isinstance(v, ShardedBase)
+                     and torch.is_tensor(v.data) and v.data.untyped_storage().data_ptr() not in owned)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    dims = ModelDims.from_config(cfg)
+    layout = Layout(optimizer="muon", zero="ddp")
+    predicted = sum(async_save_terms(rank_parameters(dims, layout, 0), layout, bf16=False).values())
+    assert copied > 0 and predicted == copied, (predicted, copied)
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj

@@ -203,3 +203,22 @@ def test_cli_plans_a_cut_of_a_config_whose_example_layout_it_does_not_divide(cap
     ranked = [line for line in dense.splitlines() if line.startswith("#")]
     assert ranked and all(" ep1 etp1 " in line for line in ranked), ranked
     assert "moe_dispatch_buffers" not in dense and "ep*etp" not in dense
+
+
+def test_stage_memory_counts_async_save_copies_only_when_the_run_saves_asynchronously():
+    """A config that saves asynchronously adds the routed experts' copies to the peak (memory.async_save_terms);
+    one that saves synchronously, or not at all, does not (`search.saves_async`)."""
+    from pretrain.layout.from_config import layout_of
+    from pretrain.layout.search import stage_memory
+
+    terms = {}
+    for name, overrides in {"async": ["checkpoint.save=/tmp/ckpt", "checkpoint.async_save=true"],
+                            "sync": ["checkpoint.save=/tmp/ckpt", "checkpoint.async_save=false"],
+                            "no saves": ["checkpoint.save=null", "checkpoint.async_save=true"]}.items():
+        cfg = load_config("configs/models/glm5-proxy.yaml", overrides)
+        terms[name] = stage_memory(cfg, *layout_of(cfg, 1)).terms
+    copies = terms["async"].pop("async_save_copies")
+    assert terms["async"] == terms["sync"] == terms["no saves"]
+    # glm5-proxy, one GPU: 12 MoE layers (11 + MTP's) x 48 experts x 3 x 2048 x 512 elements, bf16 weight +
+    # fp32 main weight + fp32 Muon momentum
+    assert copies == 12 * 48 * 3 * 2048 * 512 * (2 + 4 + 4)

@@ -48,6 +48,7 @@ class SearchOptions:
     min_tokens_per_cp_rank: int = 4096  # CP splits long sequences only
     output_chunk_size: int = 4096
     trainable: str = "all"
+    async_save: bool = False  # checkpoints saved asynchronously: their expert copies count (memory.async_save_terms)
     validate_top: int = 10  # candidates built as configs and validated, best first
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
@@ -193,7 +194,7 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     reason, needed = None, 0.0
     for recompute, offload in RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
-        mem = estimate(dims, lay, work, trainable=opts.trainable)
+        mem = estimate(dims, lay, work, trainable=opts.trainable, async_save=opts.async_save)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
             return Candidate(lay, mem), None, needed
@@ -282,7 +283,13 @@ def config_validator(cfg, work: Workload) -> Callable[[Layout], Optional[str]]:
 def stage_memory(cfg, layout: Layout, work: Workload) -> MemoryEstimate:
     """The memory model's estimate of a resolved config run under `layout` (`layout_of`)."""
     return estimate(ModelDims.from_config(cfg), layout, work, a=2 if cfg.model.bf16 else 4,
-                    trainable=cfg.train.trainable_params, zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce)
+                    trainable=cfg.train.trainable_params, zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
+                    async_save=saves_async(cfg))
+
+
+def saves_async(cfg) -> bool:
+    """Whether the config's run saves checkpoints asynchronously (a save directory and `checkpoint.async_save`)."""
+    return bool(cfg.checkpoint.save) and cfg.checkpoint.async_save
 
 
 def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
@@ -316,5 +323,5 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
-                          "configured_layout", "layout_of", "pipeline_costs", "refusal", "search", "splits",
-                          "stage_memory", "stage_step", "uneven_layout"]
+                          "configured_layout", "layout_of", "pipeline_costs", "refusal", "saves_async", "search",
+                          "splits", "stage_memory", "stage_step", "uneven_layout"]

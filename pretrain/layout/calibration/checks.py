@@ -85,8 +85,9 @@ def predict(case: Dict, cache: Dict) -> Dict:
         except ImportError:  # the memory model is optional here: the time model is what this module checks
             memory = None
         if memory is not None:
-            reduce = (case.get("variant") or {}).get("zero2_grad_reduce", "microbatch")
-            pred = memory.estimate(dims, layout, work, zero2_grad_reduce=reduce).total / GiB
+            variant = case.get("variant") or {}
+            pred = memory.estimate(dims, layout, work, zero2_grad_reduce=variant.get("zero2_grad_reduce", "microbatch"),
+                                   async_save=bool(variant.get("async_save"))).total / GiB
             out_mem = {"predicted_peak_gib": pred, "memory_error": pred / case["measured"]["peak_gib"] - 1}
     return {**out_mem, "id": case["id"], "role": case["role"],
             "predicted_tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
