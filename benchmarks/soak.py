@@ -140,6 +140,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if bool(args.data) != bool(args.tokenizer):
         parser.error("--data and --tokenizer go together")
+    if args.warmup is not None and args.warmup < args.interval:
+        # the first save allocates once (pinned host buffers, the writer process, an async save's copies)
+        print(f"note: --warmup {args.warmup} starts the verdict's first window before the first save (step "
+              f"{args.interval}): its one-time allocations will read as drift; the default is --interval + 10")
 
     from pretrain import compat
     from pretrain.config import load_config
