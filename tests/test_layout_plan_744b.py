@@ -42,6 +42,18 @@ def test_every_stage_passes_the_planner_on_the_stated_cluster(plan, stated):
         assert layout.pp == 1 or layout.bubble <= 0.10, s.name
 
 
+def test_async_saves_do_not_fit_the_ramp_on_h100_but_fit_h200(stated):
+    """What the plan's header and docs/layout.md say: asynchronous saves' expert copies take pretrain-ramp over the
+    H100's 90% memory bound; an H200 cluster of the same size still fits every stage."""
+    from pretrain.curriculum.plan import PlanError
+
+    gpus, cluster = stated
+    async_plan = load_plan(PLAN, ["checkpoint.async_save=true"])
+    with pytest.raises(PlanError, match=r"pretrain-ramp.*memory: 73\.8 GiB needed"):
+        check_plan_layouts(async_plan, gpus, cluster)
+    check_plan_layouts(async_plan, gpus, "h200-nvl-ib400")
+
+
 def test_batches_stay_glm5s(plan):
     """GLM-5: the batch ramps 16M -> 64M tokens over the first 500B (the ramp stage at its mean), 64M after;
     the DSA stages 14 x 202,752 tokens (glm5_facts.md sections 2 and 4)."""
