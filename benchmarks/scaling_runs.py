@@ -54,8 +54,8 @@ GROUPS = {
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
     "pp": ["pp2", "pp2_batched"],
     "tp": ["tp2"],
-    "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs", "cp2_32k_docs_work",
-           "gpu1_32k_dsa", "cp2_32k_dsa"],
+    "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs",
+           "cp2_32k_docs_work", "gpu1_32k_dsa", "cp2_32k_dsa"],
     "glm5_width": ["width", "width_128k", "width_tp2"],
     "cp_long": ["gpu1_128k", "cp2_128k", "gpu1_128k_docs", "cp2_128k_docs", "cp2_128k_docs_work", "cp4_128k",
                 "cp4_128k_docs_work"],
@@ -129,8 +129,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
     ]
     # GLM-5's own width (configs/scaling): no 1-GPU baseline fits one GPU, so MFU is their measure (baseline "")
     runs += [Run("width", n, 8, n, "", [f"parallel.expert_model_parallel_size={n}"], "a2a", WIDTH),
-             Run("width_128k", n, 2, 1, "", [f"parallel.context_parallel_size={n}", "data.mock=true", "data.data_path=[]",
-                                              "data.tokenizer=null"],  # mock windows: no corpus files needed
+             Run("width_128k", n, 2, 1, "", [f"parallel.context_parallel_size={n}", "data.mock=true",
+                                              "data.data_path=[]", "data.tokenizer=null"],  # mock windows: no corpus
                  "allgather", WIDTH_128K)]
     if n >= 4:  # GLM-5's width with TP=2 x EP=n/2 (expert TP follows TP): the issue's TP-at-width question
         runs.append(Run("width_tp2", n, 8, n // 2, "", ["parallel.tensor_model_parallel_size=2",

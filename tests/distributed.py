@@ -283,6 +283,12 @@ def run_command_lines(calls: Dict[str, tuple], cwd: Optional[str] = None, timeou
     return run_ranks(_command_lines, 1, calls, cwd or os.getcwd(), timeout=timeout, threads_per_rank=threads)[0]
 
 
+def run_command_line(module: str, argv: list, env: Optional[dict] = None, cwd: Optional[str] = None,
+                     timeout: float = 240, threads: Optional[int] = None) -> dict:
+    """One `python -m MODULE ARGV` as `run_command_lines` runs it: {code, stdout, stderr, process_group}."""
+    return run_command_lines({"main": (module, argv, env or {})}, cwd, timeout, threads)["main"]
+
+
 def _errors(procs: List[mp.Process], paths: List[Path], skip: List[int] = ()) -> str:
     """Tracebacks of ranks that raised, and exit codes of ranks that died without a report."""
     parts = []  # (order, text): the first rank to raise is usually the cause, the others' errors

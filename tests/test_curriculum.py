@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pretrain.curriculum import PlanError, load_plan
-from tests.distributed import run_command_lines, run_ranks
+from tests.distributed import run_command_line, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/curriculum/tiny.yaml"
@@ -43,9 +43,9 @@ def _start(run_dir: Path, log: Path):
 
 def _run_forked(run_dir: Path) -> str:
     """The plan's command line as `pretrain.curriculum`'s main in a single-threaded process forked like a rank
-    (`run_command_lines`: torch and megatron-core already imported, ~9 s less than a new interpreter); its output."""
-    got = run_command_lines({"plan": ("pretrain.curriculum", run_plan_cmd(run_dir)[3:], {"OMP_NUM_THREADS": "1"})},
-                            cwd=str(ROOT), timeout=900, threads=1)["plan"]
+    (`run_command_line`: torch and megatron-core already imported, ~9 s less than a new interpreter); its output."""
+    got = run_command_line("pretrain.curriculum", run_plan_cmd(run_dir)[3:], {"OMP_NUM_THREADS": "1"}, cwd=str(ROOT),
+                           timeout=900, threads=1)
     out = got["stdout"] + got["stderr"]
     assert got["code"] == 0, out[-6000:]
     return out

@@ -22,7 +22,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.distributed import free_port, run_command_lines, run_ranks_eager as run_ranks  # comparisons run in ranks
+from tests.distributed import free_port, run_command_line, run_ranks_eager as run_ranks  # comparisons run in ranks
 from tests.dsa_helpers import (
     ROOT,
     TINY,
@@ -295,11 +295,11 @@ def test_missing_tensors_other_than_the_indexer_are_errors(stdlib_data, dense_ck
 
 
 def test_nonexistent_pretrained_fails_before_any_process_group(stdlib_data, tmp_path):
-    # `python -m pretrain.train` in a process forked like a rank (`run_command_lines`: torch and megatron-core
+    # `python -m pretrain.train` in a process forked like a rank (`run_command_line`: torch and megatron-core
     # already imported), which also says whether a process group existed afterwards
     missing = tmp_path / "no_such_checkpoint"
     argv = ["--config", str(WARMUP), *run_overrides(stdlib_data, tmp_path / "run", f"checkpoint.pretrained={missing}")]
-    got = run_command_lines({"train": ("pretrain.train", argv, {})}, cwd=str(ROOT))["train"]
+    got = run_command_line("pretrain.train", argv, cwd=str(ROOT))
     assert got["code"] == 2, got["stderr"][-2000:]
     assert "checkpoint.pretrained" in got["stderr"] and str(missing) in got["stderr"]
     assert "Traceback" not in got["stderr"] and not got["process_group"]

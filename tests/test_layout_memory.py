@@ -223,6 +223,7 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
     megatron's optimizers make them (`make_sharded_optimizer_tensor`), the factories applied as a save applies them,
     and every tensor counted whose storage is no parameter's or optimizer tensor's."""
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory, apply_factories
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
     import torch.distributed as dist
@@ -241,7 +242,7 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
         owned = {t.untyped_storage().data_ptr() for c in chunks for t in c.parameters()}
         buffers = {t.untyped_storage().data_ptr() for c in chunks for t in c.buffers()}  # the routers' expert bias
         # the parameters' entries (not buffers, not objects): the optimizer keeps state for these
-        model_entries = [v for v in _leaves(state) if isinstance(v, ShardedBase) and torch.is_tensor(v.data)
+        model_entries = [v for v in nested_values(state) if isinstance(v, ShardedBase) and torch.is_tensor(v.data)
                          and v.data.untyped_storage().data_ptr() in owned]
         momenta = {id(e): torch.zeros_like(e.data) for e in model_entries}
         state["optimizer"] = [make_sharded_optimizer_tensor(e, momenta[id(e)], "optimizer.state.momentum")
@@ -249,7 +250,7 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
         assert any(isinstance(e, ShardedTensorFactory) for e in model_entries)  # the grouped experts' factories
         owned |= buffers | {t.untyped_storage().data_ptr() for t in momenta.values()}
         apply_factories(state)
-        copied = sum(v.data.numel() * v.data.element_size() for v in _leaves(state) if isinstance(v, ShardedBase)
+        copied = sum(v.data.numel() * v.data.element_size() for v in nested_values(state) if isinstance(v, ShardedBase)
                      and torch.is_tensor(v.data) and v.data.untyped_storage().data_ptr() not in owned)
     finally:
         ps.destroy_model_parallel()
@@ -259,13 +260,3 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
     predicted = sum(async_save_terms(rank_parameters(dims, layout, 0), layout, bf16=False).values())
     assert copied > 0 and predicted == copied, (predicted, copied)
 
-
-def _leaves(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _leaves(v)
-    else:
-        yield obj

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.distributed import run_command_lines
+from tests.distributed import run_command_line
 from tests.test_training import ROOT
 
 
@@ -15,7 +15,7 @@ def test_soak_smoke_on_cpu(tmp_path):
     # `python benchmarks/soak.py ...` as its main() in a process forked like a rank (torch and megatron-core imported)
     argv = ["--config", "configs/models/glm5-tiny.yaml", "--steps", "4", "--interval", "2", "--warmup", "1",
             "--out", str(out), "optimizer.lr_warmup_iters=1", "data.seq_length=64"]
-    proc = run_command_lines({"soak": ("benchmarks.soak", argv, {"OMP_NUM_THREADS": "1"})}, cwd=str(ROOT))["soak"]
+    proc = run_command_line("benchmarks.soak", argv, {"OMP_NUM_THREADS": "1"}, cwd=str(ROOT))
     assert proc["code"] in (0, 1), proc["stderr"][-3000:]
     result = json.loads(out.read_text())
     assert [s["step"] for s in result["samples"]] == [1, 2, 3, 4]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port, run_command_lines
+from tests.distributed import free_port, run_command_line
 from tests.test_training import ROOT, read_metrics, tiny_overrides
 
 TRAIN = [sys.executable, "-m", "pretrain.train", "--config", "configs/models/glm5-tiny.yaml"]
@@ -46,10 +46,9 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout=240):
 
 
 def _train_forked(args):
-    """`python -m pretrain.train ARGS` (TRAIN[3:] + overrides) as its main in a single-threaded process forked like a rank
-    (`run_command_lines`: torch and megatron-core already imported, ~9 s less than a new interpreter)."""
-    got = run_command_lines({"train": ("pretrain.train", args, {"OMP_NUM_THREADS": "1"})}, cwd=str(ROOT),
-                            timeout=600, threads=1)["train"]
+    """`python -m pretrain.train ARGS` (TRAIN[3:] + overrides) as its main in a single-threaded process forked like
+    a rank (`run_command_line`: torch and megatron-core already imported, ~9 s less than a new interpreter)."""
+    got = run_command_line("pretrain.train", args, {"OMP_NUM_THREADS": "1"}, cwd=str(ROOT), timeout=600, threads=1)
     assert got["code"] == 0, got["stderr"][-3000:]
     return got["stdout"]
 

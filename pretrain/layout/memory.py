@@ -160,6 +160,13 @@ def _rank_parameters(dims: ModelDims, tp: int, ep: int, etp: int, kinds: Tuple[T
     return tuple(merged.values())
 
 
+def optimizer_state_bytes(shard: ParamShard, layout: Layout) -> int:
+    """Optimizer state bytes per element of `shard`: AdamW's two fp32 moments, Muon's one momentum, none frozen."""
+    if shard.optimizer == "frozen":
+        return 0
+    return 8 if (layout.optimizer == "adam" or shard.optimizer == "adamw") else 4
+
+
 def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
                 zero2_grad_reduce: str = "microbatch") -> Dict[str, float]:
     """Weights, main weights, gradients and optimizer state in bytes (see the module docstring).
@@ -181,8 +188,7 @@ def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
         if bf16:
             terms["main_weights"] += 4 * s.elements / d
         terms["gradients"] += 4 * s.elements / (d if sharded_grads else 1)
-        per = 8 if (layout.optimizer == "adam" or s.optimizer == "adamw") else 4
-        terms["optimizer_state"] += per * s.elements / d
+        terms["optimizer_state"] += optimizer_state_bytes(s, layout) * s.elements / d
     if muon_zero2:
         # whole-tensor ownership: a rank owning a tensor larger than its 1/d share holds all of it (main weight,
         # gradient, state: the AdamW worst case)
@@ -203,9 +209,8 @@ def async_save_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True
     for s in shards:
         if s.group != "expert":
             continue
-        per = 0 if s.optimizer == "frozen" else (8 if (layout.optimizer == "adam" or s.optimizer == "adamw") else 4)
         main = 4 if (bf16 and s.optimizer != "frozen") else 0
-        copies += ((2 if bf16 else 4) + main + per) * s.elements / d
+        copies += ((2 if bf16 else 4) + main + optimizer_state_bytes(s, layout)) * s.elements / d
     return {"async_save_copies": copies}
 
 
