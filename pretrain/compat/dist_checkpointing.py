@@ -22,6 +22,15 @@ whose `PersistentAsyncCaller` runs each save's writer in one spawned worker proc
 * The worker is a fresh interpreter: none of the patches above exist there, so without psutil it
   hangs as described. `patch_async_worker` wraps each request's writer in `run_in_async_worker`,
   which applies them in the worker first (pickled by name, so unpickling imports this module).
+* The device tensors a request stages stay referenced until its write is finalized: by the worker's
+  request (CUDA IPC handles, kept until the write ends) and by the trainer's (in the queue of active
+  requests). Most are views of live parameters and optimizer state, but the state's factories make
+  copies, which then occupy GPU memory for the whole write: megatron's `GroupedMLP` saves every
+  routed expert transposed (weights, fp32 main weights, optimizer moments; 16.9 GiB per H200 on
+  glm5-proxy). `patch_async_worker` also drops both references as soon as the worker has staged
+  the tensors to host memory (`stage_and_release`, then the trainer after its wait for staging), so
+  the copies are freed before training resumes, as after a synchronous save. The buckets keep their
+  number (megatron's `retrieve_write_results` checks it); only their device tensors go.
 * CPU only, the caller cannot work at all: the worker starts with
   `torch.cuda.set_device(rank % torch.cuda.device_count())` (a division by zero without a GPU), the
   CPU writer above is a closure and its results queue a `queue.Queue` (neither pickles), and the
@@ -34,6 +43,7 @@ whose `PersistentAsyncCaller` runs each save's writer in one spawned worker proc
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pretrain.compat.registry import Workaround
+from pretrain.notices import say_once
+
+log = logging.getLogger(__name__)
 
 _CKPT_WRITER_PATCHED = False
 
@@ -98,22 +111,64 @@ def run_in_async_worker(save_fn, *args, **kwargs):
     return save_fn(*args, **kwargs)
 
 
+def staged_buckets(preload_fn):
+    """The write buckets (file name, storage key, (bytes items, [(item, tensor)])) that megatron's
+    `FileSystemWriterAsync.preload_tensors` stages, or None when `preload_fn` is not that function."""
+    args = getattr(preload_fn, "args", ())
+    if isinstance(preload_fn, functools.partial) and args and isinstance(args[0], list):
+        return args[0]
+    return None
+
+
+def release_staged(buckets) -> None:
+    """Drop `buckets`' references to their tensors, in place: every holder of the list lets go of them.
+    Each bucket stays, with no tensors (megatron counts the buckets when it collects the write results)."""
+    for index, (file_name, storage_key, (bytes_data, _)) in enumerate(buckets):
+        buckets[index] = (file_name, storage_key, (bytes_data, []))
+
+
+def stage_and_release(preload_fn):
+    """The worker's staging: megatron's `preload_fn` copies the tensors to host memory (and synchronizes),
+    then the worker's references to the device tensors are dropped, before it tells the trainer staging
+    is done. The write that follows uses the host copies only."""
+    staged = preload_fn()
+    release_staged(staged_buckets(preload_fn))
+    return staged
+
+
+def worker_schedule(original):
+    """`original` (a persistent caller's `schedule_async_call`) with each request's writer run through
+    `run_in_async_worker` and its device tensors let go of once staged, in the worker and in the trainer."""
+
+    def schedule_async_call(self, async_req):
+        buckets = None
+        if async_req.async_fn is not None:
+            buckets = staged_buckets(async_req.preload_fn)
+            if buckets is None and async_req.preload_fn is not None:
+                say_once(log, "asynchronous checkpoint save: the request's staging function is not megatron-core "
+                         "0.16.1's partial(preload_tensors, buckets, ...); the GPU tensors it stages stay allocated "
+                         "until the write is finalized", level=logging.WARNING)
+            async_req = async_req._replace(
+                async_fn=functools.partial(run_in_async_worker, async_req.async_fn),
+                preload_fn=(async_req.preload_fn if buckets is None
+                            else functools.partial(stage_and_release, async_req.preload_fn)))
+        original(self, async_req)  # returns once the worker has staged the tensors (megatron's preload queue)
+        if buckets is not None:
+            release_staged(buckets)  # the trainer's request, writer and staging function share this list
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # frees any block the worker let go of after the trainer did
+
+    schedule_async_call._glm5_patched = True
+    return schedule_async_call
+
+
 def patch_async_worker() -> None:
-    """GPU hosts: each request megatron's persistent caller sends to its worker runs `run_in_async_worker`."""
+    """GPU hosts: megatron's persistent caller schedules through `worker_schedule`."""
     from megatron.core.dist_checkpointing.strategies import async_utils
 
     caller = async_utils.PersistentAsyncCaller
-    if getattr(caller.schedule_async_call, "_glm5_patched", False):
-        return
-    original = caller.schedule_async_call
-
-    def schedule_async_call(self, async_req):
-        if async_req.async_fn is not None:
-            async_req = async_req._replace(async_fn=functools.partial(run_in_async_worker, async_req.async_fn))
-        return original(self, async_req)
-
-    schedule_async_call._glm5_patched = True
-    caller.schedule_async_call = schedule_async_call
+    if not getattr(caller.schedule_async_call, "_glm5_patched", False):
+        caller.schedule_async_call = worker_schedule(caller.schedule_async_call)
 
 
 def _snapshot(buckets):
@@ -204,7 +259,9 @@ WORKAROUNDS = [
     Workaround(
         name="patch_async_worker",
         target="megatron.core.dist_checkpointing.strategies.async_utils.PersistentAsyncCaller.schedule_async_call",
-        reason="the spawned checkpoint worker runs megatron's writer without our patches (hangs without psutil)",
+        reason="the spawned checkpoint worker runs megatron's writer without our patches (hangs without psutil), and "
+               "the worker and the trainer hold the staged GPU tensors (the experts' checkpoint copies) until the "
+               "write is finalized",
         upstream="open",
         test="tests/test_checkpoint_async.py::test_async_worker_applies_the_writer_patch",
         install=patch_async_worker,
