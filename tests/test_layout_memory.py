@@ -217,8 +217,8 @@ def test_activation_model_matches_saved_tensors(attention, recompute, monkeypatc
     assert max(abs(e) for e in errors) <= ACTIVATION_TOLERANCE, (attention, recompute, errors)
 
 
-def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
-    """`memory.async_save_terms` against the bytes megatron-core's save actually copies: glm5-tiny built on CPU (fp32
+def test_save_copies_are_what_megatrons_checkpoint_factories_copy():
+    """`memory.save_copies_terms` against the bytes megatron-core's save actually copies: glm5-tiny built on CPU (fp32
     weights, one Muon momentum per matrix), its sharded state with one optimizer entry per parameter made as
     megatron's optimizers make them (`make_sharded_optimizer_tensor`), the factories applied as a save applies them,
     and every tensor counted whose storage is no parameter's or optimizer tensor's."""
@@ -229,7 +229,7 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
     import torch.distributed as dist
 
     from pretrain import compat
-    from pretrain.layout.memory import async_save_terms
+    from pretrain.layout.memory import save_copies_terms
     from pretrain.model.builder import build_model_chunks
     from pretrain.training.checkpoint_state import model_sharded_state
 
@@ -257,6 +257,6 @@ def test_async_save_copies_are_what_megatrons_checkpoint_factories_copy():
         dist.destroy_process_group()
     dims = ModelDims.from_config(cfg)
     layout = Layout(optimizer="muon", zero="ddp")
-    predicted = sum(async_save_terms(rank_parameters(dims, layout, 0), layout, bf16=False).values())
+    predicted = sum(save_copies_terms(rank_parameters(dims, layout, 0), layout, bf16=False).values())
     assert copied > 0 and predicted == copied, (predicted, copied)
 

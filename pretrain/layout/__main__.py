@@ -50,8 +50,8 @@ NO_LAYOUT = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_p
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     from pretrain.config import load_config
-    from pretrain.layout.search import (SearchOptions, config_validator, default_step_fn, pipeline_costs, saves_async,
-                                        search)
+    from pretrain.layout.search import (SearchOptions, config_validator, default_step_fn, pipeline_costs,
+                                        saves_checkpoints, search)
     from pretrain.layout.types import ModelDims, cluster_preset
 
     # the planner searches the layout itself: the config's own parallel section (an example for another cluster,
@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Workload(args.seq, args.global_batch)
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
                          optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
-                         async_save=saves_async(cfg),
+                         saves=saves_checkpoints(cfg),
                          pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
         step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model

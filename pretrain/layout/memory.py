@@ -28,13 +28,15 @@ gradient). Transient on top: one layer's backward working set, or on the last ra
 (all of them unfused, a chunk's otherwise) if larger. Outside the allocator: a runtime reserve (CUDA context,
 NCCL buffers, fragmentation), an assumption added only where a layout is checked against the GPU's memory.
 
-Asynchronous checkpoint saves (`checkpoint.async_save`) add `async_save_copies`: megatron-core saves grouped routed
-experts in a transposed per-expert layout (`GroupedMLP.sharded_state_dict`'s factory ends in `.contiguous()`), so a
-save copies on the GPU every routed-expert weight of the rank and, through the same factory, its main weight and
-optimizer state: (2 + 4 + 4) / d bytes per expert element with bf16 and Muon (8 for AdamW's moments), d the
-expert-data-parallel size over which the save is spread. A synchronous save frees them before training goes on; an
-asynchronous one holds them, on top of the step's peak, until its write is finalized (glm5-proxy on one H200:
-16.875 GiB predicted and measured; d > 1 not measured).
+Checkpoint saves (`checkpoint.save`, synchronous or asynchronous) peak between steps at `checkpoint_save_copies`
+on top of the state: megatron-core saves grouped routed experts in a transposed per-expert layout
+(`GroupedMLP.sharded_state_dict`'s factory ends in `.contiguous()`), so a save copies on the GPU every routed-expert
+weight of the rank and, through the same factory, its main weight and optimizer state, as the rank holds them
+(ZeRO-2 owners their share): (2 + 4 + 4) bytes per expert element with bf16 and Muon (8 for AdamW's moments). The
+copies live until the tensors are staged to host memory, also in an asynchronous save (`pretrain.compat` frees
+them once staged), while the step's activations are freed: the estimate is the larger of the step's peak and
+the save's (glm5-proxy on one H200: 16.875 GiB of copies predicted and measured, under a 60.5 GiB step peak; data
+parallelism > 1 not measured).
 """
 
 from __future__ import annotations
@@ -199,19 +201,11 @@ def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
     return terms
 
 
-def async_save_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> Dict[str, float]:
-    """The copies an asynchronous save holds while it writes (module docstring): the rank's share of its routed
-    experts' weights, main weights and optimizer state. With d > 1 ranks of expert data parallelism the save is
-    fully parallel (`pretrain.training.checkpoint`: megatron-core's `FullyParallelSaveStrategyWrapper`): each rank
-    writes, and holds the copies of, about 1/d of the replicas (and its own ZeRO-2 state): 1/d of the bytes."""
-    d = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
-    copies = 0.0
-    for s in shards:
-        if s.group != "expert":
-            continue
-        main = 4 if (bf16 and s.optimizer != "frozen") else 0
-        copies += ((2 if bf16 else 4) + main + optimizer_state_bytes(s, layout)) * s.elements / d
-    return {"async_save_copies": copies}
+def save_copies_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> Dict[str, float]:
+    """The copies a checkpoint save makes on the GPU while it stages (module docstring): the rank's routed experts'
+    weights, main weights and optimizer state, sharded as the rank holds them."""
+    experts = state_terms([s for s in shards if s.group == "expert"], layout, bf16)
+    return {"checkpoint_save_copies": experts["weights"] + experts["main_weights"] + experts["optimizer_state"]}
 
 
 def in_flight_chunks(layout: Layout, rank: int) -> int:
@@ -294,11 +288,11 @@ def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> D
 
 
 def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
-             zero2_grad_reduce: str = "microbatch", async_save: bool = False) -> MemoryEstimate:
+             zero2_grad_reduce: str = "microbatch", saves: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU over the pipeline ranks (with even stages the first and the last hold the most), by term.
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
-    (`train.trainable_params`), `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) and `async_save` (checkpoints
-    saved with `checkpoint.async_save`) as in the config."""
+    (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config; `saves`:
+    the run saves checkpoints (`checkpoint.save`), whose copies may peak above the step (`save_copies_terms`)."""
     best: Optional[MemoryEstimate] = None
     # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak (a rank
     # of decoder layers only whose layers match an earlier such rank's, kind by kind, is its twin with fewer in
@@ -313,11 +307,13 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
             seen.add(plan.kinds[r])
     for rank in ranks:
         shards = rank_parameters(dims, layout, rank, trainable)
-        terms = state_terms(shards, layout, a == 2, zero2_grad_reduce)
-        if async_save:
-            terms.update(async_save_terms(shards, layout, a == 2))
-        terms.update(activation_terms(dims, layout, work, rank, a))
-        candidate = MemoryEstimate(terms, rank, tuple(rank_layers(dims, layout, rank)))
+        state = state_terms(shards, layout, a == 2, zero2_grad_reduce)
+        layers = tuple(rank_layers(dims, layout, rank))
+        candidate = MemoryEstimate({**state, **activation_terms(dims, layout, work, rank, a)}, rank, layers)
+        if saves:  # between steps: the state and the save's copies, no activations
+            at_save = MemoryEstimate({**state, **save_copies_terms(shards, layout, a == 2)}, rank, layers)
+            if at_save.total > candidate.total:
+                candidate = at_save
         if best is None or candidate.total > best.total:
             best = candidate
     return best

@@ -48,7 +48,7 @@ class SearchOptions:
     min_tokens_per_cp_rank: int = 4096  # CP splits long sequences only
     output_chunk_size: int = 4096
     trainable: str = "all"
-    async_save: bool = False  # checkpoints saved asynchronously: their expert copies count (memory.async_save_terms)
+    saves: bool = False  # checkpoints saved: a save's expert copies may peak above the step (memory.save_copies_terms)
     validate_top: int = 10  # candidates built as configs and validated, best first
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
@@ -194,7 +194,7 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     reason, needed = None, 0.0
     for recompute, offload in RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
-        mem = estimate(dims, lay, work, trainable=opts.trainable, async_save=opts.async_save)
+        mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
             return Candidate(lay, mem), None, needed
@@ -284,12 +284,12 @@ def stage_memory(cfg, layout: Layout, work: Workload) -> MemoryEstimate:
     """The memory model's estimate of a resolved config run under `layout` (`layout_of`)."""
     return estimate(ModelDims.from_config(cfg), layout, work, a=2 if cfg.model.bf16 else 4,
                     trainable=cfg.train.trainable_params, zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
-                    async_save=saves_async(cfg))
+                    saves=saves_checkpoints(cfg))
 
 
-def saves_async(cfg) -> bool:
-    """Whether the config's run saves checkpoints asynchronously (a save directory and `checkpoint.async_save`)."""
-    return bool(cfg.checkpoint.save) and cfg.checkpoint.async_save
+def saves_checkpoints(cfg) -> bool:
+    """Whether the config's run saves checkpoints (a `checkpoint.save` directory), synchronously or not."""
+    return bool(cfg.checkpoint.save)
 
 
 def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
@@ -323,5 +323,5 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
-                          "configured_layout", "layout_of", "pipeline_costs", "refusal", "saves_async", "search",
+                          "configured_layout", "layout_of", "pipeline_costs", "refusal", "saves_checkpoints", "search",
                           "splits", "stage_memory", "stage_step", "uneven_layout"]
