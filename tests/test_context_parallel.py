@@ -6,7 +6,8 @@ splits the batch) inside megatron's DDP + `finalize_model_grads`, so the gradien
 `main_grad`s an optimizer step sees (averaged over DP x CP). Reference: the same code on one rank
 (CP = 1), with weights every parallel run loads (other seeds, so nothing can come from a shared
 initialization). Compared at relative max-abs error 1e-5: the LM loss (token mean over the global
-batch), the per-layer indexer losses, and every parameter's gradient.
+batch), the per-layer indexer losses, and every parameter's gradient (a DSA indexer's parameters relative to the
+largest gradient of that indexer: `indexer_scales`).
 
 Cases: dense MLA (no DSA: megatron's MLA at CP = 1, the latent layer at CP > 1), DSA sparse attention
 with the sparse KL, DSA warm-up (dense attention, dense KL), GQA-8-style attention (4 heads, 2 groups),
@@ -313,8 +314,22 @@ def four_ranks(reference) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def indexer_scales(grads: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """The largest gradient entry of each layer's DSA indexer, by the indexer's name prefix. The indexer learns from
+    its own loss only: its gradients are ~1e-6 of the others' here, and its norm's bias gradient (~4e-7) is a sum
+    whose terms cancel, so that tensor's own maximum is no scale for fp32 rounding (relative error 1.06e-5 measured
+    on an AVX-512 CPU, 7e-7 against the indexer's largest gradient). The indexer's parameters are compared as one."""
+    scales: Dict[str, float] = {}
+    for name, g in grads.items():
+        if g is not None and ".indexer." in name:
+            prefix = name.split(".indexer.")[0]
+            scales[prefix] = max(scales.get(prefix, 0.0), g.abs().max().item())
+    return scales
+
+
 def check_against_reference(ref: dict, ranks: List[dict]) -> float:
     failures, worst = [], 0.0
+    indexers = indexer_scales(ref["grads"])
     for rank, res in enumerate(ranks):
         err = abs(res["loss"] - ref["loss"]) / abs(ref["loss"])
         if not err <= TOL:
@@ -329,7 +344,11 @@ def check_against_reference(ref: dict, ranks: List[dict]) -> float:
                 if (want is None) != (got is None):
                     failures.append(f"rank {rank} {name}: gradient on one side only")
                 continue
-            err = rel_err(got, shard_like(name, want, res["meta"][name], res["coords"]))
+            want = shard_like(name, want, res["meta"][name], res["coords"])
+            if ".indexer." in name:
+                err = (got - want).abs().max().item() / indexers[name.split(".indexer.")[0]]
+            else:
+                err = rel_err(got, want)
             worst = max(worst, err)
             if not err <= TOL:
                 failures.append(f"rank {rank} {name}: relative max-abs error {err:.2e}")
