@@ -18,6 +18,9 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
                            (megatron-LM's: parallel.overlap_p2p_comm and deallocate_pipeline_outputs true)
     pp2_batched            pp2 with megatron-core's defaults instead: each send/receive batched, ending in a device
                            synchronize (overlap_p2p_comm=false), outputs kept (deallocate_pipeline_outputs=false)
+    pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not Liger's,
+                           whose forward reads its mask count on the host (`.item()`) once per head per micro-batch:
+                           the last stage's host then waits for its device, which waits for the other stage
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -52,7 +55,7 @@ GROUPS = {
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2", "pp2_batched"],
+    "pp": ["pp2", "pp2_batched", "pp2_chunked"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs",
            "cp2_32k_docs_work", "gpu1_32k_dsa", "cp2_32k_dsa"],
@@ -111,6 +114,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("pp2", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout),
         Run("pp2_batched", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
             + ["parallel.overlap_p2p_comm=false", "parallel.deallocate_pipeline_outputs=false"]),
+        Run("pp2_chunked", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
+            + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),
         Run("cp2_32k", n, 2, half, "gpu1_32k", LONG + cp2 + ["model.cp_attention=bottom_right"], "allgather"),

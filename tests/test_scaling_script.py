@@ -33,6 +33,8 @@ def test_dry_run_plans_every_layout_on_two_and_four_gpus(capsys):
         assert "optimizer.zero2_grad_reduce=microbatch_scatter" in commands["zero2_scatter_m32"]
         assert "zero2_grad_reduce" not in commands["zero2_m32"] and "overlap_p2p_comm=false" in commands["pp2_batched"]
         assert f"train.global_batch_size={16 * gpus} " in commands["pp2"] + " "
+        assert "model.output_loss_backend=chunked" in commands["pp2_chunked"]
+        assert "output_loss_backend" not in commands["pp2"]
 
 
 def test_context_parallel_runs_on_two_and_four_gpus(capsys):
