@@ -18,9 +18,9 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
                            (megatron-LM's: parallel.overlap_p2p_comm and deallocate_pipeline_outputs true)
     pp2_batched            pp2 with megatron-core's defaults instead: each send/receive batched, ending in a device
                            synchronize (overlap_p2p_comm=false), outputs kept (deallocate_pipeline_outputs=false)
-    pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not Liger's,
-                           whose forward reads its mask count on the host (`.item()`) once per head per micro-batch:
-                           the last stage's host then waits for its device, which waits for the other stage
+    pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not
+                           Liger's, whose forward reads its mask count on the host (`.item()`) once per head per
+                           micro-batch: the last stage's host then waits for its device, which waits for the other stage
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)

@@ -285,8 +285,8 @@ def test_async_save_frees_its_expert_copies_once_staged(tmp_path):
     overrides = ["model.bf16=true", "model.params_dtype=bfloat16", "optimizer.optimizer=muon", "data.mock=true",
                  "model.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2",
                  "train.global_batch_size=2", "train.train_iters=1", "train.eval_interval=null",
-                 "optimizer.lr_warmup_iters=1", "optimizer.lr_decay_iters=10", "model.hidden_size=256", "model.moe_ffn_hidden_size=512",
-                 "model.num_moe_experts=16", "checkpoint.async_save=true", f"logging.run_dir={tmp_path / 'run'}"]
+                 "optimizer.lr_warmup_iters=1", "optimizer.lr_decay_iters=10", "model.hidden_size=256",
+                 "model.moe_ffn_hidden_size=512", "model.num_moe_experts=16", "checkpoint.async_save=true", f"logging.run_dir={tmp_path / 'run'}"]
     got = run_ranks(_memory_held_by_async_save, 1, overrides, tmp_path / "ckpt")[0]
     print(got)
     assert got["in_flight"] == 1  # measured while the save was still to be finalized

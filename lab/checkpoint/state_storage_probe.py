@@ -5,10 +5,11 @@ tensors should be views of the parameters, main weights and optimizer state: the
 memory. On glm5-proxy (bf16, fp32 main weights, Muon, one H200) allocated memory stayed 16.875 GiB higher while an
 asynchronous save was in flight (benchmarks/results/soak_h200/save_proxy_b): exactly the routed experts' weights,
 main weights and momentum, which megatron-core's grouped-expert factory copies into its transposed per-expert
-layout (since freed once staged: save_proxy_c). On glm5-proxy this probe counts the same 16.875 GiB. This probe trains a few steps, builds the state as `save_checkpoint` does, applies its factories, and
-reports the bytes whose
-storage is not the model's or optimizer's, by state key, the device memory the build allocated, and the bytes
-megatron-core's save copies before staging them (non-contiguous tensors; CPU views into a larger storage):
+layout (since freed once staged: save_proxy_c). On glm5-proxy this probe counts the same 16.875 GiB.
+
+It trains a few steps, builds the state as `save_checkpoint` does, applies its factories, and reports the bytes
+whose storage is not the model's or optimizer's, by state key, the device memory the build allocated, and the
+bytes megatron-core's save copies before staging them (non-contiguous tensors; CPU views into a larger storage):
 
     python lab/checkpoint/state_storage_probe.py --config configs/models/glm5-proxy.yaml train.global_batch_size=4 \
         train.micro_batch_size=4
