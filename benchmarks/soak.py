@@ -19,12 +19,16 @@ choose an `--interval` longer than one write (then `waited_s` stays near 0).
 Without `--data` the tokens are synthetic (`data.mock=true`); with `--data PREFIX --tokenizer FILE` they
 are the preprocessed files.
 
-Verdict (after `--warmup` steps, by default the first evaluation-and-save cycle and 10 steps more):
-GPU allocated, GPU reserved and host RSS may grow by at most `--max-growth` (1%) from the first tenth of
-the remaining steps to the last tenth (maxima of each window), file handles and threads not at all, and
-the median tokens/s of the last tenth must be within `--max-slowdown` (5%) of the first tenth's. The
-JSON holds every sample, the windows and the verdict; a PNG of the curves is written beside it when
-matplotlib is installed (else one line says so). Exit code 0 when the verdict passes, 1 when not.
+Verdict, after the warm-up: GPU allocated, GPU reserved and host RSS may grow by at most `--max-growth`
+(1%) from the first tenth of the remaining steps to the last tenth (maxima of each window), file handles
+and threads not at all, and the median tokens/s of the last tenth must be within `--max-slowdown` (5%) of
+the first tenth's. The warm-up is the first evaluation-and-save cycle, up to the step the first checkpoint
+is published (an asynchronous save's background write and its finalization included: they open the
+writer's queues and files once), and 10 steps more; `--warmup N` makes it at least N steps. Each step
+records whether a save is in flight; the open descriptors are compared by what they point to, so a growth
+names its files, pipes or sockets (`verdict.checks.open_files.added`). The JSON holds every sample, the
+windows and the verdict; a PNG of the curves is written beside it when matplotlib is installed (else one
+line says so). Exit code 0 when the verdict passes, 1 when not.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import os
 import statistics
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List
 
@@ -58,19 +63,52 @@ def _proc_status(field: str) -> int:
     return 0
 
 
-def sample(values: Dict[str, float]) -> Dict[str, float]:
-    """This process now: memory, descriptors, threads; and the step's tokens/s from the trainer."""
+def open_descriptors() -> List[str]:
+    """What each open descriptor of this process points to (a path, `pipe:[..]`, `socket:[..]`, ...)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor, a writer thread's file)
+            pass
+    return targets
+
+
+def descriptor_kind(target: str) -> str:
+    """A descriptor's target without what changes between otherwise equal ones (inode numbers, step dirs)."""
+    if target.endswith("]") and ":[" in target:
+        return target.split(":[")[0] + ":[]"  # pipe:[123] -> pipe:[]
+    return target
+
+
+def sample(values: Dict[str, float], save_in_flight: bool) -> Dict:
+    """This process now: memory, descriptors, threads; the step's tokens/s from the trainer; whether a
+    checkpoint is being written in the background."""
     import torch
 
     gpu = torch.cuda.is_available()
+    descriptors = open_descriptors()
     return {
         "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30 if gpu else 0.0,
         "gpu_reserved_gib": torch.cuda.memory_reserved() / 2**30 if gpu else 0.0,
         "host_rss_gib": _proc_status("VmRSS") / 2**20,
-        "open_files": len(os.listdir("/proc/self/fd")),
+        "open_files": len(descriptors),
         "threads": _proc_status("Threads") or threading.active_count(),
         "tokens_per_sec": values.get("tokens_per_sec"),
+        "save_in_flight": save_in_flight,
+        "descriptors": descriptors,  # compared by `verdict`, not written to the JSON
     }
+
+
+def warmup_steps(samples: List[dict], save_steps: List[int], at_least: int) -> int:
+    """Steps before the verdict's windows: until the first save is published, 10 more, and `at_least`."""
+    if not save_steps:
+        return at_least
+    first = save_steps[0]
+    published = next((s["step"] for s in samples if s["step"] > first and not s["save_in_flight"]), None)
+    if published is None:  # still in flight at the end: no window after it
+        return max(at_least, samples[-1]["step"] if samples else 0)
+    return max(at_least, published + 10)
 
 
 def verdict(samples: List[dict], warmup: int, max_growth: float, max_slowdown: float) -> dict:
@@ -85,8 +123,13 @@ def verdict(samples: List[dict], warmup: int, max_growth: float, max_slowdown: f
         growth = (b - a) / a if a else (0.0 if b == a else float("inf"))
         limit = max_growth if key in GROWING else 0.0
         checks[key] = {"first": a, "last": b, "growth": growth, "limit": limit}
+        if key == "open_files" and all("descriptors" in s for s in first + last):
+            checks[key].update(descriptor_change(max(first, key=lambda s: s[key])["descriptors"],
+                                                 max(last, key=lambda s: s[key])["descriptors"]))
         if growth > limit:
-            failed.append(f"{key} grew {growth:+.2%} ({a:.4g} -> {b:.4g}; limit {limit:.0%})")
+            added = checks[key].get("added")
+            failed.append(f"{key} grew {growth:+.2%} ({a:.4g} -> {b:.4g}; limit {limit:.0%})"
+                          + (f", new: {added}" if added else ""))
     speeds = [[s["tokens_per_sec"] for s in w if s["tokens_per_sec"]] for w in (first, last)]
     if all(speeds):
         a, b = statistics.median(speeds[0]), statistics.median(speeds[1])
@@ -96,6 +139,12 @@ def verdict(samples: List[dict], warmup: int, max_growth: float, max_slowdown: f
     return {"pass": not failed, "why": "; ".join(failed) or "no growth beyond the limits", "window_steps": width,
             "first_window": [first[0]["step"], first[-1]["step"]], "last_window": [last[0]["step"], last[-1]["step"]],
             "checks": checks}
+
+
+def descriptor_change(before: List[str], after: List[str]) -> Dict[str, Dict[str, int]]:
+    """Descriptors by kind (`descriptor_kind`) that `after` has more of than `before`, and fewer."""
+    a, b = Counter(map(descriptor_kind, before)), Counter(map(descriptor_kind, after))
+    return {"added": dict(b - a), "removed": dict(a - b)}
 
 
 def plot(result: dict, path: Path) -> str:
@@ -128,8 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=int, default=200, help="steps between evaluations and checkpoints")
     parser.add_argument("--no-eval", action="store_true", help="checkpoints only (the save-time measurement)")
     parser.add_argument("--async-save", choices=("true", "false"), default="true", help="checkpoint.async_save")
-    parser.add_argument("--warmup", type=int, default=None, help="steps before the verdict's windows "
-                                                                   "(default: --interval + 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="at least this many steps before the verdict's "
+                        "windows (default: until the first save is published, and 10 steps more)")
     parser.add_argument("--data", help="preprocessed dataset prefix (default: synthetic tokens)")
     parser.add_argument("--tokenizer", help="its tokenizer.json (with --data)")
     parser.add_argument("--max-growth", type=float, default=0.01)
@@ -140,11 +189,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if bool(args.data) != bool(args.tokenizer):
         parser.error("--data and --tokenizer go together")
-    if args.warmup is not None and args.warmup < args.interval:
-        # the first save allocates once (pinned host buffers, the writer process, an async save's copies)
-        print(f"note: --warmup {args.warmup} starts the verdict's first window before the first save (step "
-              f"{args.interval}): its one-time allocations will read as drift; the default is --interval + 10")
-
     from pretrain import compat
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
@@ -166,7 +210,8 @@ def main(argv=None) -> int:
 
     def logged(iteration, values):
         log_step(iteration, values)
-        samples.append({"step": iteration, **sample(values)})
+        queue = trainer.async_queue  # a save written in the background until finalized (after this step)
+        samples.append({"step": iteration, **sample(values, bool(queue and queue.get_num_unfinalized_calls()))})
 
     def saved():
         path = save()
@@ -180,7 +225,9 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    warmup = args.warmup if args.warmup is not None else min(args.interval + 10, args.steps // 2)
+    # the first save cycle allocates once (pinned host buffers, the writer process and its queues, an async
+    # save's copies), published a step or, when asynchronous, many steps after the save
+    warmup = warmup_steps(samples, [s["step"] for s in saves], args.warmup if args.warmup is not None else 0)
     result = {
         "config": args.config, "steps": args.steps, "interval": args.interval, "async_save": args.async_save == "true",
         "data": args.data or "synthetic (data.mock=true)", "world_size": trainer.world_size,
@@ -189,6 +236,12 @@ def main(argv=None) -> int:
         "saves": saves, "samples": samples,
     }
     result["verdict"] = verdict(samples, warmup, args.max_growth, args.max_slowdown)
+    by_step = {s["step"]: s for s in samples}
+    if saves and saves[0]["step"] in by_step and warmup + 1 in by_step:  # what the first save cycle opened, kept
+        result["first_save_cycle_descriptors"] = descriptor_change(by_step[saves[0]["step"]]["descriptors"],
+                                                                   by_step[warmup + 1]["descriptors"])
+    for s in samples:
+        del s["descriptors"]  # the verdict names what grew; a list per step would bloat the JSON
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(plot(result, out.with_suffix(".png")))

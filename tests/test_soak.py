@@ -29,6 +29,8 @@ def test_soak_smoke_on_cpu(tmp_path):
     assert result["async_save"] is True and result["verdict"]["pass"] == (proc["code"] == 0)
     for s in result["samples"]:
         assert s["host_rss_gib"] > 0 and s["open_files"] > 0 and s["threads"] > 0 and s["tokens_per_sec"] > 0
+        assert isinstance(s["save_in_flight"], bool) and "descriptors" not in s
+    assert result["warmup"] >= 1 + 10  # never before the first save (step 2) is published, 10 steps more
     assert "soak PASS" in proc["stdout"] or "soak FAIL" in proc["stdout"]
     assert f"waiting for the previous save {result['save_waited_s']['median']} s" in proc["stdout"]
 
@@ -52,3 +54,33 @@ def test_verdict_windows_and_limits():
     assert not grown["pass"] and "host_rss_gib grew +2.00%" in grown["why"]
     assert "threads grew" in verdict(samples(10.0, 13, 100.0), 20, 0.01, 0.05)["why"]
     assert "tokens/s fell -10.00%" in verdict(samples(10.0, 12, 90.0), 20, 0.01, 0.05)["why"]
+
+
+def test_warmup_covers_the_first_save_until_it_is_published():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import warmup_steps
+
+    def samples(in_flight):  # a save at step 10, written in the background over the steps `in_flight`
+        return [{"step": step, "save_in_flight": step in in_flight} for step in range(1, 101)]
+
+    assert warmup_steps(samples(range(11, 48)), [10, 50], 0) == 58  # published after step 47: seen at 48, 10 more
+    assert warmup_steps(samples(range(11, 48)), [10, 50], 80) == 80  # --warmup: at least
+    assert warmup_steps(samples(()), [10, 50], 0) == 21  # synchronous: published with the save
+    assert warmup_steps(samples(range(11, 101)), [10], 0) == 100  # never published: no window after it
+    assert warmup_steps(samples(()), [], 7) == 7
+
+
+def test_descriptor_growth_is_named_by_kind():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import descriptor_change, verdict
+
+    before = ["pipe:[11]", "/data/a.bin", "socket:[12]", "/dev/null"]
+    after = ["pipe:[21]", "pipe:[22]", "/data/a.bin", "/dev/null", "/ckpt/iter_0000200/__0_0.distcp"]
+    assert descriptor_change(before, after) == {
+        "added": {"pipe:[]": 1, "/ckpt/iter_0000200/__0_0.distcp": 1}, "removed": {"socket:[]": 1}}
+    rows = [{"step": step, "gpu_allocated_gib": 1.0, "gpu_reserved_gib": 2.0, "host_rss_gib": 1.0,
+             "threads": 5, "tokens_per_sec": 10.0, "open_files": len(after if step > 30 else before),
+             "descriptors": after if step > 30 else before} for step in range(1, 41)]
+    grown = verdict(rows, 20, 0.01, 0.05)
+    assert not grown["pass"] and "open_files grew" in grown["why"] and "'pipe:[]': 1" in grown["why"]
+    assert grown["checks"]["open_files"]["removed"] == {"socket:[]": 1}
