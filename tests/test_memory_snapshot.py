@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pretrain.training.memory_snapshot import allocation_site, format_report, peak_breakdown
+from pretrain.training.memory_snapshot import BEFORE_WINDOW, allocation_site, format_report, peak_breakdown
 
 
 def _frames(site: str):
@@ -16,7 +16,7 @@ def _frames(site: str):
 
 def _naive(trace, baseline):
     """Recount the live set after every event, keep the largest total (quadratic, obviously right)."""
-    best, best_live = baseline, {}
+    best, best_live, best_old = baseline, {}, baseline
     for n in range(1, len(trace) + 1):
         live, freed_old = {}, 0
         for e in trace[:n]:
@@ -29,8 +29,8 @@ def _naive(trace, baseline):
                     freed_old += e["size"]
         total = baseline - freed_old + sum(e["size"] for e in live.values())
         if total > best:
-            best, best_live = total, dict(live)
-    sites = {}
+            best, best_live, best_old = total, dict(live), baseline - freed_old
+    sites = {BEFORE_WINDOW: best_old} if best_old else {}
     for e in best_live.values():
         key = allocation_site(e["frames"])
         sites[key] = sites.get(key, 0) + e["size"]
@@ -58,6 +58,7 @@ def test_peak_and_live_sites_match_a_naive_recount(seed):
                           "frames": _frames(rng.choice(["attention", "moe", "indexer"]))})
     got = peak_breakdown(trace, baseline_bytes=800)
     assert got == _naive(trace, 800)
+    assert sum(got[1].values()) == got[0]  # the sites account for the whole peak
     assert "GiB" in format_report(got[0], got[1], 800)
 
 

@@ -3,7 +3,8 @@
 
 The GPTModel and GroupedMLP helpers are used where the model is built (`pretrain.model.glm5_model`,
 `pretrain.model.experts`) and change nothing process-wide; `silence_unknown_mlp_type` (applied by `install()`)
-filters one line of TransformerLayer's log.
+filters one line of TransformerLayer's log; `dispatchers_release_routing` (applied by `install()`) makes
+megatron's token dispatchers let go of a micro-batch's routing once its tokens are combined.
 """
 
 from __future__ import annotations
@@ -105,6 +106,39 @@ def silence_unknown_mlp_type() -> None:
         logger.addFilter(_DropUnknownMLPType())
 
 
+# what each of megatron's dispatchers keeps of a forward on itself, unused once `combine_postprocess` returns
+DISPATCHER_ROUTING_ATTRS = {"MoEAlltoAllTokenDispatcher": ("probs", "routing_map"),
+                            "MoEAllGatherTokenDispatcher": ("local_probs", "local_map")}
+
+
+def _releasing(combine_postprocess, attrs):
+    @functools.wraps(combine_postprocess)
+    def wrapper(self, hidden_states):
+        output = combine_postprocess(self, hidden_states)
+        for name in attrs:
+            setattr(self, name, None)
+        return output
+
+    wrapper.releases_routing = True
+    return wrapper
+
+
+def dispatchers_release_routing() -> None:
+    """Drop the routing probabilities (and map) a dispatcher stores on itself once the tokens are combined.
+
+    megatron-core 0.16.1's all-to-all and all-gather dispatchers keep `probs` / `local_probs` until the layer's
+    next forward. Those are the router's output, attached to the autograd graph, so the graph stays alive after
+    backward: with full recompute it holds the recomputed layer's input (the checkpoint's detached copy) and
+    that input's gradient, two [tokens, hidden] tensors per MoE layer: 13.7 GiB held between steps on
+    glm5-proxy at 128K on one H200, each layer's freed only when the next forward reaches it."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    for cls_name, attrs in DISPATCHER_ROUTING_ATTRS.items():
+        cls = getattr(token_dispatcher, cls_name)
+        if not getattr(cls.combine_postprocess, "releases_routing", False):
+            cls.combine_postprocess = _releasing(cls.combine_postprocess, attrs)
+
+
 WORKAROUNDS = [
     Workaround(
         name="gpt_model_mtp_block_class",
@@ -135,5 +169,15 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_notices.py::test_training_log_shows_framework_notices_and_no_megatron_noise",
         install=silence_unknown_mlp_type,
+    ),
+    Workaround(
+        name="dispatchers_release_routing",
+        target="megatron.core.transformer.moe.token_dispatcher.MoE{AlltoAll,AllGather}TokenDispatcher"
+               ".combine_postprocess",
+        reason="the dispatchers keep the router's probabilities, attached to the autograd graph, until the next "
+               "forward: with full recompute every MoE layer's recomputed input and its gradient outlive backward",
+        upstream="open",
+        test="tests/test_moe_dispatch_retention.py::test_nothing_keeps_the_graph_after_backward",
+        install=dispatchers_release_routing,
     ),
 ]

@@ -141,8 +141,9 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         if not self._local():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        # nothing of the routing is kept on the module: `probs` carries the autograd graph, which would outlive
+        # backward (with full recompute, the recomputed layer's input and its gradient: `compat.model`)
         self.hidden_shape = hidden_states.shape
-        self.probs, self.routing_map = probs, routing_map
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         rows, row_token, token_rows, self.tokens_per_expert = route_rows(routing_map, self.config.moe_router_topk)
         self._rows = (row_token, token_rows)
