@@ -108,8 +108,8 @@ def layer_terms(dims: ModelDims, layout: Layout, work: Workload, layer: int, a: 
 
 def working_set(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> Dict[str, float]:
     """Transient bytes while one layer runs its backward: under full recompute its rebuilt activations,
-    plus the gradients of its largest tensors and the MoE dispatch's send and receive buffers (a model,
-    not a count: the larger of a dense and an MoE layer)."""
+    plus the gradients of its largest tensors and the MoE dispatch's buffers (send and receive with EP,
+    the routed rows' gradient without) (a model, not a count: the larger of a dense and an MoE layer)."""
     t, keys, n = _tokens(layout, work)
     h = dims.heads // layout.tp
     layers = [i for i in range(dims.num_layers)]
@@ -119,5 +119,8 @@ def working_set(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> 
     grads = 4 * dims.hidden * n * a + h * dims.qk_head * (t + 2 * keys) * a  # residual grads, dq dk dv
     dispatch = 0.0
     if dims.num_experts:
-        dispatch = 2 * dims.topk * n * dims.hidden * a  # all-to-all send + receive of the routed tokens
+        # with EP: the all-to-all's send and receive buffers of the routed rows; with every expert local
+        # (EP x ETP = 1) the dispatch gathers in place and its one transient is the rows' gradient (128K profile)
+        buffers = 1 if layout.ep * layout.etp == 1 else 2
+        dispatch = buffers * dims.topk * n * dims.hidden * a
     return {"recomputed_layer": rebuilt, "layer_gradients": grads, "moe_dispatch_buffers": dispatch}

@@ -42,6 +42,12 @@ MISSES = {
                         "(top-k selection has been 1.3-2x faster since), which no committed 11-24 measurement at long "
                         "sequences separates. (The H200's 200K run of that code is within 15% since the 128K profile "
                         "of 2026-11-28 calibrates the indexer and the sparse attention at 131,072.)",
+    "h200 dsa 200K full, h100 dsa 64K full + offload (peak memory)": "DSA kernels of 2026-11-24, which kept more at "
+                        "long sequences: the same runs on the code of 2026-11-29 peak at 83.5 GiB at 200K (98.8 "
+                        "then) and 45.0 GiB at 64K with offload (53.1 then, on an H100), predicted within +6.5% and "
+                        "+4.1% (the 11-29 cases). The memory model describes today's code, whose local MoE dispatch "
+                        "holds one buffer of the routed rows' gradient where an all-to-all holds send and receive "
+                        "(the 128K memory profile, long_context_h200/retention_128k/).",
     "pp2 vpp2 mbs4 calibrated split (11-28c)": "the calibrated split (Et*4|t*3|t*5|m*3L) measured 0.77 of one GPU "
                         "(0.70 with the old split), the model predicts 0.90. The run batched each stage transfer "
                         "(megatron-core's batch_p2p_comm), which ends in a device synchronize: the model has no term "
