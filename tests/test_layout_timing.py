@@ -52,6 +52,8 @@ def test_predictions_are_the_committed_ones(rows, committed):
     for r in rows:
         want = committed[r["id"]]["predicted_tokens_per_s_per_gpu"]
         assert r["predicted_tokens_per_s_per_gpu"] == pytest.approx(want, rel=1e-6), r["id"]
+        if r.get("predicted_peak_gib") is not None:  # the memory model's answer too
+            assert r["predicted_peak_gib"] == pytest.approx(committed[r["id"]]["predicted_peak_gib"], rel=1e-6), r["id"]
 
 
 def test_checks_meet_the_target_where_the_table_says_so(committed):
