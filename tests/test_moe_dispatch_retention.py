@@ -4,7 +4,7 @@ Such a tensor keeps the whole graph alive until it is replaced: every tensor a n
 saved tensors, and with full recompute each checkpoint's detached input and that input's gradient. The check
 walks every module of the tiny GLM-5 (and the plain objects hanging off them, such as a MoE layer's token
 dispatcher) for a tensor with a `grad_fn`, after one forward and backward with each token dispatcher, with
-and without full recompute, on one rank and with EP=2.
+and without full recompute (and with DSA's sparse attention, recomputed or offloaded), on one rank and with EP=2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tests.distributed import run_ranks
 from tests.parallel_helpers import BASE_OVERRIDES, RANK_ENV, SEED, TINY, make_batch
 
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.01", "model.dsa_indexer_use_sparse_loss=true"]
 
 
 def graph_attached(model: torch.nn.Module) -> List[str]:
@@ -77,6 +78,8 @@ def test_nothing_keeps_the_graph_after_backward():
     for dispatcher in ("allgather", "alltoall", "alltoall_dedup"):  # alltoall at EP=1: pretrain.model.moe_dispatch
         variants[dispatcher] = [f"model.moe_token_dispatcher_type={dispatcher}"]
         variants[f"{dispatcher} + full recompute"] = variants[dispatcher] + FULL
+    variants["alltoall + DSA sparse + full recompute"] = variants["alltoall + full recompute"] + SPARSE
+    variants["alltoall + DSA sparse + offload"] = variants["alltoall"] + SPARSE + ["model.activation_offload=true"]
     results = run_ranks(_held_after_backward, 1, variants, env=RANK_ENV)
     assert set(results[0]) == set(variants)
     _check(results)
