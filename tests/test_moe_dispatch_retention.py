@@ -4,7 +4,8 @@ Such a tensor keeps the whole graph alive until it is replaced: every tensor a n
 saved tensors, and with full recompute each checkpoint's detached input and that input's gradient. The check
 walks every module of the tiny GLM-5 (and the plain objects hanging off them, such as a MoE layer's token
 dispatcher) for a tensor with a `grad_fn`, after one forward and backward with each token dispatcher, with
-and without full recompute (and with DSA's sparse attention, recomputed or offloaded), on one rank and with EP=2.
+and without full recompute (and with DSA's sparse attention, recomputed or offloaded), on one rank and with EP=2,
+and through megatron-core's own all-to-all dispatcher (which gloo cannot run at EP > 1) at EP=1.
 """
 
 from __future__ import annotations
@@ -93,3 +94,17 @@ def test_nothing_keeps_the_graph_after_backward_with_expert_parallelism():
                 + FULL}
     for name, extra in variants.items():  # one launch each: a second set of EP groups in the same ranks hangs on gloo
         _check(run_ranks(_held_after_backward, 2, {name: extra}, env=RANK_ENV))
+
+
+def _held_with_megatron_alltoall(rank: int, world_size: int, variants: Dict[str, List[str]]) -> Dict[str, List[str]]:
+    # megatron-core's own all-to-all dispatcher at EP=1: the path our dispatcher hands every layout it does not
+    # take itself (EP > 1 with moe_token_dispatcher_type=alltoall, capacity factors, ...)
+    from pretrain.model.moe_dispatch import LocalTokenDispatcher
+
+    LocalTokenDispatcher._local = lambda self: False
+    return _held_after_backward(rank, world_size, variants)
+
+
+def test_nothing_keeps_the_graph_after_backward_with_megatrons_alltoall_dispatcher():
+    variants = {"megatron alltoall + full recompute": ["model.moe_token_dispatcher_type=alltoall"] + FULL}
+    _check(run_ranks(_held_with_megatron_alltoall, 1, variants, env=RANK_ENV))
