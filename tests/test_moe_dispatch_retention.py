@@ -18,7 +18,8 @@ from tests.distributed import run_ranks
 from tests.parallel_helpers import BASE_OVERRIDES, RANK_ENV, SEED, TINY, make_batch
 
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
-SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.01", "model.dsa_indexer_use_sparse_loss=true"]
+SPARSE = ["model.dsa_sparse_attention=true", "model.dsa_indexer_loss_coeff=0.01",
+          "model.dsa_indexer_use_sparse_loss=true"]
 
 
 def graph_attached(model: torch.nn.Module) -> List[str]:
