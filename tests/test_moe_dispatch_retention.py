@@ -102,7 +102,7 @@ def _held_with_megatron_alltoall(rank: int, world_size: int, variants: Dict[str,
     # take itself (EP > 1 with moe_token_dispatcher_type=alltoall, capacity factors, ...)
     from pretrain.model.moe_dispatch import LocalTokenDispatcher
 
-    LocalTokenDispatcher._local = lambda self: False
+    LocalTokenDispatcher.takes_local_path = lambda self: False
     return _held_after_backward(rank, world_size, variants)
 
 

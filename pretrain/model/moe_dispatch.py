@@ -133,13 +133,15 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher; with every expert on this rank (EP x TP = 1) and dropless
     routing, the sync-free gather path of the module docstring."""
 
-    def _local(self) -> bool:
+    def takes_local_path(self) -> bool:
+        """Whether this dispatcher runs the gather path (every expert here, dropless, no fused permutation);
+        otherwise every step is megatron's all-to-all dispatcher's."""
         cfg = self.config
         return (self.ep_size * self.tp_size == 1 and cfg.moe_expert_capacity_factor is None
                 and not cfg.moe_router_padding_for_quantization and not cfg.moe_permute_fusion)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        if not self._local():
+        if not self.takes_local_path():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         # nothing of the routing is kept on the module: `probs` carries the autograd graph, which would outlive
         # backward (with full recompute, the recomputed layer's input and its gradient: `compat.model`)
@@ -153,10 +155,10 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return PermuteTokens.apply(hidden_states, row_token, token_rows), permuted_probs
 
     def token_dispatch(self, hidden_states, probs):
-        return (hidden_states, probs) if self._local() else super().token_dispatch(hidden_states, probs)
+        return (hidden_states, probs) if self.takes_local_path() else super().token_dispatch(hidden_states, probs)
 
     def dispatch_postprocess(self, hidden_states, probs):
-        if not self._local():
+        if not self.takes_local_path():
             return super().dispatch_postprocess(hidden_states, probs)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(hidden_states)
@@ -164,15 +166,15 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return hidden_states, tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states):
-        return hidden_states if self._local() else super().combine_preprocess(hidden_states)
+        return hidden_states if self.takes_local_path() else super().combine_preprocess(hidden_states)
 
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
-        if self._local():
+        if self.takes_local_path():
             return hidden_states
         return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
 
     def combine_postprocess(self, hidden_states):
-        if not self._local():
+        if not self.takes_local_path():
             return super().combine_postprocess(hidden_states)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(hidden_states)

@@ -3,9 +3,10 @@
 The snapshot is torch's (`torch.cuda.memory._snapshot()`), written by a run with
 `logging.profile_memory: true` over its profile window (pretrain/training/profiler.py). Its trace is
 replayed: each `alloc` adds a block, each `free_completed` removes it; memory allocated before the
-window began is the baseline (weights, optimizer state, gradients, whatever the last step left). At the highest point of
-baseline + live blocks, the live blocks are grouped by their allocation site: the innermost stack
-frame in this project's or megatron's code, which is what one changes to bring the peak down.
+window began is the baseline (weights, optimizer state, gradients, whatever the last step left). At the
+highest point of baseline + live blocks, the live blocks are grouped by their allocation site: the
+innermost stack frame in this project's or megatron's code, which is what one changes to bring the peak
+down.
 """
 
 from __future__ import annotations
