@@ -75,7 +75,7 @@ def open_descriptors() -> List[str]:
 
 
 def descriptor_kind(target: str) -> str:
-    """A descriptor's target without what changes between otherwise equal ones (inode numbers, step dirs)."""
+    """A descriptor's target without the inode number that tells equal pipes or sockets apart (paths are kept)."""
     if target.endswith("]") and ":[" in target:
         return target.split(":[")[0] + ":[]"  # pipe:[123] -> pipe:[]
     return target
