@@ -27,6 +27,9 @@ def test_soak_smoke_on_cpu(tmp_path):
         values = [s[part] for s in result["saves"]]
         assert result[f"save_{part}"] == {"median": pytest.approx(sum(values) / 2), "all": values}
     assert result["async_save"] is True and result["verdict"]["pass"] == (proc["code"] == 0)
+    assert result["complete"] is True and not out.with_name("soak.json.tmp").exists()
+    times = [s["unix_time"] for s in result["samples"]]
+    assert times == sorted(times) and times[-1] - times[0] < 600
     for s in result["samples"]:
         assert s["host_rss_gib"] > 0 and s["open_files"] > 0 and s["threads"] > 0 and s["tokens_per_sec"] > 0
         assert isinstance(s["save_in_flight"], bool) and "descriptors" not in s
@@ -55,6 +58,36 @@ def test_verdict_windows_and_limits():
     assert not grown["pass"] and "host_rss_gib grew +2.00%" in grown["why"]
     assert "threads grew" in verdict(samples(10.0, 13, 100.0), 20, 0.01, 0.05)["why"]
     assert "tokens/s fell -10.00%" in verdict(samples(10.0, 12, 90.0), 20, 0.01, 0.05)["why"]
+
+
+def test_tokens_per_sec_window_medians_show_the_runs_spread():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import verdict
+
+    # warm-up 10, then 50 steps: windows of 5; speeds by window 100, 80, 90, ... (the middle ones 80-95), last 85
+    by_window = [100, 80, 90, 95, 88, 92, 81, 94, 86, 85]
+    rows = [{"step": step, "gpu_allocated_gib": 1.0, "gpu_reserved_gib": 2.0, "host_rss_gib": 1.0, "open_files": 3,
+             "threads": 2, "tokens_per_sec": by_window[(step - 11) // 5] + (step % 5) * 0.1 if step > 10 else 1.0}
+            for step in range(1, 61)]
+    got = verdict(rows, 10, 0.01, 0.05)
+    assert got["checks"]["tokens_per_sec"]["window_medians"] == pytest.approx(
+        [w + 0.2 for w in by_window])  # the median of w + (0.1, 0.2, 0.3, 0.4, 0.0)
+    assert not got["pass"] and "the medians of the windows between ranged 80-95" in got["why"]
+
+
+def test_partial_result_and_atomic_write(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.soak import partial_result, write_json
+
+    samples = [{"step": 1, "open_files": 2, "descriptors": ["pipe:[1]", "/dev/null"]}]
+    saves = [{"step": 1, "blocked_s": 0.5}]
+    got = partial_result({"config": "c"}, samples, saves)
+    assert got == {"config": "c", "complete": False, "saves": saves, "samples": [{"step": 1, "open_files": 2}]}
+    assert samples[0]["descriptors"]  # the verdict still needs them
+    out = tmp_path / "soak.json"
+    write_json(out, got)
+    write_json(out, {**got, "complete": True})
+    assert json.loads(out.read_text())["complete"] is True and [p.name for p in tmp_path.iterdir()] == ["soak.json"]
 
 
 def test_warmup_covers_the_first_save_until_it_is_published():
