@@ -39,7 +39,7 @@ line says so). Exit code 0 when the verdict passes, 1 when not.
 Which model: judge tokens/s on one whose step the GPU bounds. glm5-ablate's steps of 8K tokens take 0.17 s on
 an H200 with the GPU busy about half of it; their tokens/s moves between about 38K and 53K in phases of tens
 of steps, so its first and last windows can differ by 14-21% in either direction with no drift (the results
-in benchmarks/results/soak_h200/). glm5-proxy at 16K tokens per step stays within 1.5%.
+in benchmarks/results/soak_h200/). glm5-proxy at 16K tokens per step stays within 1.6%.
 """
 
 from __future__ import annotations
@@ -146,9 +146,10 @@ def verdict(samples: List[dict], warmup: int, max_growth: float, max_slowdown: f
     speeds = [[s["tokens_per_sec"] for s in w if s["tokens_per_sec"]] for w in (first, last)]
     if all(speeds):
         a, b = statistics.median(speeds[0]), statistics.median(speeds[1])
-        # every window's median, first to last: the run's own spread, beside the first-to-last change
-        medians = [statistics.median(v) for v in ([s["tokens_per_sec"] for s in post[i:i + width] if s["tokens_per_sec"]]
-                                                  for i in range(0, len(post) - width + 1, width)) if v]
+        # the run's own spread beside the first-to-last change: consecutive windows from the first, then the last
+        between = [post[i:i + width] for i in range(width, len(post) - 2 * width + 1, width)]
+        medians = [a, *(statistics.median(v) for v in ([s["tokens_per_sec"] for s in w if s["tokens_per_sec"]]
+                                                        for w in between) if v), b]
         checks["tokens_per_sec"] = {"first": a, "last": b, "change": b / a - 1, "limit": -max_slowdown,
                                     "window_medians": medians}
         if b / a - 1 < -max_slowdown:
@@ -167,8 +168,12 @@ def descriptor_change(before: List[str], after: List[str]) -> Dict[str, Dict[str
 
 def partial_result(header: dict, samples: List[dict], saves: List[dict]) -> dict:
     """What a run has recorded so far (`complete: false`, no verdict), per-step descriptors left out."""
-    rows = [{k: v for k, v in s.items() if k != "descriptors"} for s in samples]
-    return {**header, "complete": False, "saves": list(saves), "samples": rows}
+    return {**header, "complete": False, "saves": list(saves), "samples": without_descriptors(samples)}
+
+
+def without_descriptors(samples: List[dict]) -> List[dict]:
+    """The samples as written to the JSON: the verdict names what grew, a descriptor list per step would bloat it."""
+    return [{k: v for k, v in s.items() if k != "descriptors"} for s in samples]
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -270,15 +275,13 @@ def main(argv=None) -> int:
     result = {
         **header, "complete": True, "warmup": warmup,
         **{f"save_{part}": _median_and_all([s[part] for s in saves]) for part in SAVE_PARTS},
-        "saves": saves, "samples": samples,
+        "saves": saves, "samples": without_descriptors(samples),
     }
     result["verdict"] = verdict(samples, warmup, args.max_growth, args.max_slowdown)
     by_step = {s["step"]: s for s in samples}
     if saves and saves[0]["step"] in by_step and warmup + 1 in by_step:  # what the first save cycle opened, kept
         result["first_save_cycle_descriptors"] = descriptor_change(by_step[saves[0]["step"]]["descriptors"],
                                                                    by_step[warmup + 1]["descriptors"])
-    for s in samples:
-        del s["descriptors"]  # the verdict names what grew; a list per step would bloat the JSON
     write_json(out, result)
     print(plot(result, out.with_suffix(".png")))
     v = result["verdict"]
