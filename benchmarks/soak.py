@@ -31,20 +31,25 @@ writer's queues and files once), and 10 steps more; `--warmup N` makes it at lea
 records whether a save is in flight; the open descriptors are compared by what they point to, so a growth
 names its files, pipes or sockets (`verdict.checks.open_files.added`). Beside the first-to-last change,
 `verdict.checks.tokens_per_sec.window_medians` has every window's median, the run's own spread. The JSON holds
-every sample (with its `unix_time`, to line steps up with a GPU-clock or host-load log), the windows and the
+every sample (with its `unix_time`, to line steps up with a GPU-clock or host-load log, and the host's share of
+the step: `wall_s`, the main thread's CPU seconds `main_thread_cpu_s`, and `gc_s` / `gc_collections`, Python's
+garbage collections; `host_units_per_s`, the speed of the core the trainer's thread is on, from
+`benchmarks/host_speed.py`: a slower step on a slower core is the machine, not more host work), the windows and the
 verdict; it is rewritten every `--interval` steps with what was recorded so far (`complete: false`), so a run
 cut short leaves its samples. A PNG of the curves is written beside it when matplotlib is installed (else one
 line says so). Exit code 0 when the verdict passes, 1 when not.
 
 Which model: judge tokens/s on one whose step the GPU bounds. glm5-ablate's steps of 8K tokens take 0.17 s on
-an H200 with the GPU busy about half of it; their tokens/s moves between about 38K and 53K in phases of tens
-of steps, so its first and last windows can differ by 14-21% in either direction with no drift (the results
-in benchmarks/results/soak_h200/). glm5-proxy at 16K tokens per step stays within 1.6%.
+an H200 with the GPU busy about half of it; their tokens/s follows the speed of the host core the trainer runs
+on (`host_units_per_s`), which on a virtual machine switches between two speeds about 2x apart, so its first and
+last windows can differ by up to 25% in either direction with no drift (benchmarks/results/soak_h200/
+host_rss_and_phases/). glm5-proxy at 16K tokens per step stays within 1.6%.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -53,9 +58,11 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from anywhere
+
+from benchmarks import host_speed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWING = ("gpu_allocated_gib", "gpu_reserved_gib", "host_rss_gib")  # may grow by --max-growth
@@ -93,22 +100,60 @@ def descriptor_kind(target: str) -> str:
     return target
 
 
-def sample(values: Dict[str, float], save_in_flight: bool) -> Dict:
+class HostClock:
+    """The host's share of each step, to tell host-bound phases apart: the main thread's CPU seconds (what
+    Python and the launches cost; a step whose wall time grows with it is slower on the host, not waiting on
+    the GPU), and the seconds and count of Python's garbage collections (`gc.callbacks`), since the last `take`."""
+
+    def __init__(self):
+        self.gc_s, self.gc_collections, self._gc_start = 0.0, 0, None
+        self._cpu, self._wall = time.thread_time(), time.perf_counter()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self.gc_collections += 1
+            self._gc_start = None
+
+    def take(self) -> Dict[str, float]:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        out = {"wall_s": wall - self._wall, "main_thread_cpu_s": cpu - self._cpu, "gc_s": self.gc_s,
+               "gc_collections": self.gc_collections}
+        self._cpu, self._wall, self.gc_s, self.gc_collections = cpu, wall, 0.0, 0
+        return out
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def sample(values: Dict[str, float], save_in_flight: bool, previous: Optional[List[str]] = None) -> Dict:
     """This process now: memory, descriptors, threads; the step's tokens/s from the trainer; whether a
-    checkpoint is being written in the background."""
+    checkpoint is being written in the background; the speed of the core the trainer's thread runs on (20
+    units of `host_speed.unit`, about 1 ms). `previous`: the last sample's descriptors, shared when unchanged
+    (a new list of ~140 paths per step would grow this process by ~10 KB a step, the soak measuring itself)."""
     import torch
 
     gpu = torch.cuda.is_available()
     descriptors = open_descriptors()
+    if previous is not None and descriptors == previous:
+        descriptors = previous
     return {
         "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30 if gpu else 0.0,
         "gpu_reserved_gib": torch.cuda.memory_reserved() / 2**30 if gpu else 0.0,
         "host_rss_gib": _proc_status("VmRSS") / 2**20,
+        # RSS's parts: anonymous (the heap, pinned buffers: where a leak shows) and file-backed (memory-mapped
+        # dataset and library pages, which the kernel can drop and which stop growing once every page was read)
+        "host_rss_anon_gib": _proc_status("RssAnon") / 2**20,
+        "host_rss_file_gib": (_proc_status("RssFile") + _proc_status("RssShmem")) / 2**20,
         "open_files": len(descriptors),
         "threads": _proc_status("Threads") or threading.active_count(),
         "tokens_per_sec": values.get("tokens_per_sec"),
         "save_in_flight": save_in_flight,
         "unix_time": time.time(),  # to line the steps up with a GPU-clock or host-load log of the same run
+        "host_units_per_s": host_speed.rate(20),  # a slower step with a slower core: the machine, not the trainer
         "descriptors": descriptors,  # compared by `verdict`, not written to the JSON
     }
 
@@ -174,6 +219,14 @@ def partial_result(header: dict, samples: List[dict], saves: List[dict]) -> dict
 def without_descriptors(samples: List[dict]) -> List[dict]:
     """The samples as written to the JSON: the verdict names what grew, a descriptor list per step would bloat it."""
     return [{k: v for k, v in s.items() if k != "descriptors"} for s in samples]
+
+
+def display_path(path: str) -> str:
+    """`path` relative to the repository when inside it (the default config is given absolute), as users type it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -243,18 +296,21 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg)
     import torch
 
-    header = {"config": args.config, "steps": args.steps, "interval": args.interval,
+    header = {"config": display_path(args.config), "steps": args.steps, "interval": args.interval,
               "async_save": args.async_save == "true", "data": args.data or "synthetic (data.mock=true)",
               "world_size": trainer.world_size,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     samples: List[dict] = []
     saves: List[dict] = []
     log_step, save = trainer.metrics.log_step, trainer.save
+    host = HostClock()
 
     def logged(iteration, values):
         log_step(iteration, values)
         queue = trainer.async_queue  # a save written in the background until finalized (after this step)
-        samples.append({"step": iteration, **sample(values, bool(queue and queue.get_num_unfinalized_calls()))})
+        in_flight = bool(queue and queue.get_num_unfinalized_calls())
+        previous = samples[-1]["descriptors"] if samples else None
+        samples.append({"step": iteration, **sample(values, in_flight, previous), **host.take()})
         if trainer.rank == 0 and iteration % args.interval == 0:  # a run cut short still leaves its samples
             write_json(out, partial_result(header, samples, saves))
 
@@ -266,6 +322,7 @@ def main(argv=None) -> int:
 
     trainer.metrics.log_step, trainer.save = logged, saved
     trainer.train()
+    host.close()
     if trainer.rank != 0:
         return 0
 

@@ -34,8 +34,12 @@ def test_soak_smoke_on_cpu(tmp_path):
     times = [s["unix_time"] for s in result["samples"]]
     assert began < times[0] < times[-1] < ended and times == sorted(times)  # the steps' own clock times
     for s in result["samples"]:
+        assert s["host_rss_gib"] == pytest.approx(s["host_rss_anon_gib"] + s["host_rss_file_gib"], rel=0.02)
         assert s["host_rss_gib"] > 0 and s["open_files"] > 0 and s["threads"] > 0 and s["tokens_per_sec"] > 0
         assert isinstance(s["save_in_flight"], bool) and "descriptors" not in s
+        assert 0 < s["main_thread_cpu_s"] and 0 < s["wall_s"] and s["gc_s"] >= 0 and s["gc_collections"] >= 0
+    # wall seconds between samples add up to the run's clock between the first and last sample
+    assert sum(s["wall_s"] for s in result["samples"][1:]) == pytest.approx(times[-1] - times[0], abs=0.05)
     # never before the first save is published (a step after it at the earliest), and 10 steps more
     assert result["warmup"] >= result["saves"][0]["step"] + 1 + 10
     assert "soak PASS" in proc["stdout"] or "soak FAIL" in proc["stdout"]
@@ -127,3 +131,75 @@ def test_descriptor_growth_is_named_by_kind():
     grown = verdict(rows, 20, 0.01, 0.05)
     assert not grown["pass"] and "open_files grew" in grown["why"] and "'pipe:[]': 1" in grown["why"]
     assert grown["checks"]["open_files"]["removed"] == {"socket:[]": 1}
+
+
+def test_host_clock_counts_collections_and_main_thread_cpu():
+    """Against what the test itself does between two `take`s: three forced collections and a busy loop, whose CPU
+    seconds the process clock measures (no other thread is busy here), then a sleep that costs no CPU."""
+    import gc
+
+    from benchmarks.soak import HostClock
+
+    clock = HostClock()
+    try:
+        clock.take()
+        gc.disable()  # only the forced collections are counted
+        try:
+            begin = time.process_time()
+            for _ in range(3):
+                gc.collect()
+            looping = time.process_time()
+            while time.process_time() - looping < 0.2:
+                pass
+            busy = time.process_time() - begin
+            time.sleep(0.3)
+            got = clock.take()
+        finally:
+            gc.enable()
+        # every generation's collection reports start and stop: gc.collect() is one full (generation 2) collection
+        assert got["gc_collections"] == 3 and got["gc_s"] > 0
+        assert got["main_thread_cpu_s"] == pytest.approx(busy, abs=0.03)  # the work, not the sleep
+        assert got["wall_s"] >= busy + 0.3 and got["gc_s"] < busy - 0.15  # the loop is not a collection
+        assert clock.take()["gc_collections"] == 0  # reset by take
+    finally:
+        clock.close()
+    import gc as _gc
+
+    assert clock._on_gc not in _gc.callbacks
+
+
+def test_host_speed_writes_a_rate_per_period(tmp_path):
+    from benchmarks.host_speed import main
+
+    out = tmp_path / "host.csv"
+    assert main(["--seconds", "1.0", "--period", "0.25", "--out", str(out)]) == 0
+    rows = out.read_text().splitlines()
+    assert rows[0] == "unix_time,units_per_s" and 3 <= len(rows) - 1 <= 5
+    times, rates = zip(*((float(a), float(b)) for a, b in (r.split(",") for r in rows[1:])))
+    assert list(times) == sorted(times) and min(rates) > 0
+
+
+def test_recording_a_step_does_not_grow_the_process(tmp_path):
+    """The soak's own bookkeeping must not be what it measures: with 100 more descriptors open (a trainer has
+    ~140), 200 recorded steps hold at most 1.5 KB each (Python's traced memory), where a list of the
+    descriptors per step holds ~8 KB."""
+    import tracemalloc
+
+    from benchmarks.soak import sample
+
+    files = [open(tmp_path / f"f{i}", "w") for i in range(100)]
+    try:
+        samples = [{"step": 0, **sample({"tokens_per_sec": 1.0}, False)}]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for step in range(1, 201):
+                samples.append({"step": step, **sample({"tokens_per_sec": 1.0}, False, samples[-1]["descriptors"])})
+            per_step = (tracemalloc.get_traced_memory()[0] - before) / 200
+        finally:
+            tracemalloc.stop()
+    finally:
+        for f in files:
+            f.close()
+    assert per_step < 1536, f"{per_step:.0f} bytes a step"
+    assert samples[-1]["open_files"] >= 100 and samples[-1]["host_units_per_s"] > 0
