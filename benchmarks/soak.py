@@ -321,8 +321,10 @@ def main(argv=None) -> int:
         return path
 
     trainer.metrics.log_step, trainer.save = logged, saved
-    trainer.train()
-    host.close()
+    try:
+        trainer.train()
+    finally:
+        host.close()  # the gc callback goes with the run, whatever ends it
     if trainer.rank != 0:
         return 0
 
