@@ -36,8 +36,13 @@ def rank_file_scenarios(rank: int, world_size: int, save_dir: str) -> dict:
     real_save = dist_checkpointing.save
 
     def watching_save(state, directory, **kwargs):
-        real_save(state, directory, **kwargs)  # all shards written: the step is still not published
-        seen_during_save.append((Path(directory).name, _latest(root), (Path(directory) / "complete.json").exists()))
+        request = real_save(state, directory, **kwargs)
+
+        def seen():  # all shards written: the step is still not published
+            seen_during_save.append((Path(directory).name, _latest(root), (Path(directory) / "complete.json").exists()))
+
+        request.add_finalize_fn(seen)
+        return request
 
     checkpoint.dist_checkpointing.save = watching_save
     listings = []

@@ -95,6 +95,7 @@ BAD = [
     ("profile", ["logging.profile_step_start=5"], "logging.profile_step_end"),
     ("vpp-needs-pp", ["parallel.virtual_pipeline_model_parallel_size=2"],
      "parallel.virtual_pipeline_model_parallel_size"),
+    ("pageable-async", ["checkpoint.pinned_staging=false", "checkpoint.async_save=true"], "checkpoint.pinned_staging"),
 ]
 
 

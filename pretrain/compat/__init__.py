@@ -38,7 +38,7 @@ import torch
 from pretrain.compat.cpu import install_cpu_support, token_dispatcher_for_device
 from pretrain.compat.datasets import rank_zero_without_process_group
 from pretrain.compat.dsa import dsa_config_check_without_cp
-from pretrain.compat.dist_checkpointing import patch_dist_checkpoint_writer
+from pretrain.compat.dist_checkpointing import pageable_staging, patch_dist_checkpoint_writer
 from pretrain.compat.model import (
     MTPLogitsWithoutLabels,
     gpt_model_mtp_block_class,
@@ -127,6 +127,7 @@ __all__ = [
     "install",
     "install_cpu_support",
     "installed",
+    "pageable_staging",
     "patch_dist_checkpoint_writer",
     "patch_triton_interpreter",
     "rank_zero_without_process_group",

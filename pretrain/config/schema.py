@@ -368,6 +368,8 @@ class CheckpointConfig:
     """Ours: also take optimizer state (moments, Muon momentum) from checkpoint.pretrained; step count and data restart."""
     async_save: bool = False
     """Write checkpoints in the background (megatron-core async save); training blocks only to stage the tensors."""
+    pinned_staging: bool = True
+    """Ours: sync saves stage in pinned host memory kept for the next (~1.3x the state in RAM); false: pageable, freed."""
 
 
 @dataclass

@@ -398,6 +398,11 @@ def check_checkpoint(c: CheckpointConfig) -> None:
         "checkpoint.pretrained_optimizer=true needs checkpoint.pretrained (the checkpoint whose optimizer state "
         "to take); set checkpoint.pretrained or checkpoint.pretrained_optimizer=false",
     )
+    require(
+        c.pinned_staging or not c.async_save,
+        "checkpoint.pinned_staging=false applies to synchronous saves; with checkpoint.async_save=true the writer "
+        "process stages in pinned memory it keeps. Set checkpoint.pinned_staging=true or checkpoint.async_save=false",
+    )
 
 
 def check_logging(lg: LoggingConfig) -> None:

@@ -49,6 +49,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pretrain.compat import pageable_staging
 from pretrain.config import save_config
 from pretrain.training import checkpoint_files as files
 from pretrain.training.checkpoint_state import (
@@ -115,15 +116,21 @@ def save_checkpoint(
     _, state["optimizer"] = optimizer_sharded_state(optimizer, dict(state), is_loading=False)
     state.update(iteration=iteration, optimizer_step=optimizer_step(optimizer), scheduler=scheduler.state_dict(),
                  layout=parallel_layout())
+    # Always as a request: a synchronous save runs it here (what megatron's own synchronous path does), after
+    # choosing where it stages (`checkpoint.pinned_staging`).
     request = dist_checkpointing.save(
         state, str(staging), sharded_strategy=_save_strategy(), content_metadata=dict(SHARDED_STATE_METADATA),
-        async_sharded_save=async_queue is not None,
+        async_sharded_save=True,
     )
+    if async_queue is None:
+        if not cfg.checkpoint.pinned_staging:
+            request = pageable_staging(request)
+        request.execute_sync()
     _save_rank_state(staging, rank, {"rng": capture_rng_state(), "extra": extra_state})
     if rank == 0:
         save_config(cfg, staging / "config.yaml")
     finish = functools.partial(_publish, save_path, staging, iteration, cfg.checkpoint.keep_last)
-    if request is None:
+    if async_queue is None:
         finish()
     else:
         request.add_finalize_fn(finish)
