@@ -1,6 +1,8 @@
 """Asynchronous checkpoints (`checkpoint.async_save`): what is written is the state of the step saved even
 while training goes on, a crash in the middle of the background write leaves the previous checkpoint as
-the one resumed, and the resumed run continues the uninterrupted (synchronous) run's losses bitwise."""
+the one resumed, and the resumed run continues the uninterrupted (synchronous) run's losses bitwise. On GPUs,
+what each save holds once it returns: an asynchronous save's device copies, a synchronous save's host staging
+(`checkpoint.pinned_staging`)."""
 
 import os
 import subprocess
