@@ -25,7 +25,7 @@ the first save, for 21.6 GiB of state), and later saves stage fast (0.4 s instea
 no way to pass megatron a staging choice, so `pageable_staging` rewrites a request's staging function to
 `non_blocking=False` (ordinary host memory, freed when the save returns; 15 s per 21.6 GiB at every save) for
 `checkpoint.pinned_staging=false`. Returning the pinned cache after each save instead costs as much time (pinning again
-every save) and more memory during it (`benchmarks/host_staging.py` measures the three ways).
+every save) and more memory during it (the measurements: docs/training.md, "Host memory of a save").
 
 Asynchronous saves (`checkpoint.async_save`) go through megatron's `AsyncCallsQueue(persistent=True)`,
 whose `PersistentAsyncCaller` runs each save's writer in one spawned worker process:
