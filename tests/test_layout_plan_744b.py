@@ -95,3 +95,15 @@ def test_projection_adds_up(plan, stated):
     assert "| 2,048 H800 | 14.8T | 2.788M | 188K | 1,475 | 57 |" in text
     assert "Kimi K2 (1T MoE) | unknown (H800) | unknown | unknown" in text
     assert "`a2a.inter_node_fraction` = 0.6" in text and "tp.overhead_s_per_layer_microbatch fitted at TP=2" in text
+
+
+def test_host_memory_of_every_stage_fits_its_nodes(plan, stated):
+    """What docs/layout.md says: with saves, a node's host memory need (trainers, kept checkpoint staging, offloaded
+    activations) peaks at mid-200k's 1,022 GiB, under 90% of the preset's 2 TiB; check_plan_layouts refuses it over."""
+    from pretrain.layout.search import stage_host_memory
+    from pretrain.layout.types import CLUSTERS, GiB
+
+    gpus, cluster = stated
+    need = {s.name: stage_host_memory(s.cfg, *layout_of(s.cfg, gpus), 8).per_node for s in plan.stages}
+    assert max(need, key=need.get) == "mid-200k" and need["mid-200k"] / GiB == pytest.approx(1022, abs=1)
+    assert max(need.values()) < 0.9 * CLUSTERS[cluster].host_memory_bytes

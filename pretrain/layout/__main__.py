@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Workload(args.seq, args.global_batch)
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
                          optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
-                         saves=saves_checkpoints(cfg),
+                         saves=saves_checkpoints(cfg), pinned_staging=cfg.checkpoint.pinned_staging,
                          pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
         step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
@@ -101,6 +101,8 @@ def describe(i: int, cand, tokens: Optional[float]) -> str:
              f"bubble {lay.bubble if lay.pp > 1 else 0:.1%}" + (f", {d:.1f} days for {tokens:.3g} tokens" if d else ""),
              f"   memory {mem.needed / GiB:.1f} GiB (peak {mem.total / GiB:.1f} + reserve {mem.reserve / GiB:.1f}, "
              f"pipeline rank {mem.rank}): {mem.format()}",
+             f"   host memory {cand.host.per_node / GiB:,.0f} GiB per node ({cand.host.gpus_per_node} GPUs x "
+             f"{cand.host.per_gpu / GiB:.1f}: {cand.host.format()})",
              "   time (s): " + "  ".join(f"{k} {v:.3f}" for k, v in st.components().items() if v >= 5e-4)]
     return "\n".join(lines)
 
@@ -111,13 +113,13 @@ COLUMNS = ["tp", "pp", "vpp", "ep", "etp", "cp", "dp", "micro_batch_size", "num_
 
 def write_table(path: str, ranked, tokens: Optional[float]) -> None:
     with open(path, "w") as f:
-        f.write("\t".join(COLUMNS + ["bubble", "memory_gib", "needed_gib", "step_s", "tokens_per_s_per_gpu", "mfu",
-                                     "days"]) + "\n")
+        f.write("\t".join(COLUMNS + ["bubble", "memory_gib", "needed_gib", "host_gib_per_node", "step_s",
+                                     "tokens_per_s_per_gpu", "mfu", "days"]) + "\n")
         for c in ranked:
             d = days(c, tokens)
             row = [str(getattr(c.layout, k)) for k in COLUMNS] + [
                 f"{c.layout.bubble if c.layout.pp > 1 else 0:.4f}", f"{c.memory.total / GiB:.2f}",
-                f"{c.memory.needed / GiB:.2f}", f"{c.step.total:.4f}", f"{c.step.tokens_per_s_per_gpu:.1f}",
+                f"{c.memory.needed / GiB:.2f}", f"{c.host.per_node / GiB:.1f}", f"{c.step.total:.4f}", f"{c.step.tokens_per_s_per_gpu:.1f}",
                 f"{c.step.mfu:.4f}", f"{d:.2f}" if d else ""]
             f.write("\t".join(row) + "\n")
 

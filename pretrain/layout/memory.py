@@ -225,8 +225,10 @@ def _layer_kinds(dims: ModelDims, layout: Layout, rank: int) -> Tuple[Tuple[int,
     return tuple((first[kind], n) for kind, n in plan.kinds[rank])
 
 
-def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
-    """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
+def saved_activations(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2
+                      ) -> Tuple[Dict[str, float], float]:
+    """(the in-flight micro-batches' saved tensors on pipeline rank `rank` by term, what stays on the GPU of them
+    under activation offloading: two layers' worth, the one running and the one prefetched)."""
     kinds = _layer_kinds(dims, layout, rank)
     per_kind = [(layer_terms(dims, layout, work, first, a, layout.recompute), n) for first, n in kinds]
     chunks = in_flight_chunks(layout, rank)
@@ -236,10 +238,24 @@ def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int,
     for terms, n in per_kind:
         for k, v in terms.items():
             out[k] = out.get(k, 0.0) + v * n * scale
+    resident = 2 * max((sum(t.values()) for t, _ in per_kind), default=0.0)  # a rank may hold no layer
+    return out, min(sum(out.values()), resident)
+
+
+def offloaded_bytes(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> float:
+    """Saved activations pipeline rank `rank` keeps in host memory at the peak of the schedule (0 without
+    `activation_offload`)."""
+    if not layout.activation_offload:
+        return 0.0
+    saved, resident = saved_activations(dims, layout, work, rank, a)
+    return sum(saved.values()) - resident
+
+
+def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
+    """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
+    out, resident = saved_activations(dims, layout, work, rank, a)
     if layout.activation_offload:  # saved tensors wait in host memory; two layers' worth stay
-        total = sum(out.values())
-        resident = 2 * max((sum(t.values()) for t, _ in per_kind), default=0.0)  # a rank may hold no layer
-        out = {"offload_resident": min(total, resident)}
+        out = {"offload_resident": resident}
     # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
     # the loss runs before the first backward, so the two do not coexist
     transient = working_set(dims, layout, work, a)

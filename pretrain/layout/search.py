@@ -8,7 +8,8 @@ with a reason (the rules of `pretrain.config.cross_checks`, which the best candi
     stages are uneven, experts % EP, expert width % ETP,
     TP CP DP % (EP ETP), seq % (2 CP), global batch % (micro-batch x DP), micro-batches % PP with VPP,
     bubble (PP - 1) / (VPP m) over the bound, memory (`memory.estimate`) + runtime reserve over
-    (1 - headroom) x GPU memory.
+    (1 - headroom) x GPU memory, host memory per node (`host_memory.host_estimate`: checkpoint staging, offloaded
+    activations) over (1 - headroom) x the node's.
 
 A PP x VPP that does not divide the layers gets uneven stages, `pretrain.tools.pipeline_split`'s balanced split
 at the layout's micro-batches (`uneven_layout`, carried as `Layout.pipeline_layout`). Within one parallel split
@@ -28,6 +29,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import yaml
 
 from pretrain.layout.from_config import configured_layout, layout_of  # also this module's API (__all__)
+from pretrain.layout.host_memory import HostEstimate, host_estimate, host_refusal
 from pretrain.layout.memory import MemoryEstimate, estimate
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
 
@@ -49,6 +51,7 @@ class SearchOptions:
     output_chunk_size: int = 4096
     trainable: str = "all"
     saves: bool = False  # checkpoints saved: a save's expert copies may peak above the step (memory.save_copies_terms)
+    pinned_staging: bool = True  # checkpoint.pinned_staging: a save's host staging is kept (host_memory)
     validate_top: int = 10  # candidates built as configs and validated, best first
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
@@ -61,6 +64,7 @@ class Candidate:
     layout: Layout
     memory: MemoryEstimate
     step: Optional[StepTime] = None
+    host: Optional[HostEstimate] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -197,7 +201,11 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
         mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
-            return Candidate(lay, mem), None, needed
+            host = host_estimate(dims, lay, work, cluster.gpus_per_node, trainable=opts.trainable, saves=opts.saves,
+                                 pinned_staging=opts.pinned_staging)
+            reason = host_refusal(host, cluster.host_memory_bytes, opts.headroom)
+            if reason is None:
+                return Candidate(lay, mem, host=host), None, needed
     return None, reason, needed
 
 
@@ -287,6 +295,13 @@ def stage_memory(cfg, layout: Layout, work: Workload) -> MemoryEstimate:
                     saves=saves_checkpoints(cfg))
 
 
+def stage_host_memory(cfg, layout: Layout, work: Workload, gpus_per_node: int) -> HostEstimate:
+    """The host-memory model's estimate of a resolved config run under `layout`, per GPU and per node."""
+    return host_estimate(ModelDims.from_config(cfg), layout, work, gpus_per_node, a=2 if cfg.model.bf16 else 4,
+                         trainable=cfg.train.trainable_params, saves=saves_checkpoints(cfg),
+                         pinned_staging=cfg.checkpoint.pinned_staging)
+
+
 def saves_checkpoints(cfg) -> bool:
     """Whether the config's run saves checkpoints (a `checkpoint.save` directory), synchronously or not."""
     return bool(cfg.checkpoint.save)
@@ -306,7 +321,8 @@ def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTim
 def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom: float = 0.10,
                 bubble_bound: float = 0.10) -> Optional[str]:
     """One line saying why a stage's config cannot run well on `world_size` GPUs of `cluster` (memory over
-    (1 - headroom) of the GPU, pipeline bubble over `bubble_bound`, a divisibility rule), or None."""
+    (1 - headroom) of the GPU or of the node's host memory, pipeline bubble over `bubble_bound`, a divisibility
+    rule), or None."""
     from pretrain.layout.types import cluster_preset
 
     gpus = cluster_preset(cluster, world_size)
@@ -318,10 +334,11 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
               if world_size % model_parallel else None)  # layout_of's DP rounds down: the rest would idle
     reason = reason or refusal(dims, layout, work) or bubble_refusal(layout, bubble_bound)
     if reason is None:
-        reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom)
+        reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom) or host_refusal(
+            stage_host_memory(cfg, layout, work, gpus.gpus_per_node), gpus.host_memory_bytes, headroom)
     return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
                           "configured_layout", "layout_of", "pipeline_costs", "refusal", "saves_checkpoints", "search",
-                          "splits", "stage_memory", "stage_step", "uneven_layout"]
+                          "splits", "stage_host_memory", "stage_memory", "stage_step", "uneven_layout"]

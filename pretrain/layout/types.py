@@ -175,6 +175,7 @@ class Cluster:
     peak_bf16_flops: float  # dense (no sparsity) bf16 tensor-core FLOP/s per GPU
     intra_node_bw: float  # bytes/s per GPU per direction inside a node (NVLink)
     inter_node_bw: float  # bytes/s per GPU per direction between nodes (one NIC per GPU)
+    host_memory_bytes: int = 2048 * GiB  # per node: what its GPUs' processes may pin (checkpoint staging, offload)
 
     def with_gpus(self, gpus: int) -> "Cluster":
         return Cluster(**{**{f.name: getattr(self, f.name) for f in fields(self)}, "gpus": gpus})
@@ -187,6 +188,7 @@ class Cluster:
 # - NVLink 4 through NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s per direction; NCCL's bus
 #   bandwidth on 8 GPUs reaches ~80% of it, so treat 450e9 as an upper bound.
 # - InfiniBand: one NIC per GPU; NDR 400 Gb/s = 50 GB/s per GPU per direction, XDR 800 Gb/s = 100 GB/s.
+# - Host memory: 2 TiB per 8-GPU node (DGX H100 and DGX H200: 2 TB of DDR5).
 _H100_MEM = 81_559 * MiB
 _H200_MEM = 143_771 * MiB
 _PEAK = 989e12
