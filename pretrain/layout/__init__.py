@@ -13,10 +13,13 @@ out of TP x CP x DP, PP stages holding L / (PP x VPP) layers per virtual chunk. 
   micro-batch per layer (by recompute/offload) times the micro-batches in flight on the first stage
   (1F1B: PP; interleaved: megatron's PP x (1 + (PP - 1) / (PP x VPP))), the embedding on the first
   stage, MTP and the output loss on the last, and communication buffers;
+- host memory per node (`host_memory.py`): the trainers, a checkpoint save's kept pinned staging and the
+  activations offloading sends to the host;
 - pipeline bubble (PP - 1) / (VPP x m), with m micro-batches per pipeline per step;
 - time per step (`timing.py`, calibrated per GPU kind), hence tokens/s per GPU and MFU.
 
 The search (`search.py`) enumerates the factorizations of the GPU count, refuses a layout with a
-one-line reason (divisibility, memory over (1 - headroom) of the GPU, bubble over a bound, a layout the
+one-line reason (divisibility, memory over (1 - headroom) of the GPU or of the node's host memory, bubble
+over a bound, a layout the
 config validator refuses) and ranks the rest by predicted tokens/s per GPU.
 """
