@@ -20,6 +20,5 @@ out of TP x CP x DP, PP stages holding L / (PP x VPP) layers per virtual chunk. 
 
 The search (`search.py`) enumerates the factorizations of the GPU count, refuses a layout with a
 one-line reason (divisibility, memory over (1 - headroom) of the GPU or of the node's host memory, bubble
-over a bound, a layout the
-config validator refuses) and ranks the rest by predicted tokens/s per GPU.
+over a bound, a layout the config validator refuses) and ranks the rest by predicted tokens/s per GPU.
 """
