@@ -21,6 +21,54 @@ from typing import Dict, List
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script from the repository root
 
 TARGET_TPS, TARGET_MEM = 0.15, 0.10
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Host memory a synchronous save keeps (pretrain/layout/host_memory.py): (case, config, overrides, GPUs, source)
+HOST_CASES = [
+    ("h200 glm5-proxy 1gpu, sync saves (11-28)", "configs/models/glm5-proxy.yaml",
+     ["train.global_batch_size=4", "train.micro_batch_size=4"], 1, "soak_h200/save_proxy_b/soak_false.json"),
+    ("h200 glm5-proxy dp2, sync saves, rank 0 (11-29)", "configs/models/glm5-proxy.yaml",
+     ["train.global_batch_size=8", "train.micro_batch_size=4"], 2, "soak_2xh200/save2_async_false.json"),
+    ("h200 glm5-tiny 48 experts, two sync saves (11-29)", "configs/models/glm5-tiny.yaml",
+     ["model.bf16=true", "model.params_dtype=bfloat16", "optimizer.optimizer=muon", "data.mock=true",
+      "model.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2",
+      "model.hidden_size=512", "model.moe_ffn_hidden_size=1024", "model.num_moe_experts=48"], 1,
+     "soak_h200/sync_staging/gpu_test.log"),
+]
+
+
+def measured_host_kept(source: str) -> float:
+    """Bytes of host RSS the first synchronous save left (a soak's rank 0), or the GPU test's pinned side."""
+    path = os.path.join(RESULTS, source)
+    if source.endswith(".log"):  # tests/test_checkpoint_async.py's printed dict
+        import ast
+
+        with open(path) as f:
+            got = ast.literal_eval(next(line for line in f if line.startswith("{'pinned'")))["pinned"]
+        return float(got["after"] - got["before"])
+    with open(path) as f:
+        run = json.load(f)
+    first = run["saves"][0]["step"]
+    rss = {s["step"]: s["host_rss_gib"] for s in run["samples"]}
+    return (rss[first + 1] - rss[first - 1]) * 2**30
+
+
+def host_rows() -> List[dict]:
+    """Every HOST_CASES entry: the planner's kept checkpoint staging against the measured host RSS."""
+    from pretrain.config import load_config
+    from pretrain.layout.from_config import layout_of
+    from pretrain.layout.host_memory import host_estimate
+    from pretrain.layout.types import ModelDims
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    rows = []
+    for case, config, overrides, gpus, source in HOST_CASES:
+        cfg = load_config(os.path.join(root, config), overrides)
+        layout, work = layout_of(cfg, gpus)
+        predicted = host_estimate(ModelDims.from_config(cfg), layout, work, 8, saves=True).terms["checkpoint_staging"]
+        measured = measured_host_kept(source)
+        rows.append({"id": case, "measured_gib": measured / 2**30, "predicted_gib": predicted / 2**30,
+                     "error": predicted / measured - 1, "source": source})
+    return rows
 
 
 def write_predictions(prefix: str) -> None:
@@ -36,14 +84,15 @@ def write_predictions(prefix: str) -> None:
         if r.get("memory_error") is not None:
             m = abs(r["memory_error"])
             r["memory_bound"] = TARGET_MEM if m <= TARGET_MEM else math.ceil(m * 100 + 0.5) / 100
+    host = host_rows()
     with open(prefix + ".json", "w") as f:
-        json.dump({"about": "python benchmarks/layout_predictions.py --out " + prefix, "rows": rows},
-                  f, indent=1)
+        json.dump({"about": "python benchmarks/layout_predictions.py --out " + prefix, "rows": rows,
+                   "host_rows": host}, f, indent=1)
         f.write("\n")
     checks = [r for r in rows if r["role"] == "check"]
     ok = sum(r["within_target"] for r in checks)
     lines = [
-        "# Layout planner: predicted against measured (tokens/s per GPU, peak memory)",
+        "# Layout planner: predicted against measured (tokens/s per GPU, peak memory, host memory)",
         "",
         "Every committed measurement of a training layout (glm5-proxy; 1, 2 and 4 GPUs; H200 and H100) against",
         "the time model of `pretrain/layout/timing.py` with the calibration tables",
@@ -52,7 +101,8 @@ def write_predictions(prefix: str) -> None:
         "and holds it to this table (bound: the +-15% target, or the honestly measured error where a case misses it).",
         "Regenerate: `python benchmarks/layout_predictions.py --out benchmarks/results/layout_predictions` (after",
         "`python benchmarks/layout_calibration_results.py --gpu h200 --out pretrain/layout/calibration/h200.json`,",
-        "and h100, if the calibration changed; after any meant change of `pretrain/layout/timing.py` or `memory.py`).",
+        "and h100, if the calibration changed; after any meant change of `pretrain/layout/timing.py`, `memory.py` or",
+        "`host_memory.py`).",
         "",
         f"**{ok} of {len(checks)} checks within +-15% tokens/s**; {len(rows) - len(checks)} runs are calibration "
         "points (a calibration entry was fitted to them: their error is not a check).",
@@ -81,6 +131,12 @@ def write_predictions(prefix: str) -> None:
             lines.append(f"| {r['id']} | {r['measured_peak_gib']:.1f} | {r['predicted_peak_gib']:.1f} | "
                          f"{r['memory_error'] * 100:+.1f}%{miss} | "
                          f"{r['memory_bound'] * 100:.0f}% |")
+    lines += ["", "## Host memory a synchronous save keeps (`pretrain/layout/host_memory.py`, its checkpoint staging)",
+              "", "| case | measured GiB | predicted GiB | error | bound | source |",
+              "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in host:
+        lines.append(f"| {r['id']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | {r['error'] * 100:+.1f}% | "
+                     f"{TARGET_MEM * 100:.0f}% | {r['source']} |")
     lines += ["", "## Why the misses miss", ""]
     for key, text in MISSES.items():
         lines.append(f"- **{key}**: {text}")
