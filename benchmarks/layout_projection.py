@@ -134,7 +134,7 @@ def render(p: Dict, command: str, date: str, others: Optional[List[Dict]] = None
               f"{p['tokens_per_s_per_gpu']:,.0f} | {p['days']:.0f} | per stage above | the planner |"]
     for ref in (DEEPSEEK_V3, KIMI_K2):
         lines.append("| " + " | ".join(_published(ref)) + " |")
-    lines += ["", "Unknown: not given by the sources this project keeps (glm5_facts, scale-out notes)."]
+    lines += ["", "Unknown: not given by the published sources (the GLM-5, DeepSeek-V3 and Kimi K2 reports)."]
     if others:
         lines += ["", f"## The same layouts on other clusters of {p['gpus']:,} GPUs", "",
                   "How much the network and the GPU kind move the projection (each stage's layout unchanged; the "

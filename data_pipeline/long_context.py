@@ -1,7 +1,7 @@
 """Long-document selection and up-sampling for the long-context stages (GLM-5: 32K, 128K, 200K).
 
 GLM-5 mid-trains at 32K (1T tokens), 128K (500B) and 200K (50B) with long documents up-sampled
-(glm5_facts.md section 6). Packing alone does not give long-range dependencies: a 128K window
+(GLM-5 report). Packing alone does not give long-range dependencies: a 128K window
 filled with 2K-token documents teaches nothing beyond 2K. Two knobs do:
 
 * `data.seq_length` is the stage's context length (one config per stage).

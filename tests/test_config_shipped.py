@@ -74,7 +74,7 @@ def test_glm5_matches_hf_reference():
 
 
 def test_glm5_values_hf_defaults_do_not_carry():
-    # The HF class defaults rope_theta to 1e4; the released model uses 1e6 (glm5_facts.md section 1).
+    # The HF class defaults rope_theta to 1e4; the released model uses 1e6 (GLM-5's public model config).
     m = load_config(GLM5).model
     assert (m.rotary_base, m.rope_type, m.latent_layernorm_epsilon) == (1e6, "rope", 1e-6)
     assert (m.moe_router_score_function, m.moe_router_enable_expert_bias) == ("sigmoid", True)

@@ -133,7 +133,7 @@ def glm5_744b():
 
 
 def test_glm5_744b_per_token_is_plausible():
-    """~6 x 39.9B active parameters (glm5_facts.md) per token, plus attention and MTP."""
+    """~6 x 39.9B active parameters (GLM-5 report) per token, plus attention and MTP."""
     m = glm5_744b()
     seq = 4096
     no_mtp = training_flops_per_token(dataclasses.replace(m, mtp_num_layers=0), seq)
@@ -160,7 +160,7 @@ def test_dsa_sparse_attention_long_sequence():
     expected = (576 + 512) * mean_keys / ((256 + 256) * seq / 2)
     ratio = sparse["attention_sparse"] / dense["attention_core"]
     assert ratio == pytest.approx(expected, rel=1e-3)
-    assert ratio < 1  # 0.93: S = 8192 is just below the ~8.7K break-even of glm5_facts.md
+    assert ratio < 1  # 0.93: S = 8192 is just below the ~8.7K break-even of the DSA cost model
     assert sparse_keys_per_query(seq, topk) == pytest.approx(mean_keys, rel=1e-3)
     # far past break-even the sparse part is a small fraction (topk keys against S / 2)
     long = 64 * topk

@@ -185,6 +185,11 @@ def saved_bytes(cfg, b: int, s: int, monkeypatch) -> int:
     torch._dynamo.reset()
     monkeypatch.setattr(core_attention, "sdpa_kernel",
                         lambda backends, set_priority=False: sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
+    # megatron's MoE loss tracker is process-wide and sized by the first model that records (its layers + MTP): a
+    # deeper model of an earlier test in this process would index past it
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
     initialize_parallel(cfg.parallel, seed=7)
     try:
         model = build_model(cfg)

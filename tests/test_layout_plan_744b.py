@@ -71,7 +71,7 @@ def test_checkpoint_saves_of_either_kind_fit_and_peak_at_dsa_sparses_save(plan, 
 
 def test_batches_stay_glm5s(plan):
     """GLM-5: the batch ramps 16M -> 64M tokens over the first 500B (the ramp stage at its mean), 64M after;
-    the DSA stages 14 x 202,752 tokens (glm5_facts.md sections 2 and 4)."""
+    the DSA stages 14 x 202,752 tokens (GLM-5 report)."""
     tokens = {s.name: s.global_batch_size * s.seq_length for s in plan.stages}
     assert tokens["pretrain-ramp"] == pytest.approx(2**25, rel=0.02)
     for name in ("pretrain-4k", "mid-32k", "mid-128k", "mid-200k"):

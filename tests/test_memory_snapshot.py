@@ -11,7 +11,7 @@ from pretrain.training.memory_snapshot import BEFORE_WINDOW, allocation_site, fo
 
 def _frames(site: str):
     return [{"filename": "??", "line": 0, "name": "c10::alloc"},
-            {"filename": f"/work/x/pretrain/model/{site}.py", "line": 7, "name": site}]
+            {"filename": f"/home/user/glm5/pretrain/model/{site}.py", "line": 7, "name": site}]
 
 
 def _naive(trace, baseline):

@@ -7,7 +7,7 @@ Convention (what is counted)
   are O(hidden) per token against the O(hidden^2) GEMMs).
 * Training = forward + backward, backward = 2x forward (input and weight gradient), so every
   GEMM counts 3x its forward cost. Exception, DSA only: the indexer's inputs are detached in the
-  sparse stage (DeepSeek-V3.2 report; glm5_facts.md section 2), so its three projections compute
+  sparse stage (DeepSeek-V3.2 report), so its three projections compute
   only the weight gradient in backward (2x forward in total); its index scores still count 3x.
 * Model FLOPs, not hardware FLOPs: activation recomputation is not counted, as in MFU.
 * Attention scores Q K^T use the q/k head dim (MLA: qk_head_dim + qk_pos_emb_head_dim; GQA:
@@ -28,7 +28,7 @@ Convention (what is counted)
   wq_b q_lora x H_I*d_I, wk h x d_I and weights_proj h x H_I, and its index scores 2*H_I*d_I per
   (query, key) pair over the causal keys (S / 2 per query); plus sparse attention over the selected
   keys INSTEAD of dense attention, in MLA's absorbed (MQA) form as DeepSeek's kernels compute it
-  (glm5_facts.md section 2, item 7): per query 2*heads*k*(kv_lora + rope) for the scores and
+  (the DeepSeek-V3.2 report's indexer): per query 2*heads*k*(kv_lora + rope) for the scores and
   2*heads*k*kv_lora for the values, times 3 for forward + backward. The absorption itself
   (q_nope x W_UK, and W_UV after attention) costs exactly what kv_up costs per token, so the MLA
   projection count is the same in both forms. k is the mean over queries of min(topk, keys the
@@ -39,12 +39,11 @@ Convention (what is counted)
   dense MLA attention ((kv_lora + rope + kv_lora) / (qk + rope + v) = 1088 / 512 at GLM-5's shapes),
   so DSA only pays off at long context: with topk keys per query, dense causal attention
   (S / 2 keys x 512) costs as much as sparse at S = 2 * 2048 * 1088 / 512 = 8704 tokens, the
-  "about 8.7K" of glm5_facts.md section 2.
+  "about 8.7K" break-even the DSA papers' cost model gives.
   `dsa_indexer=True` with `dsa_sparse=False` counts the indexer next to dense attention (the dense
   warm-up stage, where only the indexer learns).
 
-Sources: GLM-5 technical report (arXiv 2602.15763) and DeepSeek-V3.2 report via
-/work/shared/glm5_facts.md (sections 1-2); the GEMM shapes are those of our megatron-core specs
+Sources: GLM-5 technical report (arXiv 2602.15763) and the DeepSeek-V3.2 report; the GEMM shapes are those of our megatron-core specs
 (pretrain/model/specs.py), checked against torch's FlopCounterMode in tests/test_flops.py.
 """
 

@@ -20,10 +20,12 @@ breakdown says which line to change. Usage:
 
 from __future__ import annotations
 
+import os
 import traceback
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -48,12 +50,23 @@ class _Packed:
         self.tensor = tensor
 
 
+_REPOSITORY = str(Path(__file__).resolve().parents[2]) + os.sep
+
+
+def short_path(filename: str) -> str:
+    """A source file's path as a report shows it: inside site-packages from there, inside this repository relative
+    to its root, else as given."""
+    if "site-packages/" in filename:
+        return filename.split("site-packages/")[-1]
+    return filename[len(_REPOSITORY):] if filename.startswith(_REPOSITORY) else filename
+
+
 def _site(markers=SITE_MARKERS) -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):  # innermost first, skipping this module
         # torch-function modes (the CPU layer of pretrain.compat) wrap every call: not the caller
         if (any(m in frame.filename for m in markers) and not frame.filename.endswith("saved_activations.py")
                 and frame.name != "__torch_function__"):
-            return f"{frame.filename.split('site-packages/')[-1].split('/work/')[-1]}:{frame.lineno} {frame.name}"
+            return f"{short_path(frame.filename)}:{frame.lineno} {frame.name}"
     return "?"
 
 
