@@ -28,6 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.soak import proc_status  # noqa: E402
+
 WAYS = ("pinned_kept", "pinned_released", "pageable")
 
 
@@ -44,11 +48,7 @@ def tensor_sizes(total_bytes: int, seed: int = 0):
 
 
 def rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+    return proc_status("VmRSS") / 2**20
 
 
 def empty_host_cache() -> bool:

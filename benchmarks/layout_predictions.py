@@ -22,30 +22,39 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a sc
 
 TARGET_TPS, TARGET_MEM = 0.15, 0.10
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# tests/test_checkpoint_async.py::test_sync_save_keeps_pinned_staging_unless_told_not_to: its model, its GPU log
+STAGING_TEST_MODEL = ["model.bf16=true", "model.params_dtype=bfloat16", "optimizer.optimizer=muon", "data.mock=true",
+                      "model.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2",
+                      "train.global_batch_size=2", "model.hidden_size=512", "model.moe_ffn_hidden_size=1024",
+                      "model.num_moe_experts=48"]
+STAGING_TEST_LOG = "soak_h200/sync_staging/gpu_test.log"
 # Host memory a synchronous save keeps (pretrain/layout/host_memory.py): (case, config, overrides, GPUs, source)
 HOST_CASES = [
     ("h200 glm5-proxy 1gpu, sync saves (11-28)", "configs/models/glm5-proxy.yaml",
      ["train.global_batch_size=4", "train.micro_batch_size=4"], 1, "soak_h200/save_proxy_b/soak_false.json"),
     ("h200 glm5-proxy dp2, sync saves, rank 0 (11-29)", "configs/models/glm5-proxy.yaml",
      ["train.global_batch_size=8", "train.micro_batch_size=4"], 2, "soak_2xh200/save2_async_false.json"),
-    ("h200 glm5-tiny 48 experts, two sync saves (11-29)", "configs/models/glm5-tiny.yaml",
-     ["model.bf16=true", "model.params_dtype=bfloat16", "optimizer.optimizer=muon", "data.mock=true",
-      "model.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2",
-      "model.hidden_size=512", "model.moe_ffn_hidden_size=1024", "model.num_moe_experts=48"], 1,
-     "soak_h200/sync_staging/gpu_test.log"),
+    ("h200 glm5-tiny 48 experts, two sync saves (11-29)", "configs/models/glm5-tiny.yaml", STAGING_TEST_MODEL, 1,
+     STAGING_TEST_LOG),
 ]
+
+
+
+def staging_test_result() -> dict:
+    """What `tests/test_checkpoint_async.py::test_sync_save_keeps_pinned_staging_unless_told_not_to` printed on the GPU:
+    {"pinned" | "pageable": {"before", "after" (host RSS, bytes), "written" (two saves' .distcp bytes)}}."""
+    import ast
+
+    with open(os.path.join(RESULTS, STAGING_TEST_LOG)) as f:
+        return ast.literal_eval(next(line for line in f if line.startswith("{'pinned'")))
 
 
 def measured_host_kept(source: str) -> float:
     """Bytes of host RSS the first synchronous save left (a soak's rank 0), or the GPU test's pinned side."""
-    path = os.path.join(RESULTS, source)
-    if source.endswith(".log"):  # tests/test_checkpoint_async.py's printed dict
-        import ast
-
-        with open(path) as f:
-            got = ast.literal_eval(next(line for line in f if line.startswith("{'pinned'")))["pinned"]
+    if source == STAGING_TEST_LOG:
+        got = staging_test_result()["pinned"]
         return float(got["after"] - got["before"])
-    with open(path) as f:
+    with open(os.path.join(RESULTS, source)) as f:
         run = json.load(f)
     first = run["saves"][0]["step"]
     rss = {s["step"]: s["host_rss_gib"] for s in run["samples"]}

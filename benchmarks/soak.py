@@ -74,7 +74,8 @@ def _median_and_all(values: List[float]) -> dict:
     return {"median": statistics.median(values) if values else None, "all": values}
 
 
-def _proc_status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A field of /proc/self/status in its unit (kB for memory, a count for threads); 0 when absent."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -143,13 +144,13 @@ def sample(values: Dict[str, float], save_in_flight: bool, previous: Optional[Li
     return {
         "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30 if gpu else 0.0,
         "gpu_reserved_gib": torch.cuda.memory_reserved() / 2**30 if gpu else 0.0,
-        "host_rss_gib": _proc_status("VmRSS") / 2**20,
+        "host_rss_gib": proc_status("VmRSS") / 2**20,
         # RSS's parts: anonymous (the heap, pinned buffers: where a leak shows) and file-backed (memory-mapped
         # dataset and library pages, which the kernel can drop and which stop growing once every page was read)
-        "host_rss_anon_gib": _proc_status("RssAnon") / 2**20,
-        "host_rss_file_gib": (_proc_status("RssFile") + _proc_status("RssShmem")) / 2**20,
+        "host_rss_anon_gib": proc_status("RssAnon") / 2**20,
+        "host_rss_file_gib": (proc_status("RssFile") + proc_status("RssShmem")) / 2**20,
         "open_files": len(descriptors),
-        "threads": _proc_status("Threads") or threading.active_count(),
+        "threads": proc_status("Threads") or threading.active_count(),
         "tokens_per_sec": values.get("tokens_per_sec"),
         "save_in_flight": save_in_flight,
         "unix_time": time.time(),  # to line the steps up with a GPU-clock or host-load log of the same run

@@ -303,9 +303,10 @@ def _host_memory_kept_by_sync_save(rank, world_size, overrides, save_dir):
     from pretrain.config import load_config
     from pretrain.training import loop
 
+    from benchmarks.soak import proc_status
+
     def rss_bytes():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return proc_status("VmRSS") * 1024
 
     trainer = loop.Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides))
     trainer.train()  # one step: the optimizer state exists

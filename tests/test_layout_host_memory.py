@@ -7,14 +7,13 @@ they wrote to disk (`tests/test_checkpoint_async.py::test_sync_save_keeps_pinned
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks.layout_predictions import host_rows
+from benchmarks.layout_predictions import STAGING_TEST_MODEL, host_rows, staging_test_result
 from pretrain.config import load_config
 from pretrain.layout.from_config import layout_of
 from pretrain.layout.host_memory import host_estimate, written_bytes
@@ -25,10 +24,6 @@ from pretrain.layout.types import CLUSTERS, GiB, ModelDims
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROXY = "configs/models/glm5-proxy.yaml"
-# the GPU test's model (tests/test_checkpoint_async.py)
-TINY_48 = ["model.bf16=true", "model.params_dtype=bfloat16", "optimizer.optimizer=muon", "data.mock=true",
-           "model.vocab_size=1024", "data.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2",
-           "model.hidden_size=512", "model.moe_ffn_hidden_size=1024", "model.num_moe_experts=48"]
 
 
 def _staging(config: str, overrides, world_size: int, pinned: bool = True) -> float:
@@ -50,26 +45,20 @@ def test_checkpoint_staging_is_the_host_memory_a_sync_save_kept():
         k: v["predicted_gib"] for k, v in committed.items()}
 
 
-def _gpu_test_measurement() -> dict:
-    log = (RESULTS / "soak_h200" / "sync_staging" / "gpu_test.log").read_text()
-    line = next(line for line in log.splitlines() if line.startswith("{'pinned'"))
-    return ast.literal_eval(line)
-
-
 def test_written_bytes_are_what_a_save_writes():
     """W against the bytes of the `.distcp` files two saves wrote (the rest of a file is its small metadata)."""
-    cfg = load_config("configs/models/glm5-tiny.yaml", TINY_48)
+    cfg = load_config("configs/models/glm5-tiny.yaml", STAGING_TEST_MODEL)
     layout, _ = layout_of(cfg, 1)
     written = written_bytes(rank_parameters(ModelDims.from_config(cfg), layout, 0), layout)
-    assert written == pytest.approx(_gpu_test_measurement()["pinned"]["written"] / 2, rel=0.01)
+    assert written == pytest.approx(staging_test_result()["pinned"]["written"] / 2, rel=0.01)
 
 
 def test_staging_of_the_gpu_tests_model_when_pageable():
-    got = _gpu_test_measurement()
+    got = staging_test_result()
     pinned = got["pinned"]["after"] - got["pinned"]["before"]
     # pageable: the model's term is the save's own transient (1.0 x W), not kept: the run's RSS came back
     assert got["pageable"]["after"] - got["pageable"]["before"] < 0.05 * pinned
-    assert _staging("configs/models/glm5-tiny.yaml", TINY_48, 1, pinned=False) == pytest.approx(
+    assert _staging("configs/models/glm5-tiny.yaml", STAGING_TEST_MODEL, 1, pinned=False) == pytest.approx(
         got["pinned"]["written"] / 2, rel=0.01)
 
 

@@ -25,10 +25,11 @@ same rounding, not measured on a host. A layout fits when GPUs per node x the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
-from pretrain.layout.memory import ParamShard, optimizer_state_bytes, offloaded_bytes, rank_parameters
+from pretrain.layout.memory import (ParamShard, format_terms, offloaded_bytes, rank_parameters, replica_groups,
+                                   state_terms)
 from pretrain.layout.types import GiB, Layout, ModelDims, Workload
 
 PINNED_ROUNDING = 1.3
@@ -52,18 +53,17 @@ class HostEstimate:
         return self.per_gpu * self.gpus_per_node
 
     def format(self) -> str:
-        return ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.terms.items() if v >= 0.05 * GiB)
+        return format_terms(self.terms)
 
 
 def written_bytes(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> float:
-    """W: the checkpoint bytes one rank writes (module docstring)."""
-    groups = {"dense": layout.dp * layout.cp, "expert": layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)}
+    """W: the checkpoint bytes one rank writes (module docstring): one replica's weights, main weights and optimizer
+    state (`state_terms` without ZeRO-2's sharding), each group's over the ranks that share it."""
+    whole = replace(layout, zero="ddp")
     total = 0.0
-    for s in shards:
-        per_element = 2 if bf16 else 4
-        if s.optimizer != "frozen":
-            per_element += (4 if bf16 else 0) + optimizer_state_bytes(s, layout)
-        total += per_element * s.elements / groups[s.group]
+    for group, ranks in replica_groups(layout).items():
+        terms = state_terms([s for s in shards if s.group == group], whole, bf16)
+        total += (terms["weights"] + terms["main_weights"] + terms["optimizer_state"]) / ranks
     return total
 
 

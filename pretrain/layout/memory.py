@@ -87,8 +87,20 @@ class MemoryEstimate:
         return self.total + self.reserve
 
     def format(self) -> str:
-        rows = sorted(self.terms.items(), key=lambda kv: -kv[1])
-        return "  ".join(f"{k} {v / GiB:.1f}" for k, v in rows if v >= 0.05 * GiB)
+        return format_terms(self.terms)
+
+
+def format_terms(terms: Dict[str, float]) -> str:
+    """Terms in GiB, largest first, those under 0.05 GiB left out."""
+    rows = sorted(terms.items(), key=lambda kv: -kv[1])
+    return "  ".join(f"{k} {v / GiB:.1f}" for k, v in rows if v >= 0.05 * GiB)
+
+
+def replica_groups(layout: Layout) -> Dict[str, int]:
+    """Ranks holding the same parameters, by gradient group: "dense" over DP x CP, "expert" over the
+    expert-data-parallel ranks (TP x CP x DP / (EP x ETP)); ZeRO-2 shards over them, a fully parallel save
+    splits the writing over them."""
+    return {"dense": layout.dp * layout.cp, "expert": layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)}
 
 
 def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
@@ -173,7 +185,7 @@ def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
                 zero2_grad_reduce: str = "microbatch") -> Dict[str, float]:
     """Weights, main weights, gradients and optimizer state in bytes (see the module docstring).
     `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`): "step" keeps a full-size gradient buffer under ZeRO-2."""
-    groups = {"dense": layout.dp * layout.cp, "expert": layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)}
+    groups = replica_groups(layout)
     zero = layout.zero == "zero2"
     muon_zero2 = zero and layout.optimizer == "muon"
     sharded_grads = muon_zero2 and zero2_grad_reduce != "step"
