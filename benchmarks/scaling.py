@@ -234,10 +234,10 @@ def main(argv=None) -> int:
         args.extra = args.extra + [f"train.micro_batch_size={args.micro_batch}"]
     runs = plan_runs(args.gpus, micro_batch, [])
     chosen = select(runs, args.only)
-    if any(run.name == "pp2" for run in chosen):
+    if any(is_pipelined(run) for run in chosen):  # every PP run (pp2_chunked alone too) gets the balanced layout
         kind = None if args.dry_run else calibrated_kind(gpu_name())
         if not args.dry_run and kind is None:
-            print(f"pp2: no layout-planner calibration for {gpu_name()}; its stages are balanced by FLOPs")
+            print(f"PP runs: no layout-planner calibration for {gpu_name()}; their stages are balanced by FLOPs")
         layout = balanced_pp_layout(args.config, 8, args.extra, kind)
         runs = plan_runs(args.gpus, micro_batch, layout)
         chosen = [runs[run.name] for run in chosen]

@@ -158,6 +158,14 @@ def test_breakdown_of_named_runs_only(capsys):
     assert "logging.profile_ranks=[0,1]" in lines["pp2"] and "profile_ranks" not in lines["ep"]
 
 
+def test_every_pipeline_run_gets_the_balanced_layout_when_named_alone(capsys):
+    """pp2_chunked or pp2_batched without pp2 still run PP = 2 x VPP = 2 on the balanced layout (they ran plain PP = 2
+    on megatron's even split when only pp2 triggered the layout)."""
+    for name in ("pp2_chunked", "pp2_batched"):
+        line = [l for l in dry_run(capsys, "--only", name).splitlines() if l.startswith(f"[{name}]")][0]
+        assert "parallel.pipeline_model_parallel_layout=" in line and "virtual_pipeline_model_parallel_size=2" in line
+
+
 def test_runs_use_the_given_devices_and_calibration(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert scaling.visible_devices() == ["2", "3"]  # a 2-GPU call on the second half of a 4-GPU host
