@@ -177,7 +177,7 @@ def test_cli_refuses_to_rank_without_the_time_model(monkeypatch, capsys):
     import pretrain.layout.search as search_module
     from pretrain.layout.__main__ import main
 
-    def missing(cluster):
+    def missing(cluster, *variant):
         raise RuntimeError("the layout planner's time model (pretrain.layout.timing) is not available: test")
 
     monkeypatch.setattr(search_module, "default_step_fn", missing)
@@ -233,3 +233,26 @@ def test_stage_memory_peaks_at_a_save_only_when_its_copies_outgrow_the_activatio
     assert set(at_save.terms) == {"weights", "main_weights", "gradients", "optimizer_state"}
     assert all(step.terms[k] == v for k, v in at_save.terms.items())
     assert copies + sum(at_save.terms.values()) > step.total
+
+
+def test_search_reads_the_zero2_gradient_reduce(glm5):
+    """optimizer.zero2_grad_reduce reaches the search's memory and time models (it was ignored there: the CLI ranked
+    every layout as a per-micro-batch reduce). `step` keeps a full fp32 gradient buffer per rank and reduces once per
+    step; `microbatch` keeps 1/dp of it and reduces every micro-batch. References: the parameters the rank holds
+    (the memory model's own count is not used) and the exposed reduce's micro-batch count."""
+    from pretrain.layout.search import default_step_fn
+
+    _, dims = glm5
+    cluster = cluster_preset("h100-nvl-ib400", 2048)
+    layout = replace(GOOD, optimizer="muon", zero="zero2", recompute="full")
+    work = Workload(4096, 4096)
+    got = {}
+    for mode in ("microbatch", "step"):
+        cand, reason, _ = fitting(dims, layout, work, cluster, SearchOptions(zero2_grad_reduce=mode))
+        assert reason is None, reason
+        step = default_step_fn(cluster, mode)(dims, cand.layout, work, cluster)
+        got[mode] = (cand.memory.terms.get("gradients", 0.0), step.dp_comm_exposed)
+    rank_params = dims.total_params / (layout.tp * layout.pp)  # an upper bound: experts are further split by EP
+    extra_grads = got["step"][0] - got["microbatch"][0]
+    assert extra_grads > 0 and extra_grads <= 4 * rank_params  # a full fp32 buffer for the rank's parameters
+    assert got["microbatch"][1] > 10 * got["step"][1] > 0  # 128 reduces per step against one

@@ -63,9 +63,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
                          optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
                          saves=saves_checkpoints(cfg), pinned_staging=cfg.checkpoint.pinned_staging,
+                         zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
                          pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
-        step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
+        step_fn = default_step_fn(cluster, opts.zero2_grad_reduce)  # the CLI never ranks without the time model
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

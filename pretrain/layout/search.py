@@ -52,6 +52,7 @@ class SearchOptions:
     trainable: str = "all"
     saves: bool = False  # checkpoints saved: a save's expert copies may peak above the step (memory.save_copies_terms)
     pinned_staging: bool = True  # checkpoint.pinned_staging: a save's host staging is kept (host_memory)
+    zero2_grad_reduce: str = "microbatch"  # optimizer.zero2_grad_reduce: Muon ZeRO-2's gradient memory and traffic
     validate_top: int = 10  # candidates built as configs and validated, best first
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
@@ -198,7 +199,8 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     reason, needed = None, 0.0
     for recompute, offload in RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
-        mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves)
+        mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves,
+                       zero2_grad_reduce=opts.zero2_grad_reduce)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
             host = host_estimate(dims, lay, work, cluster.gpus_per_node, trainable=opts.trainable, saves=opts.saves,
@@ -209,15 +211,16 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     return None, reason, needed
 
 
-def default_step_fn(cluster: Cluster) -> StepFn:
-    """The time model with the calibration of the cluster's GPU kind; a one-line error when it is missing."""
+def default_step_fn(cluster: Cluster, zero2_grad_reduce: str = "microbatch") -> StepFn:
+    """The time model with the calibration of the cluster's GPU kind (and the config's
+    `optimizer.zero2_grad_reduce`); a one-line error when it is missing."""
     try:
         from pretrain.layout import timing
     except ImportError as e:
         raise RuntimeError(f"the layout planner's time model (pretrain.layout.timing) is not available: {e}") from e
     calib = timing.load_calibration(cluster.gpu_kind)
     # the layouts' selective recompute is recompute_modules [core_attn, moe] (Layout.overrides)
-    variant = {"selective_modules": ("core_attn", "moe")}
+    variant = {"selective_modules": ("core_attn", "moe"), "zero2_grad_reduce": zero2_grad_reduce}
     return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant)
 
 
@@ -227,7 +230,7 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
     """Every split of the cluster, refused with a reason or ranked by tokens/s (module docstring).
     `validate(layout)` returns the config validator's refusal of a layout (None: accepted)."""
     opts = opts or SearchOptions()
-    step_fn = step_fn or default_step_fn(cluster)
+    step_fn = step_fn or default_step_fn(cluster, opts.zero2_grad_reduce)
     result = SearchResult(ranked=[])
 
     closest = {}  # memory refusals: the example shown is the nearest miss

@@ -26,7 +26,10 @@ proportionally slower (an assumption). Communication (ring formulas; `bw` per GP
     ETP: the dispatcher's all-gather of the received rows over the expert-TP group and the reduce-scatter of the
         experts' output (forward and backward): 4 ring collectives of etp x T_r x topk rows per MoE layer
     DP: DDP all-reduce (ZeRO-2: reduce-scatter per micro-batch + bf16 all-gather of parameters) of the rank's
-        gradients; exposed beyond `dp.overlap_fraction_of_backward` of the overlapping backward.
+        gradients; exposed beyond `dp.overlap_fraction_of_backward` of the overlapping backward. ZeRO-2's
+        per-micro-batch reduce shows at least `dp.zero2_microbatch_reduce_shown` x its ring time in every
+        micro-batch (fitted: on 2 x H200 it cost more than its ring time although the backward was long enough
+        to hide it; NCCL's kernels share the SMs and memory bandwidth with the backward).
 
 A group's bandwidth is NVLink's when its ranks share a node and InfiniBand's otherwise, with megatron's rank
 order tp-cp-ep-dp-pp (a group of size n and stride s stays inside a node when n x s <= gpus_per_node).
@@ -384,8 +387,9 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
         gather = _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
         if v["zero2_grad_reduce"] == "step":  # one reduce-scatter after the last micro-batch
             dp_exposed = max(0.0, per_mb - window) + gather
-        else:
-            dp_exposed = m * max(0.0, per_mb - window) + gather
+        else:  # every micro-batch; measured to show in the step even where the backward could hide it
+            shown = calib["dp.zero2_microbatch_reduce_shown"] * per_mb
+            dp_exposed = m * max(0.0, per_mb - window, shown) + gather
         shard_dense, shard_expert = ddp, edp
     else:
         reduce = (_ring(dense_p * gbytes, ddp, dp_bw, lat, allreduce=True)
