@@ -130,6 +130,13 @@ class HostClock:
         gc.callbacks.remove(self._on_gc)
 
 
+def pinned_pool_bytes() -> int:
+    """Bytes of pinned host blocks PyTorch's caching host allocator owns (handed out and cached)."""
+    import torch
+
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 def sample(values: Dict[str, float], save_in_flight: bool, previous: Optional[List[str]] = None) -> Dict:
     """This process now: memory, descriptors, threads; the step's tokens/s from the trainer; whether a
     checkpoint is being written in the background; the speed of the core the trainer's thread runs on (20
@@ -149,6 +156,8 @@ def sample(values: Dict[str, float], save_in_flight: bool, previous: Optional[Li
         # dataset and library pages, which the kernel can drop and which stop growing once every page was read)
         "host_rss_anon_gib": proc_status("RssAnon") / 2**20,
         "host_rss_file_gib": (proc_status("RssFile") + proc_status("RssShmem")) / 2**20,
+        # PyTorch's pinned host pool (loader batches pinned for the copy, kept save staging): part of the anonymous RSS
+        "host_pinned_pool_gib": pinned_pool_bytes() / 2**30 if gpu else 0.0,
         "open_files": len(descriptors),
         "threads": proc_status("Threads") or threading.active_count(),
         "tokens_per_sec": values.get("tokens_per_sec"),
