@@ -253,9 +253,9 @@ FITS = [  # (entry, the case whose measurement it is fitted to, what it stands f
      "host time megatron's all-to-all dispatcher adds per MoE layer and micro-batch (hidden at micro-batch 4, where "
      "the GPU is the bound)"),
     ("dp.zero2_microbatch_reduce_shown", "h200 muon dp2 zero2 m32 (11-29)",
-     "the share of ZeRO-2's per-micro-batch gradient reduce (its ring time at the modeled bus bandwidth) that lengthens "
-     "each micro-batch although the backward could hide it: NCCL's kernels take SMs and memory bandwidth from the "
-     "backward (not yet split by a profile); DDP's one reduce per step is not charged this"),
+     "the share of ZeRO-2's per-micro-batch gradient reduce (its ring time at the modeled bus bandwidth) that "
+     "lengthens each micro-batch although the backward could hide it: NCCL's kernels take SMs and memory bandwidth "
+     "from the backward (not yet split by a profile); DDP's one reduce per step is not charged this"),
     ("cp.merged_over_ideal", "h200 muon cp2 32K full, CP merged (11-28)",
      "one CP rank's dense attention with model.cp_attention=merged (a non-causal block and a causal square per query "
      "chunk, lse-merged) / (1/cp of one causal call); whatever else CP costs per rank at 32K lands here too; measured "
@@ -266,13 +266,13 @@ FIT_SHAPES = {  # entries that are tables: (lower, upper bound of the bisection,
     "dp.zero2_microbatch_reduce_shown": (0.0, 4.0, "fraction of the reduce's ring time", lambda v: v),
 }
 # Ratios of a cost to the model's own estimate of it: on another GPU kind they take the value fitted on the case's
-# kind (read from its committed table: regenerate that one first) instead of a refit against the other kind's rates
+# kind (its committed table: regenerate that one first) instead of a refit against the other kind's rates
 RATIO_FITS = {"dp.zero2_microbatch_reduce_shown"}
 
 
 def _fit(table: Dict, gpu: str) -> None:
     """Bisect each fitted entry until the time model meets its case's measured tokens/s per GPU."""
-    from pretrain.layout.calibration import Calibration
+    from pretrain.layout.calibration import Calibration, load_calibration
     from pretrain.layout.calibration.checks import load_checks, predict
 
     cases = {c["id"]: c for c in load_checks()}
@@ -281,9 +281,7 @@ def _fit(table: Dict, gpu: str) -> None:
         cache = {("calib", case["gpu_kind"]): Calibration(table)}
         lo, hi, unit, shape = FIT_SHAPES.get(name, (0.0, 0.1, "s", lambda v: v))
         if name in RATIO_FITS and gpu != case["gpu_kind"]:
-            with open(os.path.join(os.path.dirname(__file__), "..", "pretrain", "layout", "calibration",
-                                   f"{case['gpu_kind']}.json")) as f:
-                lo = hi = json.load(f)["entries"][name]["value"]
+            lo = hi = load_calibration(case["gpu_kind"])[name]
         for _ in range(0 if lo == hi else 60):
             mid = (lo + hi) / 2
             table["entries"][name] = entry(shape(mid), unit, "derived", NONE)

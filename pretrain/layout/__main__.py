@@ -120,8 +120,8 @@ def write_table(path: str, ranked, tokens: Optional[float]) -> None:
             d = days(c, tokens)
             row = [str(getattr(c.layout, k)) for k in COLUMNS] + [
                 f"{c.layout.bubble if c.layout.pp > 1 else 0:.4f}", f"{c.memory.total / GiB:.2f}",
-                f"{c.memory.needed / GiB:.2f}", f"{c.host.per_node / GiB:.1f}", f"{c.step.total:.4f}", f"{c.step.tokens_per_s_per_gpu:.1f}",
-                f"{c.step.mfu:.4f}", f"{d:.2f}" if d else ""]
+                f"{c.memory.needed / GiB:.2f}", f"{c.host.per_node / GiB:.1f}", f"{c.step.total:.4f}",
+                f"{c.step.tokens_per_s_per_gpu:.1f}", f"{c.step.mfu:.4f}", f"{d:.2f}" if d else ""]
             f.write("\t".join(row) + "\n")
 
 
