@@ -285,10 +285,27 @@ def main(argv=None) -> int:
     parser.add_argument("--max-slowdown", type=float, default=0.05)
     parser.add_argument("--run-dir", help="checkpoints and metrics (default: a folder beside --out)")
     parser.add_argument("--out", required=True, help="results JSON (the PNG goes beside it)")
+    parser.add_argument("--heap-profile", help="a memray capture of the host allocations of --heap-window's steps "
+                        "(benchmarks/heap_profile.py; needs memray): what those steps allocate and keep")
+    parser.add_argument("--heap-window", default=None, help="START:STOP steps tracked by --heap-profile")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. train.micro_batch_size=2")
     args = parser.parse_args(argv)
     if bool(args.data) != bool(args.tokenizer):
         parser.error("--data and --tokenizer go together")
+    heap = None
+    if args.heap_profile:
+        from benchmarks.heap_profile import HeapWindow, parse_window
+
+        try:
+            start, stop = parse_window(args.heap_window or "")
+        except ValueError as e:
+            parser.error(str(e))
+        if stop > args.steps:
+            parser.error(f"--heap-window ends at step {stop}, after --steps {args.steps}")
+        try:
+            heap = HeapWindow(args.heap_profile, start, stop)
+        except ImportError:
+            parser.error("--heap-profile needs memray (pip install memray)")
     from pretrain import compat
     from pretrain.config import load_config
     from pretrain.training.loop import Trainer
@@ -321,6 +338,8 @@ def main(argv=None) -> int:
         in_flight = bool(queue and queue.get_num_unfinalized_calls())
         previous = samples[-1]["descriptors"] if samples else None
         samples.append({"step": iteration, **sample(values, in_flight, previous), **host.take()})
+        if heap is not None:
+            heap.after_step(iteration)
         if trainer.rank == 0 and iteration % args.interval == 0:  # a run cut short still leaves its samples
             write_json(out, partial_result(header, samples, saves))
 
@@ -335,8 +354,14 @@ def main(argv=None) -> int:
         trainer.train()
     finally:
         host.close()  # the gc callback goes with the run, whatever ends it
+        if heap is not None:
+            heap.close()
     if trainer.rank != 0:
         return 0
+    if heap is not None and heap.done:
+        from benchmarks.heap_profile import write
+
+        print(write(args.heap_profile, heap.stop - heap.start))
 
     # the first save cycle allocates once (pinned host buffers, the writer process and its queues, an async
     # save's copies), published a step or, when asynchronous, many steps after the save

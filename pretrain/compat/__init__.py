@@ -1,4 +1,4 @@
-"""Every workaround for megatron-core 0.16.1 (and one for Triton's interpreter) lives here.
+"""Every workaround for megatron-core 0.16.1 (and one for Triton's interpreter, one for NCCL) lives here.
 
 Moving to a newer megatron-core means revisiting this package only. One concern per module
 (`CONCERNS`), each ending with `WORKAROUNDS = [Workaround(...), ...]` (`registry.py`: what it
@@ -53,7 +53,7 @@ from pretrain.compat.triton_interpreter import patch_triton_interpreter
 
 MEGATRON_CORE_VERSION = "0.16.1"  # the release every workaround here was written and tested against
 CONCERNS = ("te_absent", "tensor_parallel", "dist_checkpointing", "datasets", "model", "trackers", "dsa", "pipeline",
-            "cpu", "triton_interpreter")
+            "collectives", "cpu", "triton_interpreter")
 WORKAROUNDS: Tuple[Workaround, ...] = tuple(
     w for concern in CONCERNS for w in importlib.import_module(f"pretrain.compat.{concern}").WORKAROUNDS
 )
