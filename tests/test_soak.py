@@ -219,3 +219,19 @@ def test_recording_a_step_does_not_grow_the_process(tmp_path):
             f.close()
     assert per_step < 1536, f"{per_step:.0f} bytes a step"
     assert samples[-1]["open_files"] >= 100 and samples[-1]["host_units_per_s"] > 0
+
+
+def test_heap_window_is_checked_before_the_run(capsys):
+    """A bad --heap-window is one line from argparse, before any model or process group."""
+    from benchmarks.heap_profile import parse_window
+    from benchmarks.soak import main
+
+    assert parse_window("200:450") == (200, 450)
+    for bad in ("200", "450:200", "a:b", "-1:5"):
+        with pytest.raises(ValueError, match="--heap-window"):
+            parse_window(bad)
+    for argv, message in ((["--heap-window", "9:3"], "START < STOP"), (["--heap-window", "10:900"], "after --steps 500"),
+                          ([], "START:STOP")):
+        with pytest.raises(SystemExit):
+            main(["--out", "x.json", "--steps", "500", "--heap-profile", "h.bin", *argv])
+        assert message in capsys.readouterr().err
