@@ -4,17 +4,22 @@ seconds (docs/layout.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
+from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pretrain.config import load_config
 from pretrain.layout.search import (
-    SearchOptions, bubble_refusal, check_stage, config_validator, fitting, refusal, search,
+    SearchOptions, bubble_refusal, check_stage, config_validator, fitting, refusal, search, splits,
 )
 from pretrain.layout.types import Layout, ModelDims, StepTime, Workload, cluster_preset
 
+ROOT = Path(__file__).resolve().parents[1]
 GLM5 = "configs/models/glm5-744b.yaml"
 DENSE_STAGE = ["model.dsa_sparse_attention=false", "model.dsa_indexer_loss_coeff=0.0",
                "model.dsa_indexer_use_sparse_loss=false"]
@@ -235,24 +240,59 @@ def test_stage_memory_peaks_at_a_save_only_when_its_copies_outgrow_the_activatio
     assert copies + sum(at_save.terms.values()) > step.total
 
 
-def test_search_reads_the_zero2_gradient_reduce(glm5):
-    """optimizer.zero2_grad_reduce reaches the search's memory and time models (it was ignored there: the CLI ranked
-    every layout as a per-micro-batch reduce). `step` keeps a full fp32 gradient buffer per rank and reduces once per
-    step; `microbatch` keeps 1/dp of it and reduces every micro-batch. References: the parameters the rank holds
-    (the memory model's own count is not used) and the exposed reduce's micro-batch count."""
+def test_the_layouts_zero2_gradient_reduce_reaches_memory_and_time(glm5):
+    """A layout's optimizer.zero2_grad_reduce reaches the search's memory and time models (before 2026-11-29 the CLI
+    ranked every layout as a per-micro-batch reduce). `step` keeps a full fp32 gradient buffer per rank and reduces
+    once per step; `microbatch` keeps 1/dp of it and reduces every micro-batch. References: the parameters the rank
+    holds (the memory model's own count is not used) and the exposed reduce's micro-batch count."""
     from pretrain.layout.search import default_step_fn
 
     _, dims = glm5
     cluster = cluster_preset("h100-nvl-ib400", 2048)
-    layout = replace(GOOD, optimizer="muon", zero="zero2", recompute="full")
     work = Workload(4096, 4096)
     got = {}
     for mode in ("microbatch", "step"):
-        cand, reason, _ = fitting(dims, layout, work, cluster, SearchOptions(zero2_grad_reduce=mode))
+        layout = replace(GOOD, optimizer="muon", zero="zero2", recompute="full", zero2_grad_reduce=mode)
+        assert f"optimizer.zero2_grad_reduce={mode}" in layout.overrides()
+        cand, reason, _ = fitting(dims, layout, work, cluster, SearchOptions())
         assert reason is None, reason
-        step = default_step_fn(cluster, mode)(dims, cand.layout, work, cluster)
+        step = default_step_fn(cluster)(dims, cand.layout, work, cluster)
         got[mode] = (cand.memory.terms.get("gradients", 0.0), step.dp_comm_exposed)
     rank_params = dims.total_params / (layout.tp * layout.pp)  # an upper bound: experts are further split by EP
     extra_grads = got["step"][0] - got["microbatch"][0]
     assert extra_grads > 0 and extra_grads <= 4 * rank_params  # a full fp32 buffer for the rank's parameters
     assert got["microbatch"][1] > 10 * got["step"][1] > 0  # 128 reduces per step against one
+
+
+def test_the_search_tries_both_reduce_modes_unless_pinned(tmp_path):
+    """The reduce mode is a searched dimension: for Muon's ZeRO-2 every split comes in both modes (AdamW's in
+    neither), `python -m pretrain.layout` says so, and an optimizer.zero2_grad_reduce override or
+    --zero2-grad-reduce pins one mode (the config key is read, not ignored)."""
+    from pretrain.layout.__main__ import main
+
+    dims = ModelDims.from_config(load_config(str(ROOT / "configs/models/glm5-proxy.yaml")))
+    work = Workload(4096, 64)
+    cluster = cluster_preset("h200-nvl-ib400", 8)
+    muon = list(splits(dims, work, cluster, SearchOptions()))
+    modes = Counter(lay.zero2_grad_reduce for lay in muon)
+    assert modes["microbatch"] == modes["step"] > 0 and set(modes) == {"microbatch", "step"}
+    adam = list(splits(dims, work, cluster, SearchOptions(optimizer="adam", zero=("ddp", "zero2"))))
+    assert {lay.zero2_grad_reduce for lay in adam} == {"microbatch"}
+    pinned = list(splits(dims, work, cluster, SearchOptions(zero2_grad_reduce="step")))
+    assert {lay.zero2_grad_reduce for lay in pinned} == {"step"} and len(pinned) == modes["step"]
+    base = ["--config", str(ROOT / "configs/models/glm5-proxy.yaml"), "--seq", "4096", "--global-batch", "64",
+            "--cluster", "h200-nvl-ib400", "--gpus", "8", "--top", "3"]
+    for extra, expect, table in ((["--table", str(tmp_path / "a.tsv")], "searched (microbatch, step)", "a.tsv"),
+                                 (["optimizer.use_distributed_optimizer=true", "optimizer.zero2_grad_reduce=step",
+                                   "--table", str(tmp_path / "b.tsv")],
+                                  "pinned to step", "b.tsv"),
+                                 (["--zero2-grad-reduce", "microbatch", "--table", str(tmp_path / "c.tsv")],
+                                  "pinned to microbatch", "c.tsv")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(base + extra)
+        assert expect in out.getvalue(), out.getvalue()[:400]
+        rows = (tmp_path / table).read_text().splitlines()
+        column = rows[0].split("\t").index("zero2_grad_reduce")
+        seen = {r.split("\t")[column] for r in rows[1:]}
+        assert seen == ({"microbatch", "step"} if table == "a.tsv" else {expect.split()[-1]}), (table, seen)

@@ -1,7 +1,8 @@
 """The layout planner's command line (docs/layout.md):
 
     python -m pretrain.layout --config configs/models/glm5-744b.yaml --seq 4096 --global-batch 2048 \
-        --cluster h100-nvl-ib400 --gpus 2048 [--top 5] [--table out.tsv] [--emit-overrides] [--tokens 28.5e12]
+        --cluster h100-nvl-ib400 --gpus 2048 [--top 5] [--table out.tsv] [--emit-overrides] [--tokens 28.5e12] \
+        [--zero2-grad-reduce search|microbatch|step]
 
 Prints the best layouts (memory per GPU with its breakdown, step time by component, tokens/s per GPU, MFU, days for
 --tokens) and how many layouts each rule refused, with one example reason per rule.
@@ -31,6 +32,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--headroom", type=float, default=0.10, help="GPU memory kept free (fraction)")
     p.add_argument("--bubble-bound", type=float, default=0.10, help="largest pipeline bubble accepted (fraction)")
     p.add_argument("--optimizer", choices=["muon", "adam"], help="default: the config's")
+    p.add_argument("--zero2-grad-reduce", choices=["search", "microbatch", "step"], default=None,
+                   help="Muon ZeRO-2's optimizer.zero2_grad_reduce: searched (the default), or pinned to one mode; an "
+                        "optimizer.zero2_grad_reduce=... override pins it too")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.dsa_sparse_attention=true")
     args = p.parse_args(argv)
     if args.gpus < 1 or args.seq < 1 or args.global_batch < 1:
@@ -57,23 +61,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the planner searches the layout itself: the config's own parallel section (an example for another cluster,
     # often one that a cut model's depth does not divide) is reset before the user's overrides
     cfg = load_config(args.config, NO_LAYOUT + list(args.overrides))
+    # the reduce mode is a layout dimension: searched unless pinned here or by an override (the config file's own
+    # value, like its parallel section, is an example the search replaces)
+    if args.zero2_grad_reduce not in (None, "search"):
+        reduce_modes = (args.zero2_grad_reduce,)
+    elif args.zero2_grad_reduce is None and any(o.startswith("optimizer.zero2_grad_reduce=") for o in args.overrides):
+        reduce_modes = (cfg.optimizer.zero2_grad_reduce,)
+    else:
+        reduce_modes = ("microbatch", "step")
     dims = ModelDims.from_config(cfg)
     cluster = cluster_preset(args.cluster, args.gpus)
     work = Workload(args.seq, args.global_batch)
     opts = SearchOptions(headroom=args.headroom, bubble_bound=args.bubble_bound,
                          optimizer=args.optimizer or cfg.optimizer.optimizer, trainable=cfg.train.trainable_params,
                          saves=saves_checkpoints(cfg), pinned_staging=cfg.checkpoint.pinned_staging,
-                         zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
+                         zero2_grad_reduce=reduce_modes,
                          pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
-        step_fn = default_step_fn(cluster, opts.zero2_grad_reduce)  # the CLI never ranks without the time model
+        step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = search(dims, work, cluster, opts, step_fn, validate=config_validator(cfg, work))
     print(f"{args.config}: {dims.total_params / 1e9:.1f}B parameters; seq {args.seq}, global batch {args.global_batch} "
           f"({work.tokens_per_step / 1e6:.1f}M tokens/step) on {args.gpus} x {cluster.gpu_kind} ({args.cluster}); "
-          f"{result.considered} layouts considered, {len(result.ranked)} feasible")
+          f"{result.considered} layouts considered, {len(result.ranked)} feasible; ZeRO-2 gradient reduce "
+          + ("searched (microbatch, step)" if len(reduce_modes) > 1 else f"pinned to {reduce_modes[0]}"))
     for i, cand in enumerate(result.ranked[:args.top], 1):
         print(describe(i, cand, args.tokens))
     if not result.ranked:
@@ -109,7 +122,7 @@ def describe(i: int, cand, tokens: Optional[float]) -> str:
 
 
 COLUMNS = ["tp", "pp", "vpp", "ep", "etp", "cp", "dp", "micro_batch_size", "num_microbatches", "recompute",
-           "activation_offload", "optimizer", "zero"]
+           "activation_offload", "optimizer", "zero", "zero2_grad_reduce"]
 
 
 def write_table(path: str, ranked, tokens: Optional[float]) -> None:

@@ -23,6 +23,7 @@ def layout_of(cfg, world_size: int) -> Tuple[Layout, Workload]:
                     num_microbatches=max(t.global_batch_size // (t.micro_batch_size * dp), 1),
                     sequence_parallel=p.sequence_parallel, recompute=recompute,
                     activation_offload=m.activation_offload, optimizer=cfg.optimizer.optimizer, zero=zero,
+                    zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
                     output_loss_backend=m.output_loss_backend, output_chunk_size=m.output_chunk_size or 4096,
                     pipeline_layout=configured_layout(cfg))
     return layout, Workload(cfg.data.seq_length, t.global_batch_size)

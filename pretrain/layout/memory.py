@@ -316,12 +316,14 @@ def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> D
 
 
 def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
-             zero2_grad_reduce: str = "microbatch", saves: bool = False) -> MemoryEstimate:
+             zero2_grad_reduce: Optional[str] = None, saves: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU over the pipeline ranks (with even stages the first and the last hold the most), by term.
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
-    (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`) as in the config; `saves`:
+    (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`; default: the layout's) as in
+    the config; `saves`:
     the run saves checkpoints (`checkpoint.save`), whose copies may peak above the step (`save_copies_terms`)."""
     best: Optional[MemoryEstimate] = None
+    zero2_grad_reduce = zero2_grad_reduce or layout.zero2_grad_reduce
     # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak (a rank
     # of decoder layers only whose layers match an earlier such rank's, kind by kind, is its twin with fewer in
     # flight: skipped; twins only, since ZeRO-2's ownership slack makes bytes not monotone in the layers held)

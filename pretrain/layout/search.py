@@ -1,7 +1,8 @@
 """Enumerate the layouts of a GPU count, refuse the ones that cannot run, rank the rest (docs/layout.md).
 
 For W GPUs: TP in {1, 2, 4, 8} within a node, CP, PP dividing W / (TP CP), DP = W / (TP CP PP), VPP, EP dividing
-the experts with EP x ETP dividing TP CP DP, micro-batch, recompute and offload. Cheap arithmetic refuses first,
+the experts with EP x ETP dividing TP CP DP, micro-batch, ZeRO-2's gradient reduce (per micro-batch or per step,
+`SearchOptions.zero2_grad_reduce`), recompute and offload. Cheap arithmetic refuses first,
 with a reason (the rules of `pretrain.config.cross_checks`, which the best candidates then pass through for real):
 
     heads % TP, vocab % TP, ffn % TP, PP VPP stages over the model's entries, layers % (PP VPP) unless the
@@ -52,12 +53,17 @@ class SearchOptions:
     trainable: str = "all"
     saves: bool = False  # checkpoints saved: a save's expert copies may peak above the step (memory.save_copies_terms)
     pinned_staging: bool = True  # checkpoint.pinned_staging: a save's host staging is kept (host_memory)
-    zero2_grad_reduce: str = "microbatch"  # optimizer.zero2_grad_reduce: Muon ZeRO-2's gradient memory and traffic
+    # optimizer.zero2_grad_reduce values tried for Muon's ZeRO-2 (its gradient memory and traffic): a layout dimension
+    zero2_grad_reduce: Tuple[str, ...] = ("microbatch", "step")
     validate_top: int = 10  # candidates built as configs and validated, best first
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
     # layers gets the balanced uneven stages; None: such splits are refused
     pipeline_costs: Optional[Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]] = None
+
+    def __post_init__(self):
+        if isinstance(self.zero2_grad_reduce, str):  # one mode, pinned
+            self.zero2_grad_reduce = (self.zero2_grad_reduce,)
 
 
 @dataclass
@@ -187,9 +193,13 @@ def splits(dims: ModelDims, work: Workload, cluster: Cluster, opts: SearchOption
                         continue  # long sequences: one per micro-batch
                     m = max(work.global_batch_size // (mbs * dp), 1)
                     uneven = uneven_layout(dims, pp, vpp, m, opts)
-                    yield Layout(pipeline_layout=uneven, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp, micro_batch_size=mbs,
-                                 num_microbatches=m, sequence_parallel=tp > 1, optimizer=opts.optimizer, zero=zero,
-                                 output_loss_backend="chunked", output_chunk_size=opts.output_chunk_size)
+                    # the reduce mode matters to Muon's ZeRO-2 only (the config validator refuses it elsewhere)
+                    modes = opts.zero2_grad_reduce if zero == "zero2" and opts.optimizer == "muon" else ("microbatch",)
+                    for mode in modes:
+                        yield Layout(pipeline_layout=uneven, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=dp,
+                                     micro_batch_size=mbs, num_microbatches=m, sequence_parallel=tp > 1,
+                                     optimizer=opts.optimizer, zero=zero, zero2_grad_reduce=mode,
+                                     output_loss_backend="chunked", output_chunk_size=opts.output_chunk_size)
 
 
 def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
@@ -199,8 +209,7 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     reason, needed = None, 0.0
     for recompute, offload in RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
-        mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves,
-                       zero2_grad_reduce=opts.zero2_grad_reduce)
+        mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
         if reason is None:
             host = host_estimate(dims, lay, work, cluster.gpus_per_node, trainable=opts.trainable, saves=opts.saves,
@@ -211,16 +220,16 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     return None, reason, needed
 
 
-def default_step_fn(cluster: Cluster, zero2_grad_reduce: str = "microbatch") -> StepFn:
-    """The time model with the calibration of the cluster's GPU kind (and the config's
-    `optimizer.zero2_grad_reduce`); a one-line error when it is missing."""
+def default_step_fn(cluster: Cluster) -> StepFn:
+    """The time model with the calibration of the cluster's GPU kind (each layout's own ZeRO-2 reduce mode); a
+    one-line error when it is missing."""
     try:
         from pretrain.layout import timing
     except ImportError as e:
         raise RuntimeError(f"the layout planner's time model (pretrain.layout.timing) is not available: {e}") from e
     calib = timing.load_calibration(cluster.gpu_kind)
     # the layouts' selective recompute is recompute_modules [core_attn, moe] (Layout.overrides)
-    variant = {"selective_modules": ("core_attn", "moe"), "zero2_grad_reduce": zero2_grad_reduce}
+    variant = {"selective_modules": ("core_attn", "moe")}
     return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant)
 
 
@@ -230,7 +239,7 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
     """Every split of the cluster, refused with a reason or ranked by tokens/s (module docstring).
     `validate(layout)` returns the config validator's refusal of a layout (None: accepted)."""
     opts = opts or SearchOptions()
-    step_fn = step_fn or default_step_fn(cluster, opts.zero2_grad_reduce)
+    step_fn = step_fn or default_step_fn(cluster)
     result = SearchResult(ranked=[])
 
     closest = {}  # memory refusals: the example shown is the nearest miss
@@ -294,8 +303,7 @@ def config_validator(cfg, work: Workload) -> Callable[[Layout], Optional[str]]:
 def stage_memory(cfg, layout: Layout, work: Workload) -> MemoryEstimate:
     """The memory model's estimate of a resolved config run under `layout` (`layout_of`)."""
     return estimate(ModelDims.from_config(cfg), layout, work, a=2 if cfg.model.bf16 else 4,
-                    trainable=cfg.train.trainable_params, zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
-                    saves=saves_checkpoints(cfg))
+                    trainable=cfg.train.trainable_params, saves=saves_checkpoints(cfg))
 
 
 def stage_host_memory(cfg, layout: Layout, work: Workload, gpus_per_node: int) -> HostEstimate:
@@ -315,8 +323,7 @@ def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTim
     ZeRO-2 reduce, the cluster's GPU-kind calibration)."""
     from pretrain.layout import timing
 
-    variant = {"selective_modules": tuple(cfg.model.recompute_modules or ("core_attn", "moe")),
-               "zero2_grad_reduce": cfg.optimizer.zero2_grad_reduce}
+    variant = {"selective_modules": tuple(cfg.model.recompute_modules or ("core_attn", "moe"))}
     return timing.step_time(ModelDims.from_config(cfg), layout, work, cluster,
                             timing.load_calibration(cluster.gpu_kind), variant=variant)
 

@@ -52,7 +52,7 @@ __all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_fl
 BF16, FP32 = 2, 4
 LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
 DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "merged", "selective_modules": ("core_attn", "moe"),
-                   "zero2_grad_reduce": "microbatch", "dsa_kernels": "current"}
+                   "dsa_kernels": "current"}
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -353,10 +353,12 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
     ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("merged": model.cp_attention's default;
     "chunks": its bottom_right; "mask": the explicit CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective"; default
-    core_attn + moe as Layout.overrides emits), zero2_grad_reduce ("microbatch" | "step"), dsa_kernels.
+    core_attn + moe as Layout.overrides emits), dsa_kernels, and zero2_grad_reduce ("microbatch" | "step"; default:
+    the layout's).
     """
     v = dict(DEFAULT_VARIANT, **(variant or {}))
     v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
+    v.setdefault("zero2_grad_reduce", layout.zero2_grad_reduce)
     notes: List[str] = []
     stages = [_stage_time(dims, layout, work, cluster, calib, v, *st, notes=notes) for st in _stages(dims, layout)]
     m = layout.num_microbatches

@@ -212,6 +212,9 @@ def cluster_preset(name: str, gpus: int) -> Cluster:
 Recompute = Literal["none", "selective", "full"]
 
 
+REDUCE_SUFFIX = {"microbatch": "", "step": "-step", "microbatch_scatter": "-scatter"}  # Layout.short's zero2 label
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to split training over `tp * pp * cp * dp` GPUs.
@@ -239,6 +242,10 @@ class Layout:
     activation_offload: bool = False
     optimizer: Literal["muon", "adam"] = "muon"
     zero: Literal["ddp", "zero2"] = "zero2"
+    # optimizer.zero2_grad_reduce under Muon's ZeRO-2: "microbatch" reduces to the owners every micro-batch (1/dp of
+    # the gradients kept), "step" once per step (a full-size gradient buffer); "microbatch_scatter" is timed and
+    # sized as "microbatch"
+    zero2_grad_reduce: Literal["microbatch", "step", "microbatch_scatter"] = "microbatch"
     output_loss_backend: Literal["unfused", "chunked", "liger"] = "chunked"
     output_chunk_size: int = 4096  # tokens per chunk with "chunked"
     # megatron's `parallel.pipeline_model_parallel_layout` (e.g. "Et*20|t*20|t*19|t*19m*3L") when the stages are
@@ -280,6 +287,7 @@ class Layout:
             f"model.activation_offload={str(self.activation_offload).lower()}",
             f"optimizer.optimizer={self.optimizer}",
             f"optimizer.use_distributed_optimizer={str(self.zero == 'zero2').lower()}",
+            f"optimizer.zero2_grad_reduce={self.zero2_grad_reduce}",
             f"model.output_loss_backend={self.output_loss_backend}",
         ]
         if self.output_loss_backend == "chunked":
@@ -291,7 +299,7 @@ class Layout:
         rc = {"none": "norc", "selective": "sel", "full": "full"}[self.recompute]
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
                 f"mbs{self.micro_batch_size} m{self.num_microbatches} {rc}{' off' if self.activation_offload else ''}"
-                f" {self.optimizer}/{self.zero} {self.output_loss_backend}"
+                f" {self.optimizer}/{self.zero}{REDUCE_SUFFIX[self.zero2_grad_reduce]} {self.output_loss_backend}"
                 + (f" layout {self.pipeline_layout}" if self.pipeline_layout else ""))
 
 
