@@ -291,8 +291,8 @@ def test_pruning_deletes_a_stages_checkpoints_only_once_the_next_stage_finished(
 
 def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
     """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks; the 744B plan, laid out
-    for 1,792 H100, passes there; on 5,376 GPUs (3 x) its DSA stages' 14 sequences no longer split over DP (one
-    line, exit 2)."""
+    for 1,792 H100, passes there; on 5,376 GPUs (3 x) its first stage's pipeline gets a third of the micro-batches
+    and idles over the bound (one line, exit 2)."""
     from pretrain.curriculum.__main__ import main
 
     assert main(["--plan", str(ROOT / "configs/curriculum/tiny.yaml"), "--validate-only", "--skip-data-check",
@@ -304,8 +304,8 @@ def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "5376"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("plan error: stage 6 (dsa-warmup): tp4 pp1")
-    assert "global batch % (mbs*dp): global batch 14 over micro-batch 1 x DP 42" in err[0]
+    assert len(err) == 1 and err[0].startswith("plan error: stage 1 (pretrain-ramp): tp2 pp14 vpp3")
+    assert "bubble: (PP - 1) / (VPP x m) = 13 / (3 x 42) = 10% over 10%" in err[0]
     # the same plan on too few GPUs for its layout: the divisibility rule, not a traceback
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "48"]) == 2
