@@ -26,10 +26,12 @@ MISSES = {
                "current code), EP=4 0.85 against 0.67, and the first ZeRO-2 reduced every micro-batch without overlap "
                "(-18% against reducing once per step). Kept as a record of what changed, not as checks of today's "
                "model.",
-    "h200 adamw 1gpu 4K mbs1": "the AdamW and Muon runs of one call at micro-batch 1 differ by 16% in tokens/s while "
-                               "their optimizer steps differ by 0.1 s of a 4 s step: at micro-batch 1 the step is "
-                               "bound by the host launching kernels, which varies run to run; the Muon run calibrates "
-                               "the launch time.",
+    "h200 adamw 1gpu 4K mbs1 (11-24, 11-29)": "at micro-batch 1 the step is bound by the host launching kernels, "
+                               "which moves with the speed of the host core: the same AdamW layout measured 33,261 "
+                               "(11-24), 23,728 (11-21) and 23,206 tokens/s (11-29), faster than Muon's run of the "
+                               "same call on 11-24 and slower on 11-29, with optimizer steps 0.07-0.1 s apart; forcing "
+                               "the router's balance does not order them either. The 11-24 Muon run calibrates the "
+                               "launch time; micro-batch 4 (GPU-bound) reproduces within 4%.",
     "dp4 mbs1 (11-26)": "DP=4 at micro-batch 1: the step is 0.18 s longer than one GPU's. The model's all-reduce "
                         "(41 ms at the assumed bus bandwidth) hides behind the last backward; the run has no "
                         "profile to say where the 0.18 s go (at micro-batch 4, DP=4 is 0.98 of one GPU and predicted).",
