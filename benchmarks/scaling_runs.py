@@ -11,6 +11,7 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
     zero2_bf16_m32         zero2_m32 with parallel.grad_reduce_in_fp32=false: each micro-batch's reduce in bf16 (half
                            the traffic; the owner still accumulates in fp32)
     zero2_step_m32         zero2_m32 with optimizer.zero2_grad_reduce=step (one reduce per step, a full gradient buffer)
+    zero2_b160_m32         zero2_m32 with parallel.bucket_size=160000000: a quarter of the reduces, each 4x longer
     ep_a2a                 EP = N x DP = N, megatron's alltoall dispatcher
     ep                     EP = N x DP = N, alltoall_dedup (one row per token and destination rank)
     ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
@@ -54,7 +55,8 @@ WIDTH = "configs/scaling/glm5-width.yaml"
 WIDTH_128K = "configs/scaling/glm5-width-128k.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
-    "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32", "zero2_scatter_m32", "zero2_bf16_m32", "zero2_step_m32"],
+    "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32", "zero2_scatter_m32", "zero2_bf16_m32", "zero2_step_m32",
+           "zero2_b160_m32"],
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
@@ -108,6 +110,7 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("zero2_scatter_m32", n, 32, n, "gpu1", ZERO2 + ["optimizer.zero2_grad_reduce=microbatch_scatter"]),
         Run("zero2_bf16_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.grad_reduce_in_fp32=false"]),
         Run("zero2_step_m32", n, 32, n, "gpu1", ZERO2 + ["optimizer.zero2_grad_reduce=step"]),
+        Run("zero2_b160_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.bucket_size=160000000"]),
         Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], "a2a"),
         Run("ep", n, 8, n, "gpu1", ep + DEDUP, "a2a"),
         Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], "a2a"),

@@ -86,6 +86,7 @@ BAD = [
     ("zero2-reduce-adam", ["optimizer.optimizer=adam", "optimizer.use_distributed_optimizer=true",
                            "optimizer.zero2_grad_reduce=microbatch_scatter"], "optimizer.zero2_grad_reduce"),
     ("dataset-threads", ["data.num_dataset_builder_threads=0"], "data.num_dataset_builder_threads"),
+    ("bucket-size", ["parallel.bucket_size=0"], "parallel.bucket_size is 0; it must be > 0 (or null)"),
     ("doc-mask", ["data.reset_attention_mask=true", "data.create_attention_mask=true"], "data.create_attention_mask"),
     ("doc-positions-gqa", ["data.reset_position_ids=true", "model.multi_latent_attention=false",
                            "model.experimental_attention_variant=null", "model.num_query_groups=2",

@@ -33,6 +33,7 @@ def test_dry_run_plans_every_layout_on_two_and_four_gpus(capsys):
         assert "optimizer.zero2_grad_reduce=microbatch_scatter" in commands["zero2_scatter_m32"]
         assert "parallel.grad_reduce_in_fp32=false" in commands["zero2_bf16_m32"]
         assert "optimizer.zero2_grad_reduce=step" in commands["zero2_step_m32"]
+        assert "parallel.bucket_size=160000000" in commands["zero2_b160_m32"]
         assert "grad_reduce_in_fp32" not in commands["zero2_m32"]
         assert "zero2_grad_reduce" not in commands["zero2_m32"] and "overlap_p2p_comm=false" in commands["pp2_batched"]
         assert f"train.global_batch_size={16 * gpus} " in commands["pp2"] + " "

@@ -244,6 +244,8 @@ class ParallelConfig:
     """megatron-core's combined 1F1B (EP all-to-all under another micro-batch); refused: docs/parallelism.md says why."""
     grad_reduce_in_fp32: bool = True
     """megatron DDP: reduce gradients in fp32; false: in the weights' dtype (accumulation stays fp32, ZeRO-2 too)."""
+    bucket_size: Optional[int] = None
+    """Elements per gradient-reduce bucket (megatron DDP and ZeRO-2); null: megatron's max(40M, 1M x DP), ZeRO-2's 40M."""
     distributed_timeout_minutes: int = 30
     """Timeout of every process group's collectives (megatron-core's default); a rank waiting longer raises."""
 

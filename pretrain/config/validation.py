@@ -291,6 +291,7 @@ def _check_moe(m: ModelConfig) -> None:
 def check_parallel(p: ParallelConfig) -> None:
     _positive(p, "parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes")
+    _positive(p, "parallel", "bucket_size", optional=True)
     if p.virtual_pipeline_model_parallel_size is not None:
         _positive(p, "parallel", "virtual_pipeline_model_parallel_size")
         require(

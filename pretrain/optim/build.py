@@ -33,7 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from pretrain.config.schema import GLM5Config, ModelConfig, OptimizerConfig, ParallelConfig
 from pretrain.optim.roles import build_muon_optimizer, ownership_cost
-from pretrain.optim.zero2_grads import Zero2DataParallel
+from pretrain.optim.zero2_grads import DEFAULT_BUCKET_ELEMENTS, Zero2DataParallel
 from pretrain.optim.zero2_owner import shard_optimizer
 
 
@@ -92,11 +92,14 @@ def wrap_model_chunks(chunks: List, parallel_cfg: ParallelConfig, optimizer_cfg:
     if mode == "zero2":
         cost = ownership_cost(optimizer_cfg, model_cfg)
         return [Zero2DataParallel(chunk.config, chunk, cost, optimizer_cfg.zero2_grad_reduce,
-                                  parallel_cfg.grad_reduce_in_fp32) for chunk in chunks]
+                                  parallel_cfg.grad_reduce_in_fp32,
+                                  bucket_elements=parallel_cfg.bucket_size or DEFAULT_BUCKET_ELEMENTS)
+                for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=parallel_cfg.grad_reduce_in_fp32,
         overlap_grad_reduce=parallel_cfg.overlap_grad_reduce and ps.get_data_parallel_world_size() > 1,
         use_distributed_optimizer=mode == "distributed_optimizer",
+        bucket_size=parallel_cfg.bucket_size,
     )
     return [
         DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
