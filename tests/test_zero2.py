@@ -324,41 +324,36 @@ def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
 
 
 def _wrapped_bucket_sizes(rank, world_size):
-    """The config's parallel.bucket_size in each data-parallel wrapper (one rank)."""
+    """The config's parallel.bucket_size in each data-parallel wrapper: ZeRO-2's buckets on one rank, megatron DDP's
+    bucket size at DP = 2 (at DP = 1 there is no overlapped reduce and megatron drops the size)."""
     from megatron.core.transformer import TransformerConfig
 
     from parallel.initialize import initialize_parallel
     from pretrain.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
-    from pretrain.optim import build as build_module
     from pretrain.optim.build import wrap_model_chunks
 
     initialize_parallel(ParallelConfig(), seed=0)
     got = {}
     for size in (None, 100):
         parallel = ParallelConfig(bucket_size=size)
-        module = _small_module(torch.float32)
-        module.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
-        zero2 = wrap_model_chunks([module], parallel, OptimizerConfig(optimizer="muon", use_distributed_optimizer=True),
-                                  ModelConfig())[0]
-        got[f"zero2 {size}"] = [[p.numel() for p in b.params] for b in zero2.buckets]
-        plain = _small_module(torch.float32)
-        plain.config = module.config
-        passed = []  # megatron's DDP drops bucket_size without overlap (DP = 1 here): record what it is given
-        real = build_module.DistributedDataParallel
-        build_module.DistributedDataParallel = lambda **kw: passed.append(kw["ddp_config"].bucket_size) or real(**kw)
-        try:
-            wrap_model_chunks([plain], parallel, OptimizerConfig(optimizer="adam"), ModelConfig())
-        finally:
-            build_module.DistributedDataParallel = real
-        got[f"ddp {size}"] = passed[0]
+        for name, optimizer in (("zero2", OptimizerConfig(optimizer="muon", use_distributed_optimizer=True)),
+                                ("ddp", OptimizerConfig(optimizer="adam"))):
+            if (name == "zero2") != (world_size == 1):
+                continue
+            module = _small_module(torch.float32)
+            module.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+            wrapped = wrap_model_chunks([module], parallel, optimizer, ModelConfig())[0]
+            got[f"{name} {size}"] = ([[p.numel() for p in b.params] for b in wrapped.buckets] if name == "zero2"
+                                     else (wrapped.ddp_config.bucket_size, len(wrapped.buffers[0].buckets)))
     return got
 
 
 def test_bucket_size_reaches_both_wrappers():
     """parallel.bucket_size (megatron DDP's field) sizes ZeRO-2's buckets and megatron's. The small module's
-    parameters in backward order are 4, 64, 16, 256, 16, 128 elements: a bucket closes once it holds >= 100."""
-    got = run_ranks(_wrapped_bucket_sizes, 1)[0]
-    assert got["zero2 100"] == [[4, 64, 16, 256], [16, 128]]
-    assert got["zero2 None"] == [[4, 64, 16, 256, 16, 128]]  # ZeRO-2's default, 40M elements: one bucket
-    assert got["ddp 100"] == 100
-    assert got["ddp None"] is None  # megatron's default: max(40M, 1M x DP)
+    parameters in backward order are 4, 64, 16, 256, 16, 128 elements: a ZeRO-2 bucket closes once it holds >= 100."""
+    zero2 = run_ranks(_wrapped_bucket_sizes, 1)[0]
+    assert zero2["zero2 100"] == [[4, 64, 16, 256], [16, 128]]
+    assert zero2["zero2 None"] == [[4, 64, 16, 256, 16, 128]]  # ZeRO-2's default, 40M elements: one bucket
+    ddp = run_ranks(_wrapped_bucket_sizes, 2)[0]
+    assert ddp["ddp None"] == (40_000_000, 1)  # megatron's default at DP = 2: max(40M, 1M x DP)
+    assert ddp["ddp 100"][0] == 100 and ddp["ddp 100"][1] > 1

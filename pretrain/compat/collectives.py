@@ -6,8 +6,8 @@ step makes dozens of all-reduces over groups of one rank whatever the layout: me
 vocab-parallel cross entropy all-reduces three times over a tensor-parallel group of one, its gradient
 norm over a model-parallel group of one, its MoE loss trackers and expert-bias update over groups of
 one, the trainer's loss mean over a data-parallel group of one. A native-heap profile of glm5-tiny on
-one H200 (benchmarks/results/soak_h200/host_rss_bisect/) found 9.7 KB a step held by these calls, of
-the 8-12 KB a step the host RSS grew: about 1 GB per rank over 100,000 steps.
+one H200 (docs/training.md, "Checkpoints") found 9.7 KB a step held by these calls, of the 8-12 KB a
+step the host RSS grew: about 1 GB per rank over 100,000 steps.
 
 An all-reduce over one rank is the identity for SUM, AVG, MAX, MIN and PRODUCT, so
 `skip_single_rank_all_reduce` returns at once for those (synchronous calls only: an asynchronous one
