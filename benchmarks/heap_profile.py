@@ -94,8 +94,7 @@ def summarize(capture: str, top: int = 8, sites: int = 15, frames: int = 14) -> 
 def report(summary: Dict, steps: Optional[int] = None) -> str:
     per = (lambda b: f", {b / steps / 1024:.2f} KB a step") if steps else (lambda b: "")
     lines = [f"held at the window's end: {summary['held_bytes'] / 2**20:.2f} MiB in "
-             f"{summary['held_allocations']:,} allocations" + (f" over {steps} steps "
-             f"({summary['held_bytes'] / steps / 1024:.2f} KB a step)" if steps else ""), "",
+             f"{summary['held_allocations']:,} allocations{per(summary['held_bytes'])}", "",
              "by the Python frames that allocated (innermost first), with the first native frames:"]
     for row in summary["by_python_site"]:
         lines.append(f"  {row['bytes'] / 1024:,.1f} KB in {row['allocations']:,} allocations{per(row['bytes'])}: "

@@ -35,10 +35,12 @@ def _one_and_two_rank_groups(rank, world_size):
         alone[name] = t
     reference = x.clone()
     backend(reference, group=mine)  # what the backend itself gives over one rank
+    bits = torch.tensor([6, 3], dtype=torch.int64)
+    dist.all_reduce(bits, op=dist.ReduceOp.BAND, group=mine)  # not among the skipped ops: to the backend
     handle = dist.all_reduce(x.clone(), group=mine, async_op=True)  # asynchronous: to the backend, as before
     handle.wait()
     dist.destroy_process_group()
-    return {"world": world, "alone": alone, "reference": reference, "received": received}
+    return {"world": world, "alone": alone, "reference": reference, "received": received, "bits": bits}
 
 
 def test_one_rank_all_reduce_never_reaches_the_backend():
@@ -49,8 +51,9 @@ def test_one_rank_all_reduce_never_reaches_the_backend():
         for name, t in r["alone"].items():
             assert torch.equal(t, x), name
             assert torch.equal(t, r["reference"]), name
-        # the world all-reduce and the asynchronous one; none of the five synchronous one-rank calls
-        assert r["received"] == [(2, False), (1, True)], r["received"]
+        # the world all-reduce, the BAND one and the asynchronous one; none of the five synchronous one-rank calls
+        assert r["received"] == [(2, False), (1, False), (1, True)], r["received"]
+        assert r["bits"].tolist() == [6, 3]
 
 
 def test_a_premultiplied_sum_is_not_skipped():

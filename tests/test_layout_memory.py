@@ -139,7 +139,7 @@ def test_state_bytes_follow_the_optimizer_and_sharding():
     z = state_terms(shards, Layout(dp=4, zero="zero2"))
     assert (z["main_weights"], z["gradients"], z["optimizer_state"]) == (1100, 1100, 1200)
     assert z["zero2_ownership_slack"] == (500 - 1100 / 4) * 16  # the 500-element tensor beyond a 275 share
-    step = state_terms(shards, Layout(dp=4, zero="zero2"), zero2_grad_reduce="step")
+    step = state_terms(shards, Layout(dp=4, zero="zero2", zero2_grad_reduce="step"))
     assert step["gradients"] == 4400 and "gradient_buckets" not in step
     assert z["gradient_buckets"] == 4 * ZERO2_BUCKET_ELEMENTS * ZERO2_BUCKETS_IN_FLIGHT
     adam = state_terms(shards, Layout(dp=4, zero="zero2", optimizer="adam"))  # megatron's distributed optimizer

@@ -59,8 +59,7 @@ def test_checkpoint_saves_of_either_kind_fit_and_peak_at_dsa_sparses_save(plan, 
         layout, work = layout_of(s.cfg, gpus)
         with_saves = stage_memory(s.cfg, layout, work)
         assert stage_memory(a.cfg, *layout_of(a.cfg, gpus)).terms == with_saves.terms, s.name
-        step = estimate(ModelDims.from_config(s.cfg), layout, work, trainable=s.cfg.train.trainable_params,
-                        zero2_grad_reduce=s.cfg.optimizer.zero2_grad_reduce)
+        step = estimate(ModelDims.from_config(s.cfg), layout, work, trainable=s.cfg.train.trainable_params)
         copies = with_saves.terms.get("checkpoint_save_copies")
         if s.name == "dsa-sparse":
             assert copies / GiB == pytest.approx(9.9, abs=0.05)

@@ -181,14 +181,13 @@ def optimizer_state_bytes(shard: ParamShard, layout: Layout) -> int:
     return 8 if (layout.optimizer == "adam" or shard.optimizer == "adamw") else 4
 
 
-def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True,
-                zero2_grad_reduce: str = "microbatch") -> Dict[str, float]:
+def state_terms(shards: List[ParamShard], layout: Layout, bf16: bool = True) -> Dict[str, float]:
     """Weights, main weights, gradients and optimizer state in bytes (see the module docstring).
-    `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`): "step" keeps a full-size gradient buffer under ZeRO-2."""
+    `layout.zero2_grad_reduce` "step" keeps a full-size gradient buffer under ZeRO-2."""
     groups = replica_groups(layout)
     zero = layout.zero == "zero2"
     muon_zero2 = zero and layout.optimizer == "muon"
-    sharded_grads = muon_zero2 and zero2_grad_reduce != "step"
+    sharded_grads = muon_zero2 and layout.zero2_grad_reduce != "step"
     terms = {"weights": 0.0, "main_weights": 0.0, "gradients": 0.0, "optimizer_state": 0.0}
     owned = {g: 0.0 for g in groups}
     largest = {g: 0 for g in groups}
@@ -316,14 +315,12 @@ def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> D
 
 
 def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
-             zero2_grad_reduce: Optional[str] = None, saves: bool = False) -> MemoryEstimate:
+             saves: bool = False) -> MemoryEstimate:
     """Peak bytes per GPU over the pipeline ranks (with even stages the first and the last hold the most), by term.
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
-    (`train.trainable_params`) and `zero2_grad_reduce` (`optimizer.zero2_grad_reduce`; default: the layout's) as in
-    the config; `saves`:
+    (`train.trainable_params`) as in the config (ZeRO-2's reduce mode is the layout's); `saves`:
     the run saves checkpoints (`checkpoint.save`), whose copies may peak above the step (`save_copies_terms`)."""
     best: Optional[MemoryEstimate] = None
-    zero2_grad_reduce = zero2_grad_reduce or layout.zero2_grad_reduce
     # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak (a rank
     # of decoder layers only whose layers match an earlier such rank's, kind by kind, is its twin with fewer in
     # flight: skipped; twins only, since ZeRO-2's ownership slack makes bytes not monotone in the layers held)
@@ -337,7 +334,7 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
             seen.add(plan.kinds[r])
     for rank in ranks:
         shards = rank_parameters(dims, layout, rank, trainable)
-        state = state_terms(shards, layout, a == 2, zero2_grad_reduce)
+        state = state_terms(shards, layout, a == 2)
         layers = tuple(rank_layers(dims, layout, rank))
         candidate = MemoryEstimate({**state, **activation_terms(dims, layout, work, rank, a)}, rank, layers)
         if saves:  # between steps: the state and the save's copies, no activations

@@ -353,12 +353,11 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
     ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("merged": model.cp_attention's default;
     "chunks": its bottom_right; "mask": the explicit CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective"; default
-    core_attn + moe as Layout.overrides emits), dsa_kernels, and zero2_grad_reduce ("microbatch" | "step"; default:
-    the layout's).
+    core_attn + moe as Layout.overrides emits), dsa_kernels. ZeRO-2's reduce mode is the layout's
+    (`Layout.zero2_grad_reduce`).
     """
     v = dict(DEFAULT_VARIANT, **(variant or {}))
     v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
-    v.setdefault("zero2_grad_reduce", layout.zero2_grad_reduce)
     notes: List[str] = []
     stages = [_stage_time(dims, layout, work, cluster, calib, v, *st, notes=notes) for st in _stages(dims, layout)]
     m = layout.num_microbatches
@@ -387,7 +386,7 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     if layout.zero == "zero2" and layout.optimizer == "muon":
         per_mb = _ring(dense_p * gbytes, ddp, dp_bw, lat) + _ring(expert_p * gbytes, edp, edp_bw, lat)
         gather = _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
-        if v["zero2_grad_reduce"] == "step":  # one reduce-scatter after the last micro-batch
+        if layout.zero2_grad_reduce == "step":  # one reduce-scatter after the last micro-batch
             dp_exposed = max(0.0, per_mb - window) + gather
         else:  # every micro-batch; measured to show in the step even where the backward could hide it
             shown = calib["dp.zero2_microbatch_reduce_shown"] * per_mb

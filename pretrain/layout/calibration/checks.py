@@ -94,8 +94,7 @@ def predict(case: Dict, cache: Dict) -> Dict:
             memory = None
         if memory is not None:
             variant = case.get("variant") or {}
-            pred = memory.estimate(dims, layout, work, zero2_grad_reduce=variant.get("zero2_grad_reduce", "microbatch"),
-                                   saves=bool(variant.get("saves"))).total / GiB
+            pred = memory.estimate(dims, layout, work, saves=bool(variant.get("saves"))).total / GiB
             out_mem = {"predicted_peak_gib": pred, "memory_error": pred / case["measured"]["peak_gib"] - 1}
     return {**out_mem, "id": case["id"], "role": case["role"],
             "predicted_tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
