@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from typing import List, Optional, Tuple
+
+import torch
 
 from pretrain.compat.registry import Workaround
 
@@ -85,6 +88,31 @@ def patch_moe_fused_names() -> None:
             setattr(moe_utils, name, None)
 
 
+def foreach_l2_norm(chunk_size: int, noop_flag, tensor_lists: List[List[torch.Tensor]], per_tensor: bool,
+                    *args) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The l2 norm of every tensor in `tensor_lists[0]` together, as a 1-element fp32 tensor on their device,
+    without a host synchronization (amp_C.multi_tensor_l2norm's signature; `per_tensor` is not supported,
+    as in megatron's own fallback)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # one fused launch per (device, dtype)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def sync_free_grad_norm() -> None:
+    """Swap megatron's apex-free gradient-norm fallback for `foreach_l2_norm` (no host sync per gradient)."""
+    # Without apex or TE, clip_grads.l2_norm_impl is megatron.core.utils.local_multi_tensor_l2_norm, which
+    # builds `torch.tensor(l2)` from a list of 0-dim device tensors: one `.item()`, a host synchronization,
+    # per gradient, then a `float()`. A glm5-proxy step syncs about 190 times in the gradient norm (126 on
+    # the first of 2 pipeline stages), each draining the GPU's queue while the host launches the next norm.
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+
+
 WORKAROUNDS = [
     Workaround(
         name="patch_mla_have_te",
@@ -110,5 +138,14 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_memory_features.py::test_each_feature_leaves_losses_and_every_gradient_unchanged",
         install=patch_checkpoint_without_output_fp8,
+    ),
+    Workaround(
+        name="sync_free_grad_norm",
+        target="megatron.core.optimizer.clip_grads.l2_norm_impl",
+        reason="without apex or TE the gradient norm's fallback syncs the host once per gradient (about 190 "
+               "syncs a step on glm5-proxy), each draining the GPU's queue",
+        upstream="open",
+        test="tests/test_compat_grad_norm.py::test_grad_norm_matches_float64_without_a_host_sync",
+        install=sync_free_grad_norm,
     ),
 ]

@@ -21,6 +21,8 @@ to 100%. `--kernels N` adds the N largest kernels by part and the operator chain
 which names the code behind a part's time (e.g. a copy inside core attention and the function that made it).
 A GPU trace also lists the host's waits on the device (synchronizing CUDA calls, by the ranges around them):
 with "host-side gaps", they tell a step whose host cannot run ahead (syncs) from one bound by launching kernels.
+It ends with `pretrain.tools.device_idle`'s two tables: the GPU's idle stretches by the host code that ran
+during them, and the stretches where only NCCL kernels ran (waiting for a peer) by what followed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from pretrain.tools import device_idle
 from pretrain.tools.trace_events import Trace, end
 from pretrain.training.profile_scopes import MODEL_PARTS, PARTS, PREFIX
 
@@ -321,6 +324,9 @@ def main(argv=None) -> int:
         waits = host_waits(trace, args.steps)
         summary["host_waits"] = waits[:12]
         table += format_waits(waits, 12)
+        gaps = device_idle.idle(trace, args.steps)
+        summary["device_idle"] = {k: v[:12] if isinstance(v, list) else v for k, v in gaps.items()}
+        table += device_idle.format_idle(gaps, 12)
     print(table, end="")
     if args.out:
         Path(args.out).write_text(table, encoding="utf-8")
