@@ -77,12 +77,23 @@ def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Opt
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,  # megatron's groups: the same bound
+        nccl_communicator_config_path=nccl_options_path(parallel),
         # MTP before the last stage: its embedding copy is tied to the first stage's, not the last's
         get_embedding_ranks=compat.embedding_ranks(parallel.pipeline_model_parallel_layout,
                                                    parallel.pipeline_model_parallel_size),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def nccl_options_path(parallel: ParallelConfig) -> Optional[str]:
+    """`parallel.nccl_communicator_config_path` for megatron, or None. NCCL options need NCCL: on gloo (no CUDA)
+    megatron would build NCCL option objects that a CPU build of torch lacks, so it is refused there."""
+    path = parallel.nccl_communicator_config_path
+    if path is not None and not torch.cuda.is_available():
+        raise RuntimeError(f"parallel.nccl_communicator_config_path={path} sets NCCL options, but this run has no "
+                           "CUDA and uses gloo; set it to null")
+    return path
 
 
 def ensure_single_rank(seed: int = 1234) -> None:

@@ -236,6 +236,8 @@ class ParallelConfig:
     """Split norms/dropout activations along the sequence over TP (needed by MoE with TP > 1)."""
     overlap_grad_reduce: bool = True
     """megatron DDP: all-reduce gradient buckets while the backward pass still runs (DP > 1)."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Interleaved PP: micro-batches run through one virtual stage before the next (megatron's); null: PP."""
     overlap_p2p_comm: bool = True
     """Interleaved PP: sends/receives overlap compute, not a batch that syncs the device (megatron-LM's default)."""
     deallocate_pipeline_outputs: bool = True
@@ -248,6 +250,8 @@ class ParallelConfig:
     """Elements per gradient-reduce bucket (megatron DDP and ZeRO-2); null: megatron's max(40M, 1M x DP), ZeRO-2's 40M."""
     distributed_timeout_minutes: int = 30
     """Timeout of every process group's collectives (megatron-core's default); a rank waiting longer raises."""
+    nccl_communicator_config_path: Optional[str] = None
+    """megatron-core's NCCL options per process group, a YAML file (group -> max_ctas, min_ctas, ...); null: NCCL's."""
 
 
 @dataclass

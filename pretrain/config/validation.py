@@ -26,6 +26,7 @@ from pretrain.config.cross_checks import (
 )
 from pretrain.config.errors import require, show
 from pretrain.config.moe_pattern import moe_layer_pattern
+from pretrain.config.nccl_options import check_nccl_options
 from pretrain.config.schema import (
     SECTIONS,
     CheckpointConfig,
@@ -292,6 +293,11 @@ def check_parallel(p: ParallelConfig) -> None:
     _positive(p, "parallel", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes")
     _positive(p, "parallel", "bucket_size", optional=True)
+    check_nccl_options(p.nccl_communicator_config_path)
+    _positive(p, "parallel", "microbatch_group_size_per_vp_stage", optional=True)
+    require(p.microbatch_group_size_per_vp_stage is None or p.virtual_pipeline_model_parallel_size is not None,
+            "parallel.microbatch_group_size_per_vp_stage orders the interleaved schedule and needs "
+            "parallel.virtual_pipeline_model_parallel_size; set it to null")
     if p.virtual_pipeline_model_parallel_size is not None:
         _positive(p, "parallel", "virtual_pipeline_model_parallel_size")
         require(
