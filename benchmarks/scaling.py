@@ -53,11 +53,14 @@ def calibrated_kind(name: str) -> Optional[str]:
     return next((kind for kind in ("h100", "h200") if kind in name.lower()), None)
 
 
-def balanced_pp_layout(config: str, microbatches: int, extra: List[str], gpu: Optional[str] = None) -> List[str]:
+def balanced_pp_layout(config: str, microbatches: int, extra: List[str], gpu: Optional[str] = None,
+                       closed_form: bool = False) -> List[str]:
     """PP = 2 x VPP = 2 overrides from `python -m pretrain.tools.pipeline_split` (its last line), the entries
-    weighed by the planner's calibration for `gpu` (FLOPs without one)."""
+    weighed by the planner's calibration for `gpu` (FLOPs without one): the shortest simulated schedule (layout and
+    micro-batch group), or with `closed_form` the closed-form balance."""
     cmd = [sys.executable, "-m", "pretrain.tools.pipeline_split", "--config", config, "--pp", "2", "--vpp", "2",
-           "--microbatches", str(microbatches)] + (["--gpu", gpu] if gpu else []) + extra
+           "--microbatches", str(microbatches)] + (["--gpu", gpu] if gpu else []) + (
+        ["--closed-form"] if closed_form else []) + extra
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()
     line = out[-1]
     assert line.startswith("overrides: "), out
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
         if not args.dry_run and kind is None:
             print(f"PP runs: no layout-planner calibration for {gpu_name()}; their stages are balanced by FLOPs")
         layout = balanced_pp_layout(args.config, 8, args.extra, kind)
-        runs = plan_runs(args.gpus, micro_batch, layout)
+        closed = balanced_pp_layout(args.config, 8, args.extra, kind, closed_form=True)
+        runs = plan_runs(args.gpus, micro_batch, layout, closed)
         chosen = [runs[run.name] for run in chosen]
     print(f"{len(chosen)} runs on {args.gpus} GPUs, {args.iters} steps each, config {args.config}:")
     for run in chosen:

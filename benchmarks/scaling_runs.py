@@ -12,19 +12,24 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
                            the traffic; the owner still accumulates in fp32)
     zero2_step_m32         zero2_m32 with optimizer.zero2_grad_reduce=step (one reduce per step, a full gradient buffer)
     zero2_b160_m32         zero2_m32 with parallel.bucket_size=160000000: a quarter of the reduces, each 4x longer
+    ddp_ctas4_m32,         ddp_m32 / zero2_m32 with parallel.nccl_communicator_config_path=configs/nccl/dp_reduce_4ctas.yaml:
+    zero2_ctas4_m32        the data-parallel groups' NCCL kernels take at most 4 thread blocks (SMs) beside the backward
     ep_a2a                 EP = N x DP = N, megatron's alltoall dispatcher
     ep                     EP = N x DP = N, alltoall_dedup (one row per token and destination rank)
     ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
     ep_overlap             ep + both overlaps
     gpu1_bal, ep_bal, ep_overlap_bal   forced router balance (benchmarks only): communication without imbalance
-    pp2                    PP = 2 x VPP = 2 with pipeline_split's balanced layout (weighed by the planner's
-                           calibration for the GPU kind), x DP = N / 2; the config's pipeline settings
+    pp2                    PP = 2 x VPP = 2 with pipeline_split's layout and micro-batch group (the shortest simulated
+                           schedule, stages weighed by the planner's calibration for the GPU kind), x DP = N / 2; the
+                           config's pipeline settings
                            (megatron-LM's: parallel.overlap_p2p_comm and deallocate_pipeline_outputs true)
     pp2_batched            pp2 with megatron-core's defaults instead: each send/receive batched, ending in a device
                            synchronize (overlap_p2p_comm=false), outputs kept (deallocate_pipeline_outputs=false)
     pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not
                            Liger's, whose forward reads its mask count on the host (`.item()`) once per head per
                            micro-batch: the last stage's host then waits for its device, which waits for the other stage
+    pp2_closed             pp2_chunked with pipeline_split's closed-form balance (--closed-form: the busiest rank and the
+                           slowest stage, micro-batch groups of PP), what pp2_chunked ran before the simulated schedule
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)
@@ -52,15 +57,16 @@ from typing import Dict, List, Optional
 
 DEFAULT_CONFIG = "configs/models/glm5-proxy.yaml"
 WIDTH = "configs/scaling/glm5-width.yaml"
+FEW_CTAS = "parallel.nccl_communicator_config_path=configs/nccl/dp_reduce_4ctas.yaml"
 WIDTH_128K = "configs/scaling/glm5-width-128k.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
     "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32", "zero2_scatter_m32", "zero2_bf16_m32", "zero2_step_m32",
-           "zero2_b160_m32"],
+           "zero2_b160_m32", "ddp_ctas4_m32", "zero2_ctas4_m32"],
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2", "pp2_batched", "pp2_chunked"],
+    "pp": ["pp2", "pp2_batched", "pp2_chunked", "pp2_closed"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs",
            "cp2_32k_docs_work", "gpu1_32k_dsa", "cp2_32k_dsa"],
@@ -96,7 +102,8 @@ class Run:
     config: Optional[str] = None  # another config than --config (the GLM-5-width slices)
 
 
-def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
+def plan_runs(n: int, micro_batch: int, pp_layout: List[str], pp_closed: Optional[List[str]] = None
+              ) -> Dict[str, Run]:
     """Every run for a host of n GPUs, by name (module docstring)."""
     half = n // 2
     ep = [f"parallel.expert_model_parallel_size={n}"]
@@ -111,6 +118,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("zero2_bf16_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.grad_reduce_in_fp32=false"]),
         Run("zero2_step_m32", n, 32, n, "gpu1", ZERO2 + ["optimizer.zero2_grad_reduce=step"]),
         Run("zero2_b160_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.bucket_size=160000000"]),
+        Run("ddp_ctas4_m32", n, 32, n, "gpu1", [FEW_CTAS]),
+        Run("zero2_ctas4_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS]),
         Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], "a2a"),
         Run("ep", n, 8, n, "gpu1", ep + DEDUP, "a2a"),
         Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], "a2a"),
@@ -123,6 +132,8 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str]) -> Dict[str, Run]:
         Run("pp2_batched", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
             + ["parallel.overlap_p2p_comm=false", "parallel.deallocate_pipeline_outputs=false"]),
         Run("pp2_chunked", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
+            + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
+        Run("pp2_closed", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + (pp_closed or pp_layout)
             + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
         Run("tp2", n, 8, half, "gpu1", TP2),
         Run("gpu1_32k", 1, 2, 1, "gpu1_32k", LONG),

@@ -11,6 +11,8 @@ from tests.config_helpers import GLM5, tiny
 # validation: every rule, each with a message naming the key
 # ---------------------------------------------------------------------------------------------
 
+PP2_VPP2 = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
+            "model.num_layers=4", "model.moe_layer_freq=[0,1,1,1]"]
 GQA = ["model.multi_latent_attention=false", "model.experimental_attention_variant=null", "model.kv_channels=16"]
 
 BAD = [
@@ -97,6 +99,7 @@ BAD = [
     ("vpp-needs-pp", ["parallel.virtual_pipeline_model_parallel_size=2"],
      "parallel.virtual_pipeline_model_parallel_size"),
     ("pageable-async", ["checkpoint.pinned_staging=false", "checkpoint.async_save=true"], "checkpoint.pinned_staging"),
+    ("group-needs-vpp", ["parallel.microbatch_group_size_per_vp_stage=4"], "parallel.microbatch_group_size_per_vp_stage"),
 ]
 
 
@@ -138,6 +141,10 @@ def test_choice_error_lists_the_options():
         (8, ["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=8"],
          "parallel.expert_model_parallel_size"),  # 8 / PP 2 = 4 ranks per stage < EP 8
         (2, ["parallel.context_parallel_size=4"], "parallel.context_parallel_size (4) is larger than the world"),
+        # 32 / 4 = 8 micro-batches per step at DP 1: a group of 9 is more than there are, 1 < PP, 7 leaves a last
+        # group of 1 < PP (3 and 6 leave 2: fine, below)
+        *[(2, PP2_VPP2 + ["train.global_batch_size=32", f"parallel.microbatch_group_size_per_vp_stage={g}"],
+           "parallel.microbatch_group_size_per_vp_stage") for g in (1, 7, 9)],
     ],
 )
 def test_world_size_rules(world_size, overrides, key):
@@ -148,6 +155,9 @@ def test_world_size_rules(world_size, overrides, key):
 
 
 def test_world_size_ok():
+    for group in (2, 3, 4, 6, 8):
+        validate_config(tiny(*PP2_VPP2, "train.global_batch_size=32", f"parallel.microbatch_group_size_per_vp_stage={group}"),
+                        world_size=2)
     validate_config(tiny(), world_size=1)
     validate_config(tiny(), world_size=2)  # DP 2: 8 % (4 x 2) == 0
     validate_config(load_config(GLM5), world_size=1536)  # TP 8 x PP 6 x DP 32, EP 32

@@ -2,7 +2,7 @@
 resolution and refusals, and the balanced split.
 
 Equivalence (one 2-rank spawn, several checks): the tiny GLM-5 cut to 3 layers (dense, MoE, MoE) with 3 MTP
-depths sharing one layer, fp32 on gloo, trained on 2 micro-batches
+depths sharing one layer, fp32 on gloo, trained on 4 micro-batches
 
 * reference: one rank, PP=1, megatron's no-pipelining schedule, the trainer's `forward_step`;
 * PP=2 x VPP=2 with the uneven layout "Et|t|tmmm|L": pp rank 0 holds (embedding, layer 0) and (layer 2, the
@@ -12,11 +12,14 @@ depths sharing one layer, fp32 on gloo, trained on 2 micro-batches
 Checked: the per-micro-batch losses; every parameter's gradient (relative max-abs error <= 1e-5), the
 embedding's as the sum of the two copies without DDP, and on each copy after megatron's DDP and
 `finalize_model_grads` (the tie that `pretrain.compat.pipeline` adds); the MTP copy's initial values equal
-the first stage's.
+the first stage's. With `parallel.microbatch_group_size_per_vp_stage=4` (all 4 micro-batches through a virtual
+stage before the next) the same losses and gradients, and each rank's order of forward and backward steps, recorded
+inside megatron's schedule, is the order `pretrain.layout.pipeline_schedule` simulates (group 2 and 4).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Dict, List
 
@@ -34,7 +37,8 @@ CUT = ["model.num_layers=3", "model.moe_layer_freq=[0,1,1]"]
 LAYOUT = "Et|t|tmmm|L"
 PIPELINE = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
             f"parallel.pipeline_model_parallel_layout={LAYOUT}"]
-MICROBATCHES = 2
+MICROBATCHES = 4
+GROUPED = ["parallel.microbatch_group_size_per_vp_stage=4"]
 
 
 def _config(extra: List[str]):
@@ -108,7 +112,8 @@ def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
         for w in wrapped:
             w.zero_grad_buffer()
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
-    losses = _schedule(wrapped, _batches(tokens))
+    with _recorded_order(wrapped) as order:
+        losses = _schedule(wrapped, _batches(tokens))
     grads = []
     for chunk, chunk_names in zip(chunks, names):
         grads.append({chunk_names[n]: (getattr(p, "main_grad", None) if ddp else p.grad) for n, p in chunk.named_parameters()})
@@ -116,7 +121,39 @@ def _pipeline_step(cfg, tokens: torch.Tensor, ref_state: dict, ddp: bool) -> dic
     return {"losses": losses, "grads": grads, "initial_embedding_copies": copies,
             "roles": [(c.pre_process, c.post_process, getattr(c, "mtp_process", False)) for c in chunks],
             "p2p": (chunks[0].config.overlap_p2p_comm, chunks[0].config.batch_p2p_comm,
-                    chunks[0].config.deallocate_pipeline_outputs)}
+                    chunks[0].config.deallocate_pipeline_outputs),
+            "group": chunks[0].config.microbatch_group_size_per_vp_stage, "order": order}
+
+
+@contextlib.contextmanager
+def _recorded_order(chunks):
+    """("F" or "B", model chunk, micro-batch) of every forward_step / backward_step megatron's schedule runs, in
+    order: a backward's chunk from the output tensor it receives, micro-batches counted per chunk."""
+    from megatron.core.pipeline_parallel import schedules
+
+    order, owner, seen = [], {}, {}
+    forward, backward = schedules.forward_step, schedules.backward_step
+
+    def log(kind, chunk):
+        seen[(kind, chunk)] = seen.get((kind, chunk), -1) + 1
+        order.append((kind, chunk, seen[(kind, chunk)]))
+
+    def forward_step(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        chunk = kwargs.get("vp_stage") or 0
+        owner[id(out[0])] = chunk
+        log("F", chunk)
+        return out
+
+    def backward_step(input_tensor, output_tensor, *args, **kwargs):
+        log("B", owner[id(output_tensor)])
+        return backward(input_tensor, output_tensor, *args, **kwargs)
+
+    schedules.forward_step, schedules.backward_step = forward_step, backward_step
+    try:
+        yield order
+    finally:
+        schedules.forward_step, schedules.backward_step = forward, backward
 
 
 def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: dict) -> dict:
@@ -131,7 +168,8 @@ def rank_pipeline(rank: int, world_size: int, tokens: torch.Tensor, ref_state: d
                 # stage's output once sent; megatron-core's own defaults batch each transfer and keep the output
                 "batched": _pipeline_step(_config(PIPELINE + ["parallel.overlap_p2p_comm=false",
                                                               "parallel.deallocate_pipeline_outputs=false"]),
-                                          tokens, ref_state, ddp=False)}
+                                          tokens, ref_state, ddp=False),
+                "grouped": _pipeline_step(_config(PIPELINE + GROUPED), tokens, ref_state, ddp=False)}
     finally:
         destroy_parallel()
 
@@ -170,9 +208,10 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     first, mtp = rank0["local"]["initial_embedding_copies"]
     assert torch.equal(first, mtp) and mtp.abs().max() > 0
     assert rank0["local"]["p2p"] == (True, False, True) and rank0["batched"]["p2p"] == (False, True, False)
-    for mode in ("local", "ddp", "batched"):
+    for mode in ("local", "ddp", "batched", "grouped"):
         losses = rank1[mode]["losses"]
-        assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"]))
+        assert len(losses) == MICROBATCHES and all(rel_err(a, b) <= TOL for a, b in zip(losses, ref["losses"])), (
+            mode, losses, ref["losses"])
     chunks = rank0["local"]["grads"] + rank1["local"]["grads"]
     worst = _compare(ref, chunks, sum_embedding=True)
     # each copy's own share is far from the whole: the sum is needed
@@ -180,7 +219,20 @@ def test_pp2_vpp2_mtp_before_last_stage_matches_one_rank(runs):
     # after DDP + finalize_model_grads each copy holds the whole gradient
     worst = max(worst, _compare(ref, rank0["ddp"]["grads"] + rank1["ddp"]["grads"], sum_embedding=False))
     worst = max(worst, _compare(ref, rank0["batched"]["grads"] + rank1["batched"]["grads"], sum_embedding=True))
+    worst = max(worst, _compare(ref, rank0["grouped"]["grads"] + rank1["grouped"]["grads"], sum_embedding=True))
     print(f"\nPP=2 x VPP=2 {LAYOUT}: worst relative max-abs error {worst:.2e}")
+
+
+def test_simulated_schedule_order_is_megatrons(runs):
+    from pretrain.layout.pipeline_schedule import rank_order
+
+    for rank, result in enumerate(runs["ranks"]):
+        for mode, group in (("local", 2), ("grouped", 4)):
+            assert result[mode]["group"] == group
+            recorded = [(kind, chunk * 2 + rank, j) for kind, chunk, j in result[mode]["order"]]
+            assert recorded == rank_order(rank, 2, 2, MICROBATCHES, group), (rank, mode)
+    # the two orders differ: group 4 runs all four micro-batches through a chunk before the next
+    assert runs["ranks"][0]["local"]["order"] != runs["ranks"][0]["grouped"]["order"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,14 @@ a model with untied output weights (GLM-5):
   first chunk's values into the MTP copy after the chunks are built, and the patched
   `_allreduce_word_embedding_grads` sums the two copies' gradients (then runs megatron's reduction
   and hands its result to every local copy), so both copies take the same optimizer step.
+
+One more, for any interleaved PP = 2 with batched transfers (`parallel.overlap_p2p_comm: false`): there the
+previous and the next pipeline rank are the same rank, and `_batched_p2p_ops` posts [send to prev, receive from
+prev, send to next, receive from next] in one batch. Point-to-point messages between two ranks match in the order
+they are posted, so the peer's first receive from this rank (an activation) takes this rank's first send to it (a
+gradient): activations and gradients of equal shape arrive swapped, silently, whenever a step sends both
+(from 2 x PP micro-batches on). `order_batched_p2p_ops` posts sends next-then-prev and receives prev-then-next, so
+the k-th activation sent is the k-th received.
 """
 
 from __future__ import annotations
@@ -136,6 +144,28 @@ def patch_shape_exchange() -> None:
     p2p.P2PCommunicator._communicate_shapes = communicate_shapes
 
 
+def order_batched_p2p_ops() -> None:
+    """Post each batch's sends to the next rank before those to the previous one, and the receives from the
+    previous rank before those from the next (module docstring): the order megatron's unbatched `_p2p_ops` keeps."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    original = p2p._batched_p2p_ops
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def batched(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                prev_pipeline_rank, next_pipeline_rank):
+        ops = [(torch.distributed.isend, tensor_send_next, next_pipeline_rank),
+               (torch.distributed.irecv, tensor_recv_prev, prev_pipeline_rank),
+               (torch.distributed.isend, tensor_send_prev, prev_pipeline_rank),
+               (torch.distributed.irecv, tensor_recv_next, next_pipeline_rank)]
+        ops = [torch.distributed.P2POp(op, t, peer, group) for op, t, peer in ops if t is not None]
+        return torch.distributed.batch_isend_irecv(ops) if ops else []
+
+    batched.__wrapped__ = original
+    p2p._batched_p2p_ops = batched
+
+
 WORKAROUNDS = [
     Workaround(
         name="embedding_ranks",
@@ -169,5 +199,14 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_pipeline_layout.py::test_pp2_vpp2_mtp_before_last_stage_matches_one_rank",
         install=patch_shape_exchange,
+    ),
+    Workaround(
+        name="order_batched_p2p_ops",
+        target="megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops",
+        reason="interleaved PP = 2 with batched transfers (overlap_p2p_comm false) sends a gradient and an activation "
+               "to the same rank in one batch, and they arrive swapped: wrong losses from 2 x PP micro-batches on",
+        upstream="open",
+        test="tests/test_pipeline_layout.py::test_pp2_vpp2_mtp_before_last_stage_matches_one_rank",
+        install=order_batched_p2p_ops,
     ),
 ]

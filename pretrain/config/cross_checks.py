@@ -252,3 +252,10 @@ def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None
         f"(train.micro_batch_size x data-parallel size) = {t.global_batch_size} / {step}) divisible by "
         f"parallel.pipeline_model_parallel_size ({pp}); set train.global_batch_size to a multiple of {step * pp}",
     )
+    group = p.microbatch_group_size_per_vp_stage
+    if group is not None and vpp is not None:  # megatron's schedule raises on these at the first step
+        microbatches = t.global_batch_size // step
+        require(pp <= group <= microbatches and not 0 < microbatches % group < pp,
+                f"parallel.microbatch_group_size_per_vp_stage ({group}) must be between "
+                f"parallel.pipeline_model_parallel_size ({pp}) and the micro-batches per step ({microbatches}), with "
+                f"micro-batches % group 0 or >= {pp} (megatron-core's interleaved schedule)")

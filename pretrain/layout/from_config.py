@@ -25,7 +25,9 @@ def layout_of(cfg, world_size: int) -> Tuple[Layout, Workload]:
                     activation_offload=m.activation_offload, optimizer=cfg.optimizer.optimizer, zero=zero,
                     zero2_grad_reduce=cfg.optimizer.zero2_grad_reduce,
                     output_loss_backend=m.output_loss_backend, output_chunk_size=m.output_chunk_size or 4096,
-                    pipeline_layout=configured_layout(cfg))
+                    pipeline_layout=configured_layout(cfg),
+                    microbatch_group=p.microbatch_group_size_per_vp_stage if p.virtual_pipeline_model_parallel_size
+                    else None)
     return layout, Workload(cfg.data.seq_length, t.global_batch_size)
 
 

@@ -20,7 +20,8 @@ or as `Layout.pipeline_layout` places them (`types.pipeline_plan`).
 
 Activations (`pretrain.layout.activations`): one micro-batch's saved tensors per layer, times the micro-batches
 in flight on the rank: 1F1B keeps min(PP - r, m) on pipeline rank r; megatron's interleaved schedule keeps
-min(2 (PP - r - 1) + (VPP - 1) PP + 1, m VPP) model chunks (the rank's layers / VPP each), which on the first
+min(2 (PP - r - 1) + (VPP - 1) G + 1, m VPP) model chunks (G: `Layout.microbatch_group`, PP by default; the
+rank's layers / VPP each), which on the first
 rank of even stages is L (1 + (PP - 1) / (PP VPP)) layers' worth. Activation offloading leaves two layers' worth on the GPU (the one
 running, the one prefetched). The MTP rank adds its depths, the last rank the final norm and the output loss (unfused:
 fp32 softmax [t, V / TP] per head kept; chunked: the fp32 weight-gradient accumulator; liger: a bf16 weight
@@ -224,7 +225,8 @@ def in_flight_chunks(layout: Layout, rank: int) -> int:
     m = layout.num_microbatches
     if layout.vpp == 1:
         return min(layout.pp - rank, m)
-    return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
+    group = layout.microbatch_group or layout.pp  # megatron's microbatch_group_size_per_vp_stage: its warm-up
+    return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * group + 1, m * layout.vpp)
 
 
 def _layer_kinds(dims: ModelDims, layout: Layout, rank: int) -> Tuple[Tuple[int, int], ...]:

@@ -251,6 +251,9 @@ class Layout:
     # megatron's `parallel.pipeline_model_parallel_layout` (e.g. "Et*20|t*20|t*19|t*19m*3L") when the stages are
     # uneven; None: num_layers / (pp * vpp) decoder layers per virtual stage (`pipeline_stages`)
     pipeline_layout: Optional[str] = None
+    # megatron's `parallel.microbatch_group_size_per_vp_stage` (interleaved schedule: micro-batches through a virtual
+    # stage before the next; more in flight on each rank); None: PP, megatron's default
+    microbatch_group: Optional[int] = None
 
     @property
     def gpus(self) -> int:
@@ -292,6 +295,8 @@ class Layout:
         ]
         if self.output_loss_backend == "chunked":
             out.append(f"model.output_chunk_size={self.output_chunk_size}")
+        if self.microbatch_group is not None:
+            out.append(f"parallel.microbatch_group_size_per_vp_stage={self.microbatch_group}")
         return out
 
     def short(self) -> str:

@@ -177,6 +177,79 @@ def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: i
     return sizes
 
 
+SIMULATED_SPLITS = 5_000  # up to this many ways to cut, every split is simulated (else a local search)
+BACKWARD_PER_FORWARD = 2.0  # a layer's backward: two GEMMs per forward GEMM
+
+
+def forward_shares(entries: Sequence[str], fused_loss: bool) -> List[float]:
+    """Each entry's forward share of its training time: 1 / 3 (backward = 2 x forward), but L with a fused output
+    loss (output_loss_backend chunked or liger), whose forward computes the logits' gradient too (measured on
+    glm5-proxy, 2 x H200: the heads' forward 319 ms per step, their backward 11 ms)."""
+    return [0.97 if e.endswith("L") and fused_loss else 1 / (1 + BACKWARD_PER_FORWARD) for e in entries]
+
+
+def schedule_groups(pp: int, microbatches: int) -> List[int]:
+    """megatron's valid `microbatch_group_size_per_vp_stage` values that are multiples of PP, and all the
+    micro-batches in one group."""
+    out = [g for g in range(pp, microbatches + 1, pp) if not 0 < microbatches % g < pp]
+    return out + ([microbatches] if microbatches not in out else [])
+
+
+def simulated_step(sizes: Sequence[int], costs: Sequence[float], shares: Sequence[float], pp: int,
+                   microbatches: int, group: int) -> float:
+    """The schedule's step (`pretrain.layout.pipeline_schedule.simulate`) for stages of `sizes` entries."""
+    from pretrain.layout.pipeline_schedule import simulate
+
+    fwd, bwd, start = [], [], 0
+    for size in sizes:
+        fwd.append(sum(c * f for c, f in zip(costs[start:start + size], shares[start:start + size])))
+        bwd.append(sum(c * (1 - f) for c, f in zip(costs[start:start + size], shares[start:start + size])))
+        start += size
+    return simulate(fwd, bwd, pp, microbatches, group=group).step
+
+
+def simulated_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: int, microbatches: int,
+                    can_start: Optional[Sequence[bool]] = None, exhaustive: int = SIMULATED_SPLITS
+                    ) -> Tuple[List[int], int, float]:
+    """(stage sizes, micro-batch group per virtual stage, simulated step) minimizing the simulated interleaved
+    schedule over splits and megatron's `microbatch_group_size_per_vp_stage`: every split when there are at most
+    `exhaustive`, else a local search from `interleaved_split`'s that moves one boundary by one entry."""
+    n, stages = len(costs), pp * vpp
+    can_start = list(can_start or [True] * n)
+    best: Optional[Tuple[float, List[int], int]] = None
+    for group in schedule_groups(pp, microbatches):
+        def step(sizes: Sequence[int]) -> float:
+            return simulated_step(sizes, costs, shares, pp, microbatches, group)
+
+        if math.comb(n - 1, stages - 1) <= exhaustive:
+            starts = [i for i in range(1, n) if can_start[i]]
+            splits = [_sizes(cuts, n) for cuts in itertools.combinations(starts, stages - 1)]
+            scored = min(((step(sz), sz) for sz in splits), default=None)
+            if scored is None:
+                continue
+            value, sizes = scored
+        else:
+            sizes = interleaved_split(costs, pp, vpp, microbatches, can_start)
+            value, improved = step(sizes), True
+            while improved:
+                improved = False
+                for b in range(stages - 1):
+                    for delta in (-1, 1):
+                        trial = list(sizes)
+                        trial[b] += delta
+                        trial[b + 1] -= delta
+                        if min(trial[b], trial[b + 1]) < 1 or not can_start[sum(trial[:b + 1])]:
+                            continue
+                        trial_value = step(trial)
+                        if trial_value < value - 1e-9 * value:
+                            sizes, value, improved = trial, trial_value, True
+        if best is None or value < best[0] - 1e-9 * best[0]:
+            best = (value, list(sizes), group)
+    if best is None:
+        raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
+    return best[1], best[2], best[0]
+
+
 def _sizes(cuts: Sequence[int], n: int) -> List[int]:
     """Stage sizes from the entry indices where stages 1.. start."""
     bounds = [0, *cuts, n]
@@ -209,12 +282,42 @@ def balanced_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp
 
 def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
                     microbatches: Optional[int] = None, gpu: Optional[str] = None) -> List[List[str]]:
-    """The balanced stages (lists of entry letters) for the config's PP x VPP."""
+    """The balanced stages (lists of entry letters) for the config's PP x VPP, by the closed-form estimate
+    (`step_time`; what the layout planner's search uses)."""
     p = cfg.parallel
     entries, costs, can_start = split_inputs(cfg, flop_per_byte, gpu)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
-    return balanced_stages(entries, costs, pp, vpp, m_count, can_start)
+    return balanced_stages(entries, costs, pp, vpp, _microbatches(cfg, microbatches), can_start)
+
+
+def scheduled_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, microbatches: Optional[int] = None,
+                     gpu: Optional[str] = None) -> Tuple[List[List[str]], Optional[int], float]:
+    """(stages, micro-batch group per virtual stage or None, simulated step / ideal) for the config's PP x VPP:
+    with virtual stages the split and megatron's `microbatch_group_size_per_vp_stage` that give the shortest
+    simulated interleaved schedule (`simulated_split`); without, `balanced_layout`'s."""
+    p = cfg.parallel
+    entries, costs, can_start = split_inputs(cfg, flop_per_byte, gpu)
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    m_count = _microbatches(cfg, microbatches)
+    ideal = m_count * sum(costs) / pp
+    if vpp == 1:
+        sizes = interleaved_split(costs, pp, 1, m_count, can_start)
+        return _stages(entries, sizes), None, step_time(sizes, costs, pp, m_count) / ideal
+    shares = forward_shares(entries, cfg.model.output_loss_backend in ("chunked", "liger"))
+    sizes, group, step = simulated_split(costs, shares, pp, vpp, m_count, can_start)
+    return _stages(entries, sizes), group, step / ideal
+
+
+def _stages(entries: Sequence[str], sizes: Sequence[int]) -> List[List[str]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append([letter for e in entries[start:start + size] for letter in e])
+        start += size
+    return out
+
+
+def _microbatches(cfg: GLM5Config, microbatches: Optional[int]) -> int:
+    return microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
 
 
 def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE,
@@ -232,39 +335,68 @@ def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float =
 
 
 def report(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, microbatches: Optional[int] = None,
-           gpu: Optional[str] = None) -> str:
+           gpu: Optional[str] = None, closed_form: bool = False) -> str:
+    """The table the CLI prints; its last line, `overrides: ...`, is the chosen layout (the simulated schedule's
+    best, or with `closed_form` the closed-form balance) to paste."""
     import dataclasses
 
     p = cfg.parallel
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    m_count = microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
-    layout = balanced_layout(cfg, flop_per_byte, m_count, gpu)
+    m_count = _microbatches(cfg, microbatches)
+    layout, group, _ = scheduled_layout(cfg, flop_per_byte, m_count, gpu)
     even_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, pipeline_model_parallel_layout=None))
-    rows = [("balanced", layout)]
+    rows = [("balanced", layout, group)]
+    if vpp > 1:
+        rows.append(("closed-form balance (the planner's)", balanced_layout(cfg, flop_per_byte, m_count, gpu), pp))
     try:
-        rows.append(("even (no layout)", stage_entries(even_cfg.model, even_cfg.parallel)))
+        rows.append(("even (no layout)", stage_entries(even_cfg.model, even_cfg.parallel), pp))
     except ValueError as e:  # ConfigError: the even split does not exist at these sizes
-        rows.append(("even (no layout)", str(e)))
+        rows.append(("even (no layout)", str(e), pp))
     unit, scale = ("ms per micro-batch", 1e-3) if gpu else ("GFLOPs per token", 1e9)
     lines = [f"PP={pp} x VPP={vpp}, {m_count} micro-batches per step; cost in " + (
         f"{unit}, the layout planner's {gpu} calibration" if gpu else f"training {unit} (FLOP per byte {flop_per_byte:.0f})")]
-    for name, stages in rows:
+    entries = split_inputs(cfg, flop_per_byte, gpu)[0]
+    shares = forward_shares(entries, cfg.model.output_loss_backend in ("chunked", "liger"))
+    for name, stages, g in rows:
         if isinstance(stages, str):
             lines.append(f"{name}: not possible: {stages}")
             continue
         costs = stage_costs(cfg, stages, flop_per_byte, gpu)
         ideal = sum(costs) / len(costs)
         ranks = [sum(costs[i] for i in range(r, len(costs), pp)) for r in range(pp)]
-        lines.append(f"{name}: {format_layout(stages)}")
+        lines.append(f"{name}: {format_layout(stages)}" + (f", {g} micro-batches per virtual stage in turn"
+                                                           if vpp > 1 else ""))
         lines.append("  stages: " + "  ".join(f"{c / scale:.2f}" for c in costs)
                      + f"   slowest / mean = {max(costs) / ideal:.3f}")
         # the step against an ideal pipeline (every rank's share equal, no bubble)
         estimate = (m_count * max(ranks) + (pp - 1) * max(costs)) / (m_count * sum(costs) / pp)
-        lines.append("  per pipeline rank: " + "  ".join(f"{c / scale:.2f}" for c in ranks)
-                     + f"   estimated step / ideal = {estimate:.3f}")
+        line = "  per pipeline rank: " + "  ".join(f"{c / scale:.2f}" for c in ranks) + \
+               f"   estimated step / ideal = {estimate:.3f}"
+        if vpp > 1:
+            sizes = _entry_sizes(entries, stages)
+            sim = simulated_step(sizes, split_inputs(cfg, flop_per_byte, gpu)[1], shares, pp, m_count, g)
+            line += f", simulated schedule / ideal = {sim / (m_count * sum(costs) / pp):.3f}"
+        lines.append(line)
+    if closed_form and vpp > 1:
+        layout, group = rows[1][1], pp
     vpp_key = f" parallel.virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else ""
-    lines.append(f"overrides: parallel.pipeline_model_parallel_layout='{format_layout(layout)}'{vpp_key}")
+    group_key = f" parallel.microbatch_group_size_per_vp_stage={group}" if group and group != pp else ""
+    lines.append(f"overrides: parallel.pipeline_model_parallel_layout='{format_layout(layout)}'{vpp_key}{group_key}")
     return "\n".join(lines)
+
+
+def _entry_sizes(entries: Sequence[str], stages: List[List[str]]) -> List[int]:
+    """Entries per stage, for stages given as letters (an "m"*D entry spans D letters)."""
+    letters = [len(e) for e in entries]
+    sizes, i = [], 0
+    for stage in stages:
+        n, count = 0, 0
+        while count < len(stage):
+            count += letters[i]
+            i += 1
+            n += 1
+        sizes.append(n)
+    return sizes
 
 
 def main(argv=None) -> None:
@@ -283,6 +415,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu", choices=("h100", "h200"),
                         help="weigh the entries by the layout planner's time model calibrated on this GPU kind "
                              "(measured speeds) instead of FLOPs")
+    parser.add_argument("--closed-form", action="store_true",
+                        help="emit the closed-form balance (the layout planner's estimate, micro-batch groups of PP) "
+                             "instead of the split and group with the shortest simulated schedule")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     # loaded without pipeline stages: the config's own split may not exist at these sizes (what the tool is for)
@@ -294,9 +429,10 @@ def main(argv=None) -> None:
     vpp = args.vpp if args.vpp is not None else wanted.virtual_pipeline_model_parallel_size
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None))
-    print(report(cfg, args.flop_per_byte, args.microbatches, args.gpu))
-    layout = format_layout(balanced_layout(cfg, args.flop_per_byte, args.microbatches, args.gpu))
-    stage_entries(cfg.model, dataclasses.replace(cfg.parallel, pipeline_model_parallel_layout=layout))  # it loads
+    print(report(cfg, args.flop_per_byte, args.microbatches, args.gpu, closed_form=args.closed_form))
+    stages = (balanced_layout if args.closed_form else lambda *a: scheduled_layout(*a)[0])(
+        cfg, args.flop_per_byte, args.microbatches, args.gpu)
+    stage_entries(cfg.model, dataclasses.replace(cfg.parallel, pipeline_model_parallel_layout=format_layout(stages)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""`pretrain.layout.pipeline_schedule`: the simulated step against the closed forms where they are exact (equal
+stages), a hand-worked unequal case, and the split tool's choice. The order it simulates is checked against
+megatron's own schedule in tests/test_pipeline_layout.py::test_simulated_schedule_order_is_megatrons."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.layout.pipeline_schedule import rank_order, simulate
+from pretrain.tools.pipeline_split import schedule_groups, simulated_split
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 1, 8), (4, 1, 8), (2, 2, 8), (4, 2, 8), (2, 2, 4), (4, 3, 12)])
+def test_equal_stages_give_the_textbook_bubble(pp, vpp, m):
+    # equal stages: every rank busy m v (f + b), plus (p - 1) (f + b) of fill and drain (Narayanan et al. 2021)
+    f, b = 1.0, 2.0
+    r = simulate([f] * (pp * vpp), [b] * (pp * vpp), pp, m)
+    assert r.step == pytest.approx((m * vpp + pp - 1) * (f + b))
+    assert r.busy == pytest.approx([m * vpp * (f + b)] * pp)
+
+
+def test_unequal_stages_by_hand():
+    # PP 2 without virtual stages, 2 micro-batches; stage 0: F 1 B 2, stage 1: F 3 B 4.
+    # rank 0: F0(0-1) F1(1-2) B0 waits for rank 1's B0; rank 1: F0(1-4) B0(4-8) F1(8-11) B1(11-15);
+    # rank 0: B0(8-10) B1(15-17): step 17
+    r = simulate([1.0, 3.0], [2.0, 4.0], 2, 2)
+    assert r.step == pytest.approx(17.0)
+    assert r.idle == pytest.approx((17.0 - 6.0, 17.0 - 14.0))
+    assert rank_order(0, 2, 1, 2) == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]
+    assert rank_order(1, 2, 1, 2) == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]
+
+
+def test_groups_follow_megatrons_rules():
+    assert schedule_groups(2, 8) == [2, 4, 6, 8]  # 8 % 6 = 2 >= PP: allowed
+    assert schedule_groups(4, 12) == [4, 8, 12]
+    with pytest.raises(ValueError, match="micro-batch group"):
+        rank_order(0, 2, 2, 8, group=7)  # a last group of 1 < PP
+
+
+def test_split_prefers_the_schedule_that_runs_shorter():
+    # four entries, the last one heavy (a loss stage): the simulated choice is never worse than the closed form's
+    costs, shares = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0], [1 / 3] * 6 + [0.97]
+    sizes, group, step = simulated_split(costs, shares, 2, 2, 8)
+    assert sum(sizes) == len(costs) and len(sizes) == 4 and group in schedule_groups(2, 8)
+    from pretrain.tools.pipeline_split import interleaved_split, simulated_step
+
+    closed = interleaved_split(costs, 2, 2, 8)
+    assert step <= simulated_step(closed, costs, shares, 2, 8, 2) + 1e-12
