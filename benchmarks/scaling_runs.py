@@ -12,8 +12,9 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
                            the traffic; the owner still accumulates in fp32)
     zero2_step_m32         zero2_m32 with optimizer.zero2_grad_reduce=step (one reduce per step, a full gradient buffer)
     zero2_b160_m32         zero2_m32 with parallel.bucket_size=160000000: a quarter of the reduces, each 4x longer
-    ddp_ctas4_m32,         ddp_m32 / zero2_m32 with parallel.nccl_communicator_config_path=configs/nccl/dp_reduce_4ctas.yaml:
-    zero2_ctas4_m32        the data-parallel groups' NCCL kernels take at most 4 thread blocks (SMs) beside the backward
+    ddp_ctas4_m32,         ddp_m32 / zero2_m32 with parallel.nccl_communicator_config_path=
+    zero2_ctas4_m32        configs/nccl/dp_reduce_4ctas.yaml: the data-parallel groups' NCCL kernels take at most 4
+                           thread blocks (SMs) beside the backward
     ep_a2a                 EP = N x DP = N, megatron's alltoall dispatcher
     ep                     EP = N x DP = N, alltoall_dedup (one row per token and destination rank)
     ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
@@ -28,8 +29,9 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
     pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not
                            Liger's, whose forward reads its mask count on the host (`.item()`) once per head per
                            micro-batch: the last stage's host then waits for its device, which waits for the other stage
-    pp2_closed             pp2_chunked with pipeline_split's closed-form balance (--closed-form: the busiest rank and the
-                           slowest stage, micro-batch groups of PP), what pp2_chunked ran before the simulated schedule
+    pp2_closed             pp2_chunked with pipeline_split's closed-form balance (--closed-form: the busiest rank and
+                           the slowest stage, micro-batch groups of PP), what pp2_chunked ran before the simulated
+                           schedule
     tp2                    TP = 2 + SP x DP = N / 2 (chunked output loss: Liger is not vocab-parallel)
     gpu1_32k, cp2_32k      32K sequences, 2 micro-batches, full recompute: 1 GPU and CP = 2 x DP = N / 2 with
                            model.cp_attention=bottom_right (one bottom-right causal SDPA call per query chunk)

@@ -99,7 +99,8 @@ BAD = [
     ("vpp-needs-pp", ["parallel.virtual_pipeline_model_parallel_size=2"],
      "parallel.virtual_pipeline_model_parallel_size"),
     ("pageable-async", ["checkpoint.pinned_staging=false", "checkpoint.async_save=true"], "checkpoint.pinned_staging"),
-    ("group-needs-vpp", ["parallel.microbatch_group_size_per_vp_stage=4"], "parallel.microbatch_group_size_per_vp_stage"),
+    ("group-needs-vpp", ["parallel.microbatch_group_size_per_vp_stage=4"],
+     "parallel.microbatch_group_size_per_vp_stage"),
 ]
 
 
@@ -156,8 +157,8 @@ def test_world_size_rules(world_size, overrides, key):
 
 def test_world_size_ok():
     for group in (2, 3, 4, 6, 8):
-        validate_config(tiny(*PP2_VPP2, "train.global_batch_size=32", f"parallel.microbatch_group_size_per_vp_stage={group}"),
-                        world_size=2)
+        grouped = tiny(*PP2_VPP2, "train.global_batch_size=32", f"parallel.microbatch_group_size_per_vp_stage={group}")
+        validate_config(grouped, world_size=2)
     validate_config(tiny(), world_size=1)
     validate_config(tiny(), world_size=2)  # DP 2: 8 % (4 x 2) == 0
     validate_config(load_config(GLM5), world_size=1536)  # TP 8 x PP 6 x DP 32, EP 32

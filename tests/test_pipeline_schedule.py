@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pretrain.layout.pipeline_schedule import rank_order, simulate
-from pretrain.tools.pipeline_split import schedule_groups, simulated_split
+from pretrain.layout.pipeline_schedule import schedule_groups
+from pretrain.tools.pipeline_split import simulated_split
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 1, 8), (4, 1, 8), (2, 2, 8), (4, 2, 8), (2, 2, 4), (4, 3, 12)])

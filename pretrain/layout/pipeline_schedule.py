@@ -25,8 +25,10 @@ schedule it will run, not by its busiest rank alone (`pretrain.tools.pipeline_sp
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 Op = Tuple[str, int, int]  # ("F" or "B", virtual stage, micro-batch)
 
@@ -114,3 +116,89 @@ def simulate(forward: Sequence[float], backward: Sequence[float], pp: int, micro
             raise RuntimeError("the schedule deadlocked (an op waits for one that never runs)")
     step = max(free)
     return Simulated(step, tuple(busy), tuple(step - b for b in busy))
+
+
+# ----------------------------------------------------------------------------------- choosing a split by it
+SIMULATED_SPLITS = 5_000  # up to this many ways to cut, every split is simulated (else a local search)
+BACKWARD_PER_FORWARD = 2.0  # a layer's backward: two GEMMs per forward GEMM
+
+
+def forward_shares(entries: Sequence[str], fused_loss: bool) -> List[float]:
+    """Each pipeline entry's forward share of its training time: 1 / 3 (backward = 2 x forward), but L with a fused
+    output loss (output_loss_backend chunked or liger), whose forward computes the logits' gradient too (measured on
+    glm5-proxy, 2 x H200: the heads' forward 319 ms per step, their backward 11 ms)."""
+    return [0.97 if e.endswith("L") and fused_loss else 1 / (1 + BACKWARD_PER_FORWARD) for e in entries]
+
+
+def schedule_groups(pp: int, microbatches: int) -> List[int]:
+    """megatron's valid `microbatch_group_size_per_vp_stage` values that are multiples of PP, and all the
+    micro-batches in one group."""
+    out = [g for g in range(pp, microbatches + 1, pp) if not 0 < microbatches % g < pp]
+    return out + ([microbatches] if microbatches not in out else [])
+
+
+def sizes_of(cuts: Sequence[int], n: int) -> List[int]:
+    """Stage sizes of n entries from the entry indices where stages 1.. start."""
+    bounds = [0, *cuts, n]
+    return [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+
+
+def local_search(sizes: Sequence[int], objective: Callable[[List[int]], float],
+                 can_start: Optional[Sequence[bool]] = None) -> Tuple[List[int], float]:
+    """Move one stage boundary by one entry while `objective` improves; (sizes, value)."""
+    sizes = list(sizes)
+    can_start = can_start or [True] * sum(sizes)
+    best, improved = objective(sizes), True
+    while improved:
+        improved = False
+        for b in range(len(sizes) - 1):  # the boundary between stage b and b + 1
+            for delta in (-1, 1):
+                trial = list(sizes)
+                trial[b] += delta
+                trial[b + 1] -= delta
+                if min(trial[b], trial[b + 1]) < 1 or not can_start[sum(trial[:b + 1])]:
+                    continue
+                value = objective(trial)
+                if value < best - 1e-9 * best:
+                    sizes, best, improved = trial, value, True
+    return sizes, best
+
+
+def simulated_step(sizes: Sequence[int], costs: Sequence[float], shares: Sequence[float], pp: int,
+                   microbatches: int, group: int) -> float:
+    """The simulated step for stages of `sizes` consecutive entries with these costs and forward shares."""
+    fwd, bwd, start = [], [], 0
+    for size in sizes:
+        fwd.append(sum(c * f for c, f in zip(costs[start:start + size], shares[start:start + size])))
+        bwd.append(sum(c * (1 - f) for c, f in zip(costs[start:start + size], shares[start:start + size])))
+        start += size
+    return simulate(fwd, bwd, pp, microbatches, group=group).step
+
+
+def best_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: int, microbatches: int,
+               start: Sequence[int], can_start: Optional[Sequence[bool]] = None,
+               exhaustive: int = SIMULATED_SPLITS) -> Tuple[List[int], int, float]:
+    """(stage sizes, micro-batch group per virtual stage, simulated step) minimizing the simulated schedule over the
+    splits of `costs` into PP x VPP stages and megatron's `microbatch_group_size_per_vp_stage`: every split when
+    there are at most `exhaustive`, else a local search from `start`."""
+    n, stages = len(costs), pp * vpp
+    can_start = list(can_start or [True] * n)
+    best: Optional[Tuple[float, List[int], int]] = None
+    for group in schedule_groups(pp, microbatches):
+        def step(sizes: Sequence[int], group: int = group) -> float:
+            return simulated_step(sizes, costs, shares, pp, microbatches, group)
+
+        if math.comb(n - 1, stages - 1) <= exhaustive:
+            starts = [i for i in range(1, n) if can_start[i]]
+            scored = min(((step(sizes_of(cuts, n)), sizes_of(cuts, n))
+                          for cuts in itertools.combinations(starts, stages - 1)), default=None)
+            if scored is None:
+                continue
+            value, sizes = scored
+        else:
+            sizes, value = local_search(start, step, can_start)
+        if best is None or value < best[0] - 1e-9 * best[0]:
+            best = (value, list(sizes), group)
+    if best is None:
+        raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
+    return best[1], best[2], best[0]

@@ -20,12 +20,15 @@ bandwidth): E moves 14 h bytes per token (the bf16 row read and written, its gra
 fp32), each cross-entropy 16 V (fp32 logits written and read, their gradient written and read).
 
 The split: the entries in model order (E, t_0 .. t_{n-1}, the MTP depths as one block, L) cut into
-PP x VPP consecutive non-empty stages minimizing the estimated step time m x (the busiest rank's work) +
-(p - 1) x (the slowest stage's): in the steady state every rank runs all its stages once per micro-batch,
-and the warm-up and drain (the (p - 1) / (v m) bubble) last p - 1 slots of the slowest stage. Without
-virtual stages that is the minimax split (exact dynamic program); with them, a local search from it. With untied embeddings the MTP block
-may end a stage of its own before the last, which then holds L alone (GLM-5's placement); a stage may
-start only at a layer whose DSA indexer is "full" (`model.dsa_indexer_types`).
+PP x VPP consecutive non-empty stages. Without virtual stages, the minimax split (exact dynamic program) of the
+estimated step m x (the busiest rank's work) + (p - 1) x (the slowest stage's). With them, the split and
+megatron's `microbatch_group_size_per_vp_stage` whose schedule, simulated op by op in megatron's interleaved order
+(`pretrain.layout.pipeline_schedule`), is shortest: unequal virtual stages make the interleaved schedule wait where
+the closed form does not see it (glm5-proxy, PP=2 x VPP=2 on 2 x H200: 0.88 of one GPU against 0.86 for the closed
+form's layout, docs/parallelism.md). `--closed-form` prints the closed form's choice (`balanced_layout`, what the
+layout planner's search uses). With untied embeddings the MTP block may end a stage of its own before the last,
+which then holds L alone (GLM-5's placement); a stage may start only at a layer whose DSA indexer is "full"
+(`model.dsa_indexer_types`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ from typing import List, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import format_layout, stage_entries
 from pretrain.config.schema import GLM5Config
+from pretrain.layout.pipeline_schedule import (
+    best_split,
+    forward_shares,
+    local_search,
+    simulated_step,
+    sizes_of,
+)
 from pretrain.training.flops import (
     layer_training_flops,
     mtp_eh_proj_training_flops,
@@ -155,105 +165,19 @@ def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: i
     if math.comb(len(costs) - 1, pp * vpp - 1) <= exhaustive:  # small models: every split, the best estimate
         starts = [i for i in range(1, len(costs)) if can_start is None or can_start[i]]
         best_cuts = min(itertools.combinations(starts, pp * vpp - 1),
-                        key=lambda cuts: step_time(_sizes(cuts, len(costs)), costs, pp, microbatches), default=None)
+                        key=lambda cuts: step_time(sizes_of(cuts, len(costs)), costs, pp, microbatches), default=None)
         if best_cuts is not None:
-            return _sizes(best_cuts, len(costs))
+            return sizes_of(best_cuts, len(costs))
     sizes = balanced_split(costs, pp * vpp, can_start)
-    can_start = can_start or [True] * len(costs)
-    best = step_time(sizes, costs, pp, microbatches)
-    improved = True
-    while improved:
-        improved = False
-        for b in range(len(sizes) - 1):  # the boundary between stage b and b + 1
-            for delta in (-1, 1):
-                trial = list(sizes)
-                trial[b] += delta
-                trial[b + 1] -= delta
-                if min(trial[b], trial[b + 1]) < 1 or not can_start[sum(trial[:b + 1])]:
-                    continue
-                value = step_time(trial, costs, pp, microbatches)
-                if value < best - 1e-9 * best:
-                    sizes, best, improved = trial, value, True
-    return sizes
-
-
-SIMULATED_SPLITS = 5_000  # up to this many ways to cut, every split is simulated (else a local search)
-BACKWARD_PER_FORWARD = 2.0  # a layer's backward: two GEMMs per forward GEMM
-
-
-def forward_shares(entries: Sequence[str], fused_loss: bool) -> List[float]:
-    """Each entry's forward share of its training time: 1 / 3 (backward = 2 x forward), but L with a fused output
-    loss (output_loss_backend chunked or liger), whose forward computes the logits' gradient too (measured on
-    glm5-proxy, 2 x H200: the heads' forward 319 ms per step, their backward 11 ms)."""
-    return [0.97 if e.endswith("L") and fused_loss else 1 / (1 + BACKWARD_PER_FORWARD) for e in entries]
-
-
-def schedule_groups(pp: int, microbatches: int) -> List[int]:
-    """megatron's valid `microbatch_group_size_per_vp_stage` values that are multiples of PP, and all the
-    micro-batches in one group."""
-    out = [g for g in range(pp, microbatches + 1, pp) if not 0 < microbatches % g < pp]
-    return out + ([microbatches] if microbatches not in out else [])
-
-
-def simulated_step(sizes: Sequence[int], costs: Sequence[float], shares: Sequence[float], pp: int,
-                   microbatches: int, group: int) -> float:
-    """The schedule's step (`pretrain.layout.pipeline_schedule.simulate`) for stages of `sizes` entries."""
-    from pretrain.layout.pipeline_schedule import simulate
-
-    fwd, bwd, start = [], [], 0
-    for size in sizes:
-        fwd.append(sum(c * f for c, f in zip(costs[start:start + size], shares[start:start + size])))
-        bwd.append(sum(c * (1 - f) for c, f in zip(costs[start:start + size], shares[start:start + size])))
-        start += size
-    return simulate(fwd, bwd, pp, microbatches, group=group).step
+    return local_search(sizes, lambda trial: step_time(trial, costs, pp, microbatches), can_start)[0]
 
 
 def simulated_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: int, microbatches: int,
-                    can_start: Optional[Sequence[bool]] = None, exhaustive: int = SIMULATED_SPLITS
-                    ) -> Tuple[List[int], int, float]:
-    """(stage sizes, micro-batch group per virtual stage, simulated step) minimizing the simulated interleaved
-    schedule over splits and megatron's `microbatch_group_size_per_vp_stage`: every split when there are at most
-    `exhaustive`, else a local search from `interleaved_split`'s that moves one boundary by one entry."""
-    n, stages = len(costs), pp * vpp
-    can_start = list(can_start or [True] * n)
-    best: Optional[Tuple[float, List[int], int]] = None
-    for group in schedule_groups(pp, microbatches):
-        def step(sizes: Sequence[int]) -> float:
-            return simulated_step(sizes, costs, shares, pp, microbatches, group)
-
-        if math.comb(n - 1, stages - 1) <= exhaustive:
-            starts = [i for i in range(1, n) if can_start[i]]
-            splits = [_sizes(cuts, n) for cuts in itertools.combinations(starts, stages - 1)]
-            scored = min(((step(sz), sz) for sz in splits), default=None)
-            if scored is None:
-                continue
-            value, sizes = scored
-        else:
-            sizes = interleaved_split(costs, pp, vpp, microbatches, can_start)
-            value, improved = step(sizes), True
-            while improved:
-                improved = False
-                for b in range(stages - 1):
-                    for delta in (-1, 1):
-                        trial = list(sizes)
-                        trial[b] += delta
-                        trial[b + 1] -= delta
-                        if min(trial[b], trial[b + 1]) < 1 or not can_start[sum(trial[:b + 1])]:
-                            continue
-                        trial_value = step(trial)
-                        if trial_value < value - 1e-9 * value:
-                            sizes, value, improved = trial, trial_value, True
-        if best is None or value < best[0] - 1e-9 * best[0]:
-            best = (value, list(sizes), group)
-    if best is None:
-        raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
-    return best[1], best[2], best[0]
-
-
-def _sizes(cuts: Sequence[int], n: int) -> List[int]:
-    """Stage sizes from the entry indices where stages 1.. start."""
-    bounds = [0, *cuts, n]
-    return [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+                    can_start: Optional[Sequence[bool]] = None) -> Tuple[List[int], int, float]:
+    """`pipeline_schedule.best_split` from `interleaved_split`'s split: (stage sizes, micro-batch group, simulated
+    step)."""
+    start = interleaved_split(costs, pp, vpp, microbatches, can_start)
+    return best_split(costs, shares, pp, vpp, microbatches, start, can_start)
 
 
 def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, gpu: Optional[str] = None
