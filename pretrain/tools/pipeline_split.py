@@ -196,12 +196,7 @@ def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, gpu
 def balanced_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp: int, microbatches: int,
                     can_start: Optional[Sequence[bool]] = None) -> List[List[str]]:
     """The balanced stages (lists of entry letters) of `split_inputs`' entries over PP x VPP stages."""
-    sizes = interleaved_split(costs, pp, vpp, microbatches, can_start)
-    out, start = [], 0
-    for size in sizes:
-        out.append([letter for e in entries[start:start + size] for letter in e])
-        start += size
-    return out
+    return _stages(entries, interleaved_split(costs, pp, vpp, microbatches, can_start))
 
 
 def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
@@ -233,6 +228,7 @@ def scheduled_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
 
 
 def _stages(entries: Sequence[str], sizes: Sequence[int]) -> List[List[str]]:
+    """Stages as lists of entry letters, from stage sizes in entries."""
     out, start = [], 0
     for size in sizes:
         out.append([letter for e in entries[start:start + size] for letter in e])
