@@ -47,3 +47,15 @@ def test_split_prefers_the_schedule_that_runs_shorter():
 
     closed = interleaved_split(costs, 2, 2, 8)
     assert step <= simulated_step(closed, costs, shares, 2, 8, 2) + 1e-12
+
+
+def test_pipeline_bubble_benchmark_simulates_its_measured_stages():
+    # benchmarks/pipeline_bubble.py's "simulated bubble": the hand-worked case above from per-rank medians
+    # (seconds per step = per micro-batch x 2 micro-batches): the busiest rank (14 s) idles 3 s
+    from benchmarks.pipeline_bubble import simulated_bubble
+
+    ranks = [{"pp": 2, "vpp": 1, "microbatches": 2, "pp_rank": 0,
+              "median": {"forward_chunk0_s": 2.0, "backward_chunk0_s": 4.0}},
+             {"pp": 2, "vpp": 1, "microbatches": 2, "pp_rank": 1,
+              "median": {"forward_chunk0_s": 6.0, "backward_chunk0_s": 8.0}}]
+    assert simulated_bubble(ranks) == pytest.approx(3.0)
