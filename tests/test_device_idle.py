@@ -8,22 +8,22 @@ import pytest
 
 from pretrain.tools.device_idle import idle, main
 from pretrain.tools.trace_events import Trace
-from tests.test_step_breakdown import _kernel, _launch, _x
+from tests.trace_helpers import host_event, kernel_event, launch_event
 
 
 def idle_trace():
     """One step [0, 1000] us: a forward range launching a GEMM, then an NCCL receive with no compute beside it,
     the optimizer's host sync, the optimizer's next kernel, and logging after the last kernel."""
     return {"traceEvents": [
-        _x("ProfilerStep#3", 0, 1000, cat="user_annotation"),
-        _x("part:forward", 0, 100, cat="user_annotation"), _launch(10, 1), _launch(40, 3),
-        _x("part:optimizer", 400, 500, cat="user_annotation"),
-        _x("aten::item", 400, 60), _x("cudaStreamSynchronize", 401, 58, cat="cuda_runtime"),
-        _x("muon_step", 470, 200), _launch(600, 2),
-        _x("log_metrics", 905, 90),
-        _kernel("gemm", 20, 280, 1),  # [20, 300]
-        _kernel("ncclDevKernel_SendRecv(args)", 250, 100, 3, stream=9),  # [250, 350]: alone over [300, 350]
-        _kernel("ns_gemm", 610, 190, 2),  # [610, 800]
+        host_event("ProfilerStep#3", 0, 1000, cat="user_annotation"),
+        host_event("part:forward", 0, 100, cat="user_annotation"), launch_event(10, 1), launch_event(40, 3),
+        host_event("part:optimizer", 400, 500, cat="user_annotation"),
+        host_event("aten::item", 400, 60), host_event("cudaStreamSynchronize", 401, 58, cat="cuda_runtime"),
+        host_event("muon_step", 470, 200), launch_event(600, 2),
+        host_event("log_metrics", 905, 90),
+        kernel_event("gemm", 20, 280, 1),  # [20, 300]
+        kernel_event("ncclDevKernel_SendRecv(args)", 250, 100, 3, stream=9),  # [250, 350]: alone over [300, 350]
+        kernel_event("ns_gemm", 610, 190, 2),  # [610, 800]
     ]}
 
 

@@ -13,6 +13,7 @@ import pytest
 from pretrain.tools.step_breakdown import breakdown, format_kernels, format_table, kernel_rows, main
 from pretrain.tools.trace_events import Trace, gemm_flops
 from tests.distributed import run_ranks
+from tests.trace_helpers import host_event, kernel_event, launch_event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,58 +38,46 @@ def test_gemm_flops_by_hand(name, dims, expected):
 
 
 # ----------------------------------------------------------------------------------- synthetic GPU trace
-def _x(name, ts, dur, tid=1, cat="cpu_op", pid=1, **args):
-    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
-
-def _kernel(name, ts, dur, corr, stream=7):
-    return _x(name, ts, dur, tid=stream, cat="kernel", pid=0, correlation=corr, device=0, stream=stream)
-
-
-def _launch(ts, corr, tid=1, with_corr=True):
-    return _x("cudaLaunchKernel", ts, 2, tid=tid, cat="cuda_runtime", **({"correlation": corr} if with_corr else {}))
-
-
 def synthetic_trace():
     """Kineto's layout: host ops on threads 1 (forward) and 2 (autograd), kernels on streams 7 and 8."""
     mm = {"Input Dims": [[64, 32], [32, 16]], "Sequence number": 7, "Fwd thread id": 0}
     ev = [
-        _x("ProfilerStep#5", 0, 1000, cat="user_annotation"),
-        _x("part:mla_proj", 10, 90, cat="user_annotation"),
-        _x("aten::linear", 12, 80, **{"Input Dims": [[64, 32], [16, 32]]}),
-        _x("aten::mm", 15, 60, **mm), _launch(74, 101),  # the call's clock edge pokes out of its mm
-        _x("part:experts", 110, 90, cat="user_annotation"),
-        _x("aten::_grouped_mm", 115, 60, **{"Input Dims": [[40, 32], [4, 32, 16], [4]]}), _launch(120, 102),
-        _x("part:router", 205, 40, cat="user_annotation"),
-        _x("aten::mul", 210, 20, **{"Sequence number": 9, "Fwd thread id": 0}), _launch(212, 103),
-        _x("part:mtp", 250, 60, cat="user_annotation"),
-        _x("part:output", 255, 50, cat="user_annotation"),
-        _x("aten::add", 260, 20), _launch(262, 104),
+        host_event("ProfilerStep#5", 0, 1000, cat="user_annotation"),
+        host_event("part:mla_proj", 10, 90, cat="user_annotation"),
+        host_event("aten::linear", 12, 80, **{"Input Dims": [[64, 32], [16, 32]]}),
+        host_event("aten::mm", 15, 60, **mm), launch_event(74, 101),  # the call's clock edge pokes out of its mm
+        host_event("part:experts", 110, 90, cat="user_annotation"),
+        host_event("aten::_grouped_mm", 115, 60, **{"Input Dims": [[40, 32], [4, 32, 16], [4]]}), launch_event(120, 102),
+        host_event("part:router", 205, 40, cat="user_annotation"),
+        host_event("aten::mul", 210, 20, **{"Sequence number": 9, "Fwd thread id": 0}), launch_event(212, 103),
+        host_event("part:mtp", 250, 60, cat="user_annotation"),
+        host_event("part:output", 255, 50, cat="user_annotation"),
+        host_event("aten::add", 260, 20), launch_event(262, 104),
         # backward on the autograd thread: MmBackward0 linked by a fwdbwd flow, launched via an ac2g flow only
-        _x("autograd::engine::evaluate_function: MmBackward0", 400, 100, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
-        _x("MmBackward0", 401, 98, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
-        _x("aten::mm", 402, 50, tid=2, **{"Input Dims": [[64, 16], [16, 32]]}),
-        _launch(405, 105, tid=2, with_corr=False),
+        host_event("autograd::engine::evaluate_function: MmBackward0", 400, 100, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
+        host_event("MmBackward0", 401, 98, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
+        host_event("aten::mm", 402, 50, tid=2, **{"Input Dims": [[64, 16], [16, 32]]}),
+        launch_event(405, 105, tid=2, with_corr=False),
         {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 105, "pid": 1, "tid": 2, "ts": 405},
         {"ph": "f", "cat": "ac2g", "name": "ac2g", "id": 105, "pid": 0, "tid": 7, "ts": 600, "bp": "e"},
         {"ph": "s", "cat": "fwdbwd", "name": "fwdbwd", "id": 1, "pid": 1, "tid": 1, "ts": 15},
         {"ph": "f", "cat": "fwdbwd", "name": "fwdbwd", "id": 1, "pid": 1, "tid": 2, "ts": 401, "bp": "e"},
         # MulBackward0 without a flow: found through its sequence number
-        _x("MulBackward0", 510, 30, tid=2, **{"Sequence number": 9, "Fwd thread id": 1}),
-        _launch(515, 106, tid=2),
-        _x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 545, 20, tid=2),
-        _launch(550, 107, tid=2),
-        _x("Optimizer.step#AdamW.step", 700, 100, cat="user_annotation"),
-        _launch(710, 108),
-        _launch(820, 109),  # under no part: "other"
-        _x("aten::item", 880, 30), _x("cudaStreamSynchronize", 882, 25, cat="cuda_runtime"),  # a host wait
+        host_event("MulBackward0", 510, 30, tid=2, **{"Sequence number": 9, "Fwd thread id": 1}),
+        launch_event(515, 106, tid=2),
+        host_event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 545, 20, tid=2),
+        launch_event(550, 107, tid=2),
+        host_event("Optimizer.step#AdamW.step", 700, 100, cat="user_annotation"),
+        launch_event(710, 108),
+        launch_event(820, 109),  # under no part: "other"
+        host_event("aten::item", 880, 30), host_event("cudaStreamSynchronize", 882, 25, cat="cuda_runtime"),  # a host wait
         # kernels (ms): stream 7 in sequence, one on stream 8 overlapping
-        _kernel("sm90_gemm_fwd", 100, 40, 101), _kernel("grouped_gemm", 140, 60, 102),
-        _kernel("mul_kernel", 200, 10, 103), _kernel("add_kernel", 300, 10, 104),
-        _kernel("sm90_gemm_bwd", 600, 80, 105), _kernel("mul_bwd", 680, 10, 106),
-        _kernel("accumulate", 690, 10, 107), _kernel("adam_kernel", 800, 50, 108),
-        _kernel("mystery_kernel", 850, 30, 109), _kernel("overlapping_comm", 610, 40, 110, stream=8),
-        _kernel("before_the_step", -50, 10, 111),
+        kernel_event("sm90_gemm_fwd", 100, 40, 101), kernel_event("grouped_gemm", 140, 60, 102),
+        kernel_event("mul_kernel", 200, 10, 103), kernel_event("add_kernel", 300, 10, 104),
+        kernel_event("sm90_gemm_bwd", 600, 80, 105), kernel_event("mul_bwd", 680, 10, 106),
+        kernel_event("accumulate", 690, 10, 107), kernel_event("adam_kernel", 800, 50, 108),
+        kernel_event("mystery_kernel", 850, 30, 109), kernel_event("overlapping_comm", 610, 40, 110, stream=8),
+        kernel_event("before_the_step", -50, 10, 111),
     ]
     return {"traceEvents": ev}
 
