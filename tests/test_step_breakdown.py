@@ -47,14 +47,16 @@ def synthetic_trace():
         host_event("aten::linear", 12, 80, **{"Input Dims": [[64, 32], [16, 32]]}),
         host_event("aten::mm", 15, 60, **mm), launch_event(74, 101),  # the call's clock edge pokes out of its mm
         host_event("part:experts", 110, 90, cat="user_annotation"),
-        host_event("aten::_grouped_mm", 115, 60, **{"Input Dims": [[40, 32], [4, 32, 16], [4]]}), launch_event(120, 102),
+        host_event("aten::_grouped_mm", 115, 60, **{"Input Dims": [[40, 32], [4, 32, 16], [4]]}),
+        launch_event(120, 102),
         host_event("part:router", 205, 40, cat="user_annotation"),
         host_event("aten::mul", 210, 20, **{"Sequence number": 9, "Fwd thread id": 0}), launch_event(212, 103),
         host_event("part:mtp", 250, 60, cat="user_annotation"),
         host_event("part:output", 255, 50, cat="user_annotation"),
         host_event("aten::add", 260, 20), launch_event(262, 104),
         # backward on the autograd thread: MmBackward0 linked by a fwdbwd flow, launched via an ac2g flow only
-        host_event("autograd::engine::evaluate_function: MmBackward0", 400, 100, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
+        host_event("autograd::engine::evaluate_function: MmBackward0", 400, 100, tid=2,
+                   **{"Sequence number": 7, "Fwd thread id": 1}),
         host_event("MmBackward0", 401, 98, tid=2, **{"Sequence number": 7, "Fwd thread id": 1}),
         host_event("aten::mm", 402, 50, tid=2, **{"Input Dims": [[64, 16], [16, 32]]}),
         launch_event(405, 105, tid=2, with_corr=False),
@@ -70,7 +72,8 @@ def synthetic_trace():
         host_event("Optimizer.step#AdamW.step", 700, 100, cat="user_annotation"),
         launch_event(710, 108),
         launch_event(820, 109),  # under no part: "other"
-        host_event("aten::item", 880, 30), host_event("cudaStreamSynchronize", 882, 25, cat="cuda_runtime"),  # a host wait
+        host_event("aten::item", 880, 30),
+        host_event("cudaStreamSynchronize", 882, 25, cat="cuda_runtime"),  # a host wait
         # kernels (ms): stream 7 in sequence, one on stream 8 overlapping
         kernel_event("sm90_gemm_fwd", 100, 40, 101), kernel_event("grouped_gemm", 140, 60, 102),
         kernel_event("mul_kernel", 200, 10, 103), kernel_event("add_kernel", 300, 10, 104),
