@@ -59,3 +59,15 @@ def test_pipeline_bubble_benchmark_simulates_its_measured_stages():
              {"pp": 2, "vpp": 1, "microbatches": 2, "pp_rank": 1,
               "median": {"forward_chunk0_s": 6.0, "backward_chunk0_s": 8.0}}]
     assert simulated_bubble(ranks) == pytest.approx(3.0)
+
+
+def test_the_744b_plan_schedule_finding_stands():
+    # benchmarks/results/pipeline_plan_schedule_744b.md (docs/layout.md): the plan's VPP 4 pretraining layout
+    # simulates at 1.243x an ideal pipeline, where the planner's textbook bubble says 1.126, and a VPP 2 split at 1.071
+    from benchmarks.pipeline_plan_schedule import stage_rows
+
+    rows = {r["stage"]: r for r in stage_rows("configs/curriculum/glm5-744b.yaml", 1792, "h100", vpps=(2,))}
+    four_k = rows["pretrain-4k"]
+    assert four_k["simulated"] == pytest.approx(1.243, abs=0.002)
+    assert four_k["textbook"] == pytest.approx(1.126, abs=0.002)
+    assert four_k["searched"][2] == pytest.approx(1.071, abs=0.002)
