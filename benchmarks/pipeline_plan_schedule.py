@@ -30,10 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a sc
 
 
 def stage_rows(plan_path: str, gpus: int, gpu: str, vpps=(1, 2, 3, 4)) -> List[dict]:
-    from pretrain.config.pipeline_layout import stage_entries
     from pretrain.curriculum.plan import load_plan
-    from pretrain.layout.pipeline_schedule import forward_shares, local_search, simulate, simulated_step
-    from pretrain.tools.pipeline_split import interleaved_split, split_inputs
+    from pretrain.layout.pipeline_schedule import forward_shares, local_search, simulated_step
+    from pretrain.tools.pipeline_split import interleaved_split, simulated_schedule, split_inputs
 
     rows = []
     for stage in load_plan(plan_path).stages:
@@ -41,25 +40,14 @@ def stage_rows(plan_path: str, gpus: int, gpu: str, vpps=(1, 2, 3, 4)) -> List[d
         pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
         if pp == 1:
             continue
+        busiest, simulated, textbook = simulated_schedule(cfg, gpus, gpu)
         entries, costs, can_start = split_inputs(cfg, gpu=gpu)
         shares = forward_shares(entries, cfg.model.output_loss_backend in ("chunked", "liger"))
         dp = gpus // (p.tensor_model_parallel_size * pp * p.context_parallel_size)
         m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
         ideal = sum(costs) * m / pp
-        # the plan's own stages, entry by entry (an "m"*D entry spans D letters)
-        letters = []
-        for e, c, f in zip(entries, costs, shares):
-            letters += [(c / len(e), f)] * len(e)
-        fwd, bwd, i = [], [], 0
-        for entries_of_stage in stage_entries(cfg.model, p):
-            chunk = letters[i:i + len(entries_of_stage)]
-            i += len(entries_of_stage)
-            fwd.append(sum(c * f for c, f in chunk))
-            bwd.append(sum(c * (1 - f) for c, f in chunk))
-        sim = simulate(fwd, bwd, pp, m, group=pp if vpp > 1 else None)
-        busiest = max(sim.busy)
-        row = {"stage": stage.name, "pp": pp, "vpp": vpp, "m": m, "busiest": busiest / ideal,
-               "simulated": sim.step / ideal, "textbook": busiest / ideal * (1 + (pp - 1) / (vpp * m)), "searched": {}}
+        row = {"stage": stage.name, "pp": pp, "vpp": vpp, "m": m, "busiest": busiest, "simulated": simulated,
+               "textbook": textbook, "searched": {}}
         for v in vpps:
             if len(costs) < pp * v or (v > 1 and m % pp):
                 continue

@@ -290,9 +290,9 @@ def test_pruning_deletes_a_stages_checkpoints_only_once_the_next_stage_finished(
 
 
 def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
-    """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks; the 744B plan, laid out
-    for 1,792 H100, passes there; on 5,376 GPUs (3 x) its first stage's pipeline gets a third of the micro-batches
-    and idles over the bound (one line, exit 2)."""
+    """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks (and each pipelined stage's
+    simulated schedule is printed); the 744B plan, laid out for 1,792 H100, passes there; on 5,376 GPUs (3 x) its
+    first stage's pipeline gets a third of the micro-batches and idles over the bound (one line, exit 2)."""
     from pretrain.curriculum.__main__ import main
 
     assert main(["--plan", str(ROOT / "configs/curriculum/tiny.yaml"), "--validate-only", "--skip-data-check",
@@ -300,7 +300,11 @@ def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
     assert "layouts: every stage fits 1 x h100-nvl-ib400" in capsys.readouterr().out
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "1792", "--cluster", "h100-nvl-ib400"]) == 0
-    assert "layouts: every stage fits 1792 x h100-nvl-ib400" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layouts: every stage fits 1792 x h100-nvl-ib400" in out
+    # and each pipelined stage's schedule, simulated in megatron's order (docs/layout.md: 1.24x for pretrain-4k)
+    assert ("stage 2 (pretrain-4k): its pipeline, simulated in megatron's order, takes 1.24x an ideal pipeline; "
+            "the planner's bubble term assumes 1.13x") in out
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "5376"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

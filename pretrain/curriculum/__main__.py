@@ -6,6 +6,8 @@
 
 `--gpus N`: the layout planner's checks for every stage on N GPUs of `--cluster` (docs/layout.md): memory per GPU
 within 90% of the GPU's and a pipeline bubble (PP - 1) / (VPP x m) of at most 10%; a stage that fails is a bad plan.
+Each pipelined stage's schedule, simulated in megatron's order with the planner's entry costs, is printed next to
+that bubble: unequal virtual stages wait more than the bound's formula says.
 
 `KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import List
 
 from pretrain.curriculum.plan import PlanError, check_plan_data, load_plan
 from pretrain.curriculum.runner import LAUNCHERS, StageFailed, StagePreempted, run_plan
@@ -34,6 +37,23 @@ def check_plan_layouts(plan, gpus: int, cluster: str) -> None:
         reason = check_stage(stage.cfg, gpus, cluster)
         if reason:
             raise PlanError(f"stage {index} ({stage.name}): {reason}")
+
+
+def simulated_pipelines(plan, gpus: int, cluster: str) -> List[str]:
+    """One line per pipelined stage: its schedule simulated in megatron's order against the planner's textbook
+    bubble (docs/layout.md: the planner's term is optimistic for unequal virtual stages)."""
+    from pretrain.layout.types import cluster_preset
+    from pretrain.tools.pipeline_split import simulated_schedule
+
+    kind = cluster_preset(cluster, gpus).gpu_kind
+    lines = []
+    for index, stage in enumerate(plan.stages, 1):
+        got = simulated_schedule(stage.cfg, gpus, kind if kind in ("h100", "h200") else None)
+        if got is not None:
+            _, simulated, textbook = got
+            lines.append(f"stage {index} ({stage.name}): its pipeline, simulated in megatron's order, takes "
+                         f"{simulated:.2f}x an ideal pipeline; the planner's bubble term assumes {textbook:.2f}x")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -66,6 +86,8 @@ def main(argv=None) -> int:
             check_plan_layouts(plan, args.gpus, args.cluster)
             print(f"layouts: every stage fits {args.gpus} x {args.cluster} (memory within 90% of a GPU, pipeline "
                   "bubble <= 10%; the layout planner's estimates, docs/layout.md)", flush=True)
+            for line in simulated_pipelines(plan, args.gpus, args.cluster):
+                print(line, flush=True)
         if args.validate_only:
             return 0
         run_plan(plan, args.launcher, log=lambda line: print(line, flush=True))

@@ -240,6 +240,37 @@ def _microbatches(cfg: GLM5Config, microbatches: Optional[int]) -> int:
     return microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
 
 
+def simulated_schedule(cfg: GLM5Config, world_size: int, gpu: Optional[str] = None
+                       ) -> Optional[Tuple[float, float, float]]:
+    """(the busiest rank, the simulated schedule, the textbook: busiest x (1 + (PP - 1) / (VPP m))), each against an
+    ideal pipeline (the work spread evenly, no bubble), of the config's own stages on `world_size` GPUs, the entries
+    weighed by the planner's calibration for `gpu` (FLOPs without one); None without pipeline stages."""
+    from pretrain.layout.pipeline_schedule import simulate
+
+    p = cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    if pp == 1:
+        return None
+    entries, costs, _ = split_inputs(cfg, gpu=gpu)
+    shares = forward_shares(entries, cfg.model.output_loss_backend in ("chunked", "liger"))
+    dp = max(world_size // (p.tensor_model_parallel_size * pp * p.context_parallel_size), 1)
+    m = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp), 1)
+    letters = []  # per entry letter: (cost, forward share); an "m"*D entry spans D letters
+    for e, c, f in zip(entries, costs, shares):
+        letters += [(c / len(e), f)] * len(e)
+    fwd, bwd, i = [], [], 0
+    for stage in stage_entries(cfg.model, p):
+        chunk = letters[i:i + len(stage)]
+        i += len(stage)
+        fwd.append(sum(c * f for c, f in chunk))
+        bwd.append(sum(c * (1 - f) for c, f in chunk))
+    group = (p.microbatch_group_size_per_vp_stage or pp) if vpp > 1 else None
+    sim = simulate(fwd, bwd, pp, m, group=group)
+    ideal = sum(costs) * m / pp
+    busiest = max(sim.busy) / ideal
+    return busiest, sim.step / ideal, busiest * (1 + (pp - 1) / (vpp * m))
+
+
 def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE,
                 gpu: Optional[str] = None) -> List[float]:
     """Each stage's cost (the entries' costs, in model order)."""
