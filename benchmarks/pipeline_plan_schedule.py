@@ -40,20 +40,18 @@ def stage_rows(plan_path: str, gpus: int, gpu: str, vpps=(1, 2, 3, 4)) -> List[d
         pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
         if pp == 1:
             continue
-        busiest, simulated, textbook = simulated_schedule(cfg, gpus, gpu)
+        est = simulated_schedule(cfg, gpus, gpu)
         entries, costs, can_start = split_inputs(cfg, gpu=gpu)
         shares = forward_shares(entries, cfg.model.output_loss_backend in ("chunked", "liger"))
-        dp = gpus // (p.tensor_model_parallel_size * pp * p.context_parallel_size)
-        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-        ideal = sum(costs) * m / pp
-        row = {"stage": stage.name, "pp": pp, "vpp": vpp, "m": m, "busiest": busiest, "simulated": simulated,
-               "textbook": textbook, "searched": {}}
+        m = est.microbatches
+        row = {"stage": stage.name, "pp": pp, "vpp": vpp, "m": m, "busiest": est.busiest, "simulated": est.simulated,
+               "textbook": est.textbook, "searched": {}}
         for v in vpps:
             if len(costs) < pp * v or (v > 1 and m % pp):
                 continue
             start = interleaved_split(costs, pp, v, m, can_start)
             _, value = local_search(start, lambda s: simulated_step(s, costs, shares, pp, m, pp), can_start)
-            row["searched"][v] = value / ideal
+            row["searched"][v] = value / est.ideal_s
         rows.append(row)
         print(f"{stage.name}: done", file=sys.stderr, flush=True)
     return rows

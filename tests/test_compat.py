@@ -94,7 +94,7 @@ def test_process_groups_without_install_fail_with_a_clear_message():
 
 def test_cpu_layer_is_entered_by_install_on_a_cpu_host():
     cpu = [w for w in compat.WORKAROUNDS if w.when == "cpu"]
-    assert [w.name for w in cpu] == ["use_thread_async_caller", "install_cpu_support"]
+    assert [w.name for w in cpu] == ["use_thread_async_caller", "hold_storage_of_pending_sends", "install_cpu_support"]
     assert compat.applies("cpu") == (not torch.cuda.is_available())
     if not torch.cuda.is_available():  # conftest called install(), as every entry point does
         assert torch.cuda.current_device() == "cpu"

@@ -166,6 +166,45 @@ def order_batched_p2p_ops() -> None:
     p2p._batched_p2p_ops = batched
 
 
+_PENDING_SENDS: dict = {}  # id(a tensor being sent) -> its send request (gloo, unbatched p2p)
+_HELD: list = []  # (send request, the storage a deallocation replaced): kept until the send completes
+
+
+def hold_storage_of_pending_sends() -> None:
+    """On gloo, keep a deallocated pipeline output's storage until its asynchronous send has completed."""
+    # megatron's interleaved schedule with overlapped transfers posts a stage's output to the next rank and
+    # right away "deallocates" it (`deallocate_output_tensor`: `out.data = torch.empty(1)`, with
+    # deallocate_pipeline_outputs true), waiting for that send only before the next one. gloo sends from a
+    # background thread, so the replaced storage can be freed and reused before it is read: the next stage then
+    # sometimes computes on another micro-batch's bytes (tests/test_pipeline_layout.py at 4 micro-batches, about
+    # one run in ten). Here the replaced storage stays referenced until the send's request reports completion.
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel import schedules
+
+    ops, deallocate = p2p._p2p_ops, schedules.deallocate_output_tensor
+    if getattr(ops, "__wrapped__", None) is not None:
+        return
+
+    def p2p_ops(**kwargs):
+        reqs = ops(**kwargs)
+        for key in ("send_next", "send_prev"):
+            if key in reqs and kwargs.get(f"tensor_{key}") is not None:
+                _PENDING_SENDS[id(kwargs[f"tensor_{key}"])] = reqs[key]
+        return reqs
+
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        _HELD[:] = [(req, data) for req, data in _HELD if not req.is_completed()]
+        req = _PENDING_SENDS.pop(id(out), None) if out is not None else None
+        if deallocate_pipeline_outputs and req is not None and not req.is_completed():
+            _HELD.append((req, out.data))
+        deallocate(out, deallocate_pipeline_outputs)
+
+    p2p_ops.__wrapped__ = ops
+    deallocate_output_tensor.__wrapped__ = deallocate
+    p2p._p2p_ops = p2p_ops
+    schedules.deallocate_output_tensor = deallocate_output_tensor
+
+
 WORKAROUNDS = [
     Workaround(
         name="embedding_ranks",
@@ -208,5 +247,15 @@ WORKAROUNDS = [
         upstream="open",
         test="tests/test_pipeline_layout.py::test_pp2_vpp2_mtp_before_last_stage_matches_one_rank",
         install=order_batched_p2p_ops,
+    ),
+    Workaround(
+        name="hold_storage_of_pending_sends",
+        target="megatron.core.pipeline_parallel.schedules.deallocate_output_tensor (with p2p_communication._p2p_ops)",
+        reason="on gloo, an overlapped pipeline send can read its output after deallocate_output_tensor replaced and "
+               "freed the storage: a later stage sometimes computes on another micro-batch's values",
+        upstream="open",
+        test="tests/test_pipeline_layout.py::test_pp2_vpp2_mtp_before_last_stage_matches_one_rank",
+        install=hold_storage_of_pending_sends,
+        when="cpu",
     ),
 ]

@@ -93,10 +93,8 @@ def foreach_l2_norm(chunk_size: int, noop_flag, tensor_lists: List[List[torch.Te
     """The l2 norm of every tensor in `tensor_lists[0]` together, as a 1-element fp32 tensor on their device,
     without a host synchronization (amp_C.multi_tensor_l2norm's signature; `per_tensor` is not supported,
     as in megatron's own fallback)."""
-    tensors = tensor_lists[0]
-    if not tensors:
-        return torch.zeros(1, dtype=torch.float32), None
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # one fused launch per (device, dtype)
+    # megatron calls it only with gradients (clip_grads: `if grads_for_norm`), never with an empty list
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)  # one fused launch per (device, dtype)
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from pretrain.config.errors import require
-from pretrain.config.pipeline_layout import LAYOUT_KEY, stage_entries
+from pretrain.config.pipeline_layout import LAYOUT_KEY, microbatch_group_ok, stage_entries
 from pretrain.config.schema import (
     CP_WORK_CHUNKS_PER_RANK, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig,
 )
@@ -255,7 +255,7 @@ def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None
     group = p.microbatch_group_size_per_vp_stage
     if group is not None and vpp is not None:  # megatron's schedule raises on these at the first step
         microbatches = t.global_batch_size // step
-        require(pp <= group <= microbatches and not 0 < microbatches % group < pp,
+        require(microbatch_group_ok(pp, group, microbatches),
                 f"parallel.microbatch_group_size_per_vp_stage ({group}) must be between "
                 f"parallel.pipeline_model_parallel_size ({pp}) and the micro-batches per step ({microbatches}), with "
                 f"micro-batches % group 0 or >= {pp} (megatron-core's interleaved schedule)")

@@ -57,6 +57,12 @@ def format_layout(stages: List[List[str]]) -> str:
     return "|".join(stage(s) for s in stages)
 
 
+def microbatch_group_ok(pp: int, group: int, microbatches: int) -> bool:
+    """megatron-core's rule for `microbatch_group_size_per_vp_stage` (its interleaved schedule raises otherwise):
+    PP <= group <= micro-batches, and the last group empty or at least PP."""
+    return pp <= group <= microbatches and not 0 < microbatches % group < pp
+
+
 def stage_entries(m: ModelConfig, p: ParallelConfig) -> List[List[str]]:
     """The entries of every virtual stage (PP x VPP lists, megatron's order); raises ConfigError."""
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1

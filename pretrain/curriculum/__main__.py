@@ -48,11 +48,10 @@ def simulated_pipelines(plan, gpus: int, cluster: str) -> List[str]:
     kind = cluster_preset(cluster, gpus).gpu_kind
     lines = []
     for index, stage in enumerate(plan.stages, 1):
-        got = simulated_schedule(stage.cfg, gpus, kind if kind in ("h100", "h200") else None)
-        if got is not None:
-            _, simulated, textbook = got
+        est = simulated_schedule(stage.cfg, gpus, kind if kind in ("h100", "h200") else None)
+        if est is not None:
             lines.append(f"stage {index} ({stage.name}): its pipeline, simulated in megatron's order, takes "
-                         f"{simulated:.2f}x an ideal pipeline; the planner's bubble term assumes {textbook:.2f}x")
+                         f"{est.simulated:.2f}x an ideal pipeline; the planner's bubble term assumes {est.textbook:.2f}x")
     return lines
 
 

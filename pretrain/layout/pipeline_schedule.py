@@ -12,11 +12,12 @@ starts when the rank is free and its input has arrived:
 
 with S = p v virtual stages, stage s on rank s mod p. Each rank's order:
 
-- the schedule table (megatron's `get_schedule_table`): micro-batches in groups of G (megatron's
+- the schedule table (megatron's own `get_schedule_table`): micro-batches in groups of G (megatron's
   `microbatch_group_size_per_vp_stage`, default P), and for each group every model chunk in turn; virtual
   micro-batch k -> (micro-batch, chunk); backward visits the chunks in reverse;
-- warm-up: (p - r - 1) x 2 + (v - 1) x G forwards on rank r, at most all of them; then one forward and one
-  backward per slot (1F1B); then the remaining backwards. Without virtual stages: p - r - 1 warm-up forwards.
+- warm-up (megatron's own `get_pp_rank_microbatches`): (p - r - 1) x 2 + (v - 1) x G forwards on rank r, at most
+  all of them; then one forward and one backward per slot (1F1B); then the remaining backwards. Without virtual
+  stages: p - r - 1 warm-up forwards.
 
 Transfers take `transfer` seconds (stage to stage, the same for activations and gradients); a rank that waits
 for an input is idle. Returns the makespan and each rank's idle time, so a layout's cost can be ranked by the
@@ -28,7 +29,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from pretrain.config.pipeline_layout import microbatch_group_ok
 
 Op = Tuple[str, int, int]  # ("F" or "B", virtual stage, micro-batch)
 
@@ -37,34 +41,37 @@ Op = Tuple[str, int, int]  # ("F" or "B", virtual stage, micro-batch)
 class Simulated:
     step: float  # the schedule's makespan (first op start to last op end)
     busy: Tuple[float, ...]  # per pipeline rank: its ops' time
-    idle: Tuple[float, ...]  # per pipeline rank: step - busy
+
+    @property
+    def idle(self) -> Tuple[float, ...]:
+        """Per pipeline rank: the step minus its ops' time."""
+        return tuple(self.step - b for b in self.busy)
 
 
-def schedule_table(microbatches: int, vpp: int, group: int) -> List[Tuple[int, int]]:
-    """megatron-core's `get_schedule_table`: virtual micro-batch k -> (micro-batch, model chunk), in groups of
-    `group` micro-batches per chunk (the last group takes the rest)."""
-    table = []
-    for first in range(0, microbatches, group):
-        last = microbatches if first + group >= microbatches else first + group
-        table += [(j, chunk) for chunk in range(vpp) for j in range(first, last)]
-    return table
+def warmup_forwards(rank: int, pp: int, vpp: int, microbatches: int, group: int) -> int:
+    """Forwards before rank `rank`'s first backward: megatron-core's own `get_pp_rank_microbatches`, given a stand-in
+    for the pipeline communicator it reads the sizes from (no process group needed)."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+                           virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    return get_pp_rank_microbatches(microbatches, vpp, group, p2p_communicator=comm)[2]
 
 
 def rank_order(rank: int, pp: int, vpp: int, microbatches: int, group: Optional[int] = None) -> List[Op]:
     """The ops of pipeline rank `rank` in megatron-core's order (module docstring); `group`: megatron's
     `microbatch_group_size_per_vp_stage` (default PP)."""
-    if vpp == 1:
-        warm = min(pp - rank - 1, microbatches)
-        fwd = [("F", rank, j) for j in range(microbatches)]
-        bwd = [("B", rank, j) for j in range(microbatches)]
-        return _interleave(fwd, bwd, warm)
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
     group = group or pp
-    if not pp <= group <= microbatches or 0 < microbatches % group < pp:
+    if vpp == 1:
+        table = [(j, 0) for j in range(microbatches)]
+    elif microbatch_group_ok(pp, group, microbatches):
+        table = get_schedule_table(microbatches, vpp, group)
+    else:
         raise ValueError(f"micro-batch group {group} per virtual stage: megatron needs PP ({pp}) <= group <= "
                          f"micro-batches ({microbatches}) and a last group of 0 or >= PP")
-    table = schedule_table(microbatches, vpp, group)
-    total = len(table)
-    warm = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    warm = warmup_forwards(rank, pp, vpp, microbatches, group)
     fwd = [("F", chunk * pp + rank, j) for j, chunk in table]
     bwd = [("B", (vpp - 1 - chunk) * pp + rank, j) for j, chunk in table]
     return _interleave(fwd, bwd, warm)
@@ -114,8 +121,7 @@ def simulate(forward: Sequence[float], backward: Sequence[float], pp: int, micro
                 progressed = True
         if not progressed:
             raise RuntimeError("the schedule deadlocked (an op waits for one that never runs)")
-    step = max(free)
-    return Simulated(step, tuple(busy), tuple(step - b for b in busy))
+    return Simulated(max(free), tuple(busy))
 
 
 # ----------------------------------------------------------------------------------- choosing a split by it
@@ -133,7 +139,7 @@ def forward_shares(entries: Sequence[str], fused_loss: bool) -> List[float]:
 def schedule_groups(pp: int, microbatches: int) -> List[int]:
     """megatron's valid `microbatch_group_size_per_vp_stage` values that are multiples of PP, and all the
     micro-batches in one group."""
-    out = [g for g in range(pp, microbatches + 1, pp) if not 0 < microbatches % g < pp]
+    out = [g for g in range(pp, microbatches + 1, pp) if microbatch_group_ok(pp, g, microbatches)]
     return out + ([microbatches] if microbatches not in out else [])
 
 

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from pretrain.tools.trace_events import Trace, end
+from pretrain.tools.trace_events import Trace, end, merge_intervals
 
 DEPTH = 4  # host operators/ranges per chain, innermost first
 SHORT = "(stretches shorter than the threshold)"
@@ -43,16 +43,6 @@ def _chain(e: Optional[dict], depth: int = DEPTH) -> str:
 
 def _is_nccl(k: dict) -> bool:
     return "nccl" in k.get("name", "").lower()
-
-
-def _merge(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    out: List[Tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _complement(busy: List[Tuple[float, float]], lo: float, hi: float) -> List[Tuple[float, float]]:
@@ -99,14 +89,14 @@ def idle(trace: Trace, steps: Optional[int] = None, min_us: float = 20.0) -> dic
     rows: Dict[str, Dict[Tuple[str, str], List[float]]] = {"idle": defaultdict(lambda: [0.0, 0]),
                                                            "comm": defaultdict(lambda: [0.0, 0])}
     totals = {"idle": 0.0, "comm": 0.0, "wall": 0.0}
-    all_busy = _merge([(k["ts"], end(k)) for k in kernels])
-    compute_busy = _merge([(k["ts"], end(k)) for k in compute])
-    nccl_busy = _merge([(k["ts"], end(k)) for k in nccl])
+    all_busy = merge_intervals([(k["ts"], end(k)) for k in kernels])
+    compute_busy = merge_intervals([(k["ts"], end(k)) for k in compute])
+    nccl_busy = merge_intervals([(k["ts"], end(k)) for k in nccl])
     for step in chosen:
         lo, hi = step["ts"], end(step)
         totals["wall"] += hi - lo
         for kind, stretches in (("idle", _complement(all_busy, lo, hi)),
-                                ("comm", _subtract(_merge([(max(a, lo), min(b, hi)) for a, b in nccl_busy
+                                ("comm", _subtract(merge_intervals([(max(a, lo), min(b, hi)) for a, b in nccl_busy
                                                            if b > lo and a < hi]), compute_busy))):
             for a, b in stretches:
                 totals[kind] += b - a
@@ -133,7 +123,7 @@ def _name(trace: Trace, kind: str, a: float, b: float, following: _Next, nccl: L
         names = sorted({k["name"].split("(")[0] for k in nccl if k["ts"] < b and end(k) > a})
         return ", ".join(names)[:120], then
     call = trace.runtime_by_corr.get((nxt or {}).get("args", {}).get("correlation"))
-    if call is None:  # without the launch call, the thread of the step's range
+    if call is None:  # the trace lacks the runtime call that launched it: no thread to read
         return "(launching thread unknown)", then
     return _chain(trace.enclosing(call["pid"], call["tid"], (a + b) / 2)), then
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import format_layout, stage_entries
 from pretrain.config.schema import GLM5Config
@@ -240,11 +240,17 @@ def _microbatches(cfg: GLM5Config, microbatches: Optional[int]) -> int:
     return microbatches or max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
 
 
-def simulated_schedule(cfg: GLM5Config, world_size: int, gpu: Optional[str] = None
-                       ) -> Optional[Tuple[float, float, float]]:
-    """(the busiest rank, the simulated schedule, the textbook: busiest x (1 + (PP - 1) / (VPP m))), each against an
-    ideal pipeline (the work spread evenly, no bubble), of the config's own stages on `world_size` GPUs, the entries
-    weighed by the planner's calibration for `gpu` (FLOPs without one); None without pipeline stages."""
+class ScheduleEstimate(NamedTuple):
+    busiest: float  # the busiest rank's work / an ideal pipeline's step
+    simulated: float  # the simulated schedule / the ideal step
+    textbook: float  # busiest x (1 + (PP - 1) / (VPP m)): what the layout planner's bubble term assumes
+    microbatches: int  # per pipeline per step
+    ideal_s: float  # the ideal step: every entry's cost x micro-batches / PP
+
+
+def simulated_schedule(cfg: GLM5Config, world_size: int, gpu: Optional[str] = None) -> Optional[ScheduleEstimate]:
+    """The config's own stages on `world_size` GPUs, run in megatron's schedule (`pipeline_schedule.simulate`), the
+    entries weighed by the planner's calibration for `gpu` (FLOPs without one); None without pipeline stages."""
     from pretrain.layout.pipeline_schedule import simulate
 
     p = cfg.parallel
@@ -268,7 +274,7 @@ def simulated_schedule(cfg: GLM5Config, world_size: int, gpu: Optional[str] = No
     sim = simulate(fwd, bwd, pp, m, group=group)
     ideal = sum(costs) * m / pp
     busiest = max(sim.busy) / ideal
-    return busiest, sim.step / ideal, busiest * (1 + (pp - 1) / (vpp * m))
+    return ScheduleEstimate(busiest, sim.step / ideal, busiest * (1 + (pp - 1) / (vpp * m)), m, ideal)
 
 
 def stage_costs(cfg: GLM5Config, stages: List[List[str]], flop_per_byte: float = H100_FLOP_PER_BYTE,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from pretrain.tools import device_idle
-from pretrain.tools.trace_events import Trace, end
+from pretrain.tools.trace_events import Trace, end, merge_intervals
 from pretrain.training.profile_scopes import MODEL_PARTS, PARTS, PREFIX
 
 OTHER = "other"
@@ -108,15 +108,7 @@ def _items_cpu(trace: Trace, step: dict) -> List[Tuple[float, float, Optional[di
 
 
 def _union(intervals: List[Tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+    return sum(b - a for a, b in merge_intervals(intervals))
 
 
 # ----------------------------------------------------------------------------------- summary

@@ -82,6 +82,17 @@ def end(e: dict) -> float:
     return e["ts"] + e.get("dur", 0.0)
 
 
+def merge_intervals(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals."""
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 class Trace:
     """A loaded trace with the nesting of every host thread's events and the links described above."""
 
