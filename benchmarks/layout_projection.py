@@ -68,6 +68,9 @@ def project(plan_path: str, gpus: int, cluster_name: str, plan=None) -> Dict:
             raise ValueError(f"stage {s.name}: {layout.short()} on {gpus} GPUs: {refused}")
         mem = stage_memory(s.cfg, layout, work)
         step = stage_step(s.cfg, layout, work, cluster)
+        if step.bubble_fraction > 0.10:  # megatron's schedule simulated with the stage's virtual stages
+            raise ValueError(f"stage {s.name}: {layout.short()} on {gpus} GPUs: simulated pipeline bubble "
+                             f"{step.bubble_fraction:.0%} over 10%")
         seconds = s.train_iters * step.total
         stages.append({"name": s.name, "seq": s.seq_length, "tokens": s.trained_tokens, "steps": s.train_iters,
                        "batch": s.global_batch_size, "layout": layout, "memory": mem,
@@ -122,7 +125,7 @@ def render(p: Dict, command: str, date: str, others: Optional[List[Dict]] = None
         lines.append(
             f"| {x['name']} | {x['seq']:,} | {x['tokens'] / 1e9:,.1f}B | {x['steps']:,} x {x['batch']:,} | "
             f"{_short(lay)} | {mem.needed / 2**30:.1f} ({bound:.1f}){'' if x['fits'] else ' OVER'} | "
-            f"{lay.bubble if lay.pp > 1 else 0:.1%} | {st.total:.2f} | {st.ep_a2a / st.total:.0%} | {st.tokens_per_s_per_gpu:,.0f} | {st.mfu:.1%} | "
+            f"{st.bubble_fraction:.1%} | {st.total:.2f} | {st.ep_a2a / st.total:.0%} | {st.tokens_per_s_per_gpu:,.0f} | {st.mfu:.1%} | "
             f"{x['gpu_hours'] / 1e6:.3f}M | {x['days']:.1f} |")
     lines.append(f"| **total** | | **{p['tokens'] / 1e12:.2f}T** | | | | | | | **{p['tokens_per_s_per_gpu']:,.0f}** | | "
                  f"**{p['gpu_hours'] / 1e6:.2f}M** | **{p['days']:.0f}** |")

@@ -291,8 +291,8 @@ def test_pruning_deletes_a_stages_checkpoints_only_once_the_next_stage_finished(
 
 def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
     """`--gpus N`: each stage's layout goes through the planner's memory and bubble checks (and each pipelined stage's
-    simulated schedule is printed); the 744B plan, laid out for 1,792 H100, passes there; on 5,376 GPUs (3 x) its
-    first stage's pipeline gets a third of the micro-batches and idles over the bound (one line, exit 2)."""
+    simulated bubble is printed); the 744B plan, laid out for 1,792 H100, passes there; on 5,376 GPUs (3 x) its
+    main pretraining stage's pipeline gets a third of the micro-batches and idles over the bound (one line, exit 2)."""
     from pretrain.curriculum.__main__ import main
 
     assert main(["--plan", str(ROOT / "configs/curriculum/tiny.yaml"), "--validate-only", "--skip-data-check",
@@ -302,14 +302,14 @@ def test_validate_with_gpus_runs_the_layout_planner_on_every_stage(capsys):
                  "--gpus", "1792", "--cluster", "h100-nvl-ib400"]) == 0
     out = capsys.readouterr().out
     assert "layouts: every stage fits 1792 x h100-nvl-ib400" in out
-    # and each pipelined stage's schedule, simulated in megatron's order (docs/layout.md: 1.24x for pretrain-4k)
-    assert ("stage 2 (pretrain-4k): its pipeline, simulated in megatron's order, takes 1.24x an ideal pipeline; "
-            "the planner's bubble term assumes 1.13x") in out
+    # and each pipelined stage's bubble, megatron's schedule simulated with its virtual stages (docs/layout.md)
+    assert ("stage 2 (pretrain-4k): PP 16 x VPP 2, 144 micro-batches: pipeline bubble 5.7% of the busiest rank's "
+            "time (megatron's schedule simulated; the textbook (PP - 1) / (VPP m) says 5.2%)") in out
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "5376"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("plan error: stage 1 (pretrain-ramp): tp2 pp14 vpp3")
-    assert "bubble: (PP - 1) / (VPP x m) = 13 / (3 x 42) = 10% over 10%" in err[0]
+    assert len(err) == 1 and err[0].startswith("plan error: stage 2 (pretrain-4k): tp2 pp16 vpp2")
+    assert "bubble: (PP - 1) / (VPP x m) = 15 / (2 x 48) = 16% over 10%" in err[0]
     # the same plan on too few GPUs for its layout: the divisibility rule, not a traceback
     assert main(["--plan", str(ROOT / "configs/curriculum/glm5-744b.yaml"), "--validate-only", "--skip-data-check",
                  "--gpus", "48"]) == 2

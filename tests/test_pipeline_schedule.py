@@ -61,13 +61,15 @@ def test_pipeline_bubble_benchmark_simulates_its_measured_stages():
     assert simulated_bubble(ranks) == pytest.approx(3.0)
 
 
-def test_the_744b_plan_schedule_finding_stands():
-    # benchmarks/results/pipeline_plan_schedule_744b.md (docs/layout.md): the plan's VPP 4 pretraining layout
-    # simulates at 1.243x an ideal pipeline, where the planner's textbook bubble says 1.126, and a VPP 2 split at 1.071
+def test_the_744b_plans_pipelines_idle_at_most_a_tenth_of_their_busiest_rank():
+    """benchmarks/results/pipeline_plan_schedule_744b.md (docs/layout.md): the plan re-laid by the planner with the
+    simulated schedule (2026-11-29) runs every pipelined stage within 10% of its busiest rank in megatron's order,
+    simulated with pipeline_split's entry costs (an estimate independent of the planner's stage model); the layouts
+    before it reached 1.24-1.47x an ideal pipeline (tests/test_schedule_term.py keeps one of them refused)."""
     from benchmarks.pipeline_plan_schedule import stage_rows
 
-    rows = {r["stage"]: r for r in stage_rows("configs/curriculum/glm5-744b.yaml", 1792, "h100", vpps=(2,))}
-    four_k = rows["pretrain-4k"]
-    assert four_k["simulated"] == pytest.approx(1.243, abs=0.002)
-    assert four_k["textbook"] == pytest.approx(1.126, abs=0.002)
-    assert four_k["searched"][2] == pytest.approx(1.071, abs=0.002)
+    rows = {r["stage"]: r for r in stage_rows("configs/curriculum/glm5-744b.yaml", 1792, "h100", vpps=())}
+    assert set(rows) == {"pretrain-ramp", "pretrain-4k", "mid-32k", "mid-128k"}
+    for name, r in rows.items():
+        assert r["simulated"] / r["busiest"] <= 1.10, (name, r["simulated"], r["busiest"])
+    assert rows["pretrain-4k"]["simulated"] == pytest.approx(1.228, abs=0.002)

@@ -5,9 +5,9 @@
         [section.key=value ...]
 
 `--gpus N`: the layout planner's checks for every stage on N GPUs of `--cluster` (docs/layout.md): memory per GPU
-within 90% of the GPU's and a pipeline bubble (PP - 1) / (VPP x m) of at most 10%; a stage that fails is a bad plan.
-Each pipelined stage's schedule, simulated in megatron's order with the planner's entry costs, is printed next to
-that bubble: unequal virtual stages wait more than the bound's formula says.
+within 90% of the GPU's and a pipeline bubble of at most 10%, by (PP - 1) / (VPP x m) and by megatron's schedule
+simulated with the stage's own virtual stages (unequal stages wait more than the formula says); a stage that fails
+is a bad plan. Each pipelined stage's simulated bubble is printed.
 
 `KEY=VALUE` without a dot sets a plan key (run_dir, name, optimizer_state, pretrained, prune_checkpoints);
 `section.key=value` applies to every stage's config. Exit codes: 0 done, 1 a stage failed (run the
@@ -40,18 +40,20 @@ def check_plan_layouts(plan, gpus: int, cluster: str) -> None:
 
 
 def simulated_pipelines(plan, gpus: int, cluster: str) -> List[str]:
-    """One line per pipelined stage: its schedule simulated in megatron's order against the planner's textbook
-    bubble (docs/layout.md: the planner's term is optimistic for unequal virtual stages)."""
+    """One line per pipelined stage: its bubble by the layout planner, megatron's schedule simulated with the stage's
+    own virtual stages (docs/layout.md), next to the textbook (PP - 1) / (VPP m)."""
+    from pretrain.layout.search import layout_of, stage_step
     from pretrain.layout.types import cluster_preset
-    from pretrain.tools.pipeline_split import simulated_schedule
 
-    kind = cluster_preset(cluster, gpus).gpu_kind
+    gpu_cluster = cluster_preset(cluster, gpus)
     lines = []
     for index, stage in enumerate(plan.stages, 1):
-        est = simulated_schedule(stage.cfg, gpus, kind if kind in ("h100", "h200") else None)
-        if est is not None:
-            lines.append(f"stage {index} ({stage.name}): its pipeline, simulated in megatron's order, takes "
-                         f"{est.simulated:.2f}x an ideal pipeline; the planner's bubble term assumes {est.textbook:.2f}x")
+        layout, work = layout_of(stage.cfg, gpus)
+        if layout.pp > 1:
+            step = stage_step(stage.cfg, layout, work, gpu_cluster)
+            lines.append(f"stage {index} ({stage.name}): PP {layout.pp} x VPP {layout.vpp}, {layout.num_microbatches} "
+                         f"micro-batches: pipeline bubble {step.bubble_fraction:.1%} of the busiest rank's time "
+                         f"(megatron's schedule simulated; the textbook (PP - 1) / (VPP m) says {layout.bubble:.1%})")
     return lines
 
 

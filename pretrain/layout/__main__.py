@@ -78,11 +78,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                          zero2_grad_reduce=reduce_modes,
                          pipeline_costs=pipeline_costs(cfg, work, gpu=cluster.gpu_kind))
     try:
-        step_fn = default_step_fn(cluster)  # the CLI never ranks without the time model
+        default_step_fn(cluster)  # the CLI never ranks without the time model: its calibration loads first
     except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = search(dims, work, cluster, opts, step_fn, validate=config_validator(cfg, work))
+    # the default time model: textbook bubble first, the best pipelined layouts re-timed by the simulated schedule
+    result = search(dims, work, cluster, opts, validate=config_validator(cfg, work))
     print(f"{args.config}: {dims.total_params / 1e9:.1f}B parameters; seq {args.seq}, global batch {args.global_batch} "
           f"({work.tokens_per_step / 1e6:.1f}M tokens/step) on {args.gpus} x {cluster.gpu_kind} ({args.cluster}); "
           f"{result.considered} layouts considered, {len(result.ranked)} feasible; ZeRO-2 gradient reduce "
@@ -112,7 +113,7 @@ def describe(i: int, cand, tokens: Optional[float]) -> str:
     d = days(cand, tokens)
     lines = [f"#{i} {lay.short()}",
              f"   {st.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {st.mfu:.1%}, step {st.total:.2f} s, "
-             f"bubble {lay.bubble if lay.pp > 1 else 0:.1%}" + (f", {d:.1f} days for {tokens:.3g} tokens" if d else ""),
+             f"bubble {cand.step.bubble_fraction:.1%}" + (f", {d:.1f} days for {tokens:.3g} tokens" if d else ""),
              f"   memory {mem.needed / GiB:.1f} GiB (peak {mem.total / GiB:.1f} + reserve {mem.reserve / GiB:.1f}, "
              f"pipeline rank {mem.rank}): {mem.format()}",
              f"   host memory {cand.host.per_node / GiB:,.0f} GiB per node ({cand.host.gpus_per_node} GPUs x "
@@ -132,7 +133,7 @@ def write_table(path: str, ranked, tokens: Optional[float]) -> None:
         for c in ranked:
             d = days(c, tokens)
             row = [str(getattr(c.layout, k)) for k in COLUMNS] + [
-                f"{c.layout.bubble if c.layout.pp > 1 else 0:.4f}", f"{c.memory.total / GiB:.2f}",
+                f"{c.step.bubble_fraction:.4f}", f"{c.memory.total / GiB:.2f}",
                 f"{c.memory.needed / GiB:.2f}", f"{c.host.per_node / GiB:.1f}", f"{c.step.total:.4f}",
                 f"{c.step.tokens_per_s_per_gpu:.1f}", f"{c.step.mfu:.4f}", f"{d:.2f}" if d else ""]
             f.write("\t".join(row) + "\n")

@@ -208,3 +208,34 @@ def best_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: in
     if best is None:
         raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
     return best[1], best[2], best[0]
+
+
+def even_sizes(n: int, stages: int) -> Optional[List[int]]:
+    """megatron's even split of n entries (the embedding, the decoder layers, then the MTP block and the output
+    heads, 1 or 2 entries) over `stages` virtual stages: the embedding with the first stage's layers, the rest with
+    the last's; None where the layers do not divide evenly."""
+    for tail in (2, 1):
+        layers = n - 1 - tail
+        if layers > 0 and layers % stages == 0:
+            k = layers // stages
+            return [1 + k] + [k] * (stages - 2) + [k + tail] if stages > 1 else [n]
+    return None
+
+
+def quick_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: int, microbatches: int,
+                candidates: Sequence[Sequence[int]], groups: int = 4) -> Tuple[List[int], int, float]:
+    """(stage sizes, micro-batch group, simulated step): the best of a few candidate splits (each a list of stage
+    sizes) under megatron's first `groups` valid micro-batch groups, simulated; what the layout planner's search
+    affords per layout (a full `best_split` local search takes seconds at PP 16 x VPP 3)."""
+    options = schedule_groups(pp, microbatches)[:groups] if vpp > 1 else [pp]
+    best: Optional[Tuple[float, List[int], int]] = None
+    for sizes in candidates:
+        if len(sizes) != pp * vpp or min(sizes) < 1:
+            continue
+        for group in options:
+            value = simulated_step(sizes, costs, shares, pp, microbatches, group)
+            if best is None or value < best[0] - 1e-9 * best[0]:
+                best = (value, list(sizes), group)
+    if best is None:
+        raise ValueError("no candidate split of the right number of stages")
+    return best[1], best[2], best[0]

@@ -32,6 +32,7 @@ import yaml
 from pretrain.layout.from_config import configured_layout, layout_of  # also this module's API (__all__)
 from pretrain.layout.host_memory import HostEstimate, host_estimate, host_refusal
 from pretrain.layout.memory import MemoryEstimate, estimate
+from pretrain.layout.rescore import rescore, scheduled
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
 
 # recompute options from the fastest to the leanest
@@ -56,6 +57,9 @@ class SearchOptions:
     # optimizer.zero2_grad_reduce values tried for Muon's ZeRO-2 (its gradient memory and traffic): a layout dimension
     zero2_grad_reduce: Tuple[str, ...] = ("microbatch", "step")
     validate_top: int = 10  # candidates built as configs and validated, best first
+    # the second pass (pretrain.layout.rescore): at most this many pipelined layouts re-split and re-timed with the
+    # schedule simulated, best first; 0: the textbook bubble only
+    schedule_rescore: int = 400
     # (entries, cost per token, may a stage start there) of the model, `pretrain.tools.pipeline_split.split_inputs`
     # of the config at the workload's sequence length (`pipeline_costs`): a PP x VPP that does not divide the
     # layers gets the balanced uneven stages; None: such splits are refused
@@ -220,9 +224,9 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     return None, reason, needed
 
 
-def default_step_fn(cluster: Cluster) -> StepFn:
-    """The time model with the calibration of the cluster's GPU kind (each layout's own ZeRO-2 reduce mode); a
-    one-line error when it is missing."""
+def default_step_fn(cluster: Cluster, schedule: str = "simulated") -> StepFn:
+    """The time model with the calibration of the cluster's GPU kind (each layout's own ZeRO-2 reduce mode; the
+    pipeline `schedule`, timing.step_time's); a one-line error when it is missing."""
     try:
         from pretrain.layout import timing
     except ImportError as e:
@@ -230,16 +234,20 @@ def default_step_fn(cluster: Cluster) -> StepFn:
     calib = timing.load_calibration(cluster.gpu_kind)
     # the layouts' selective recompute is recompute_modules [core_attn, moe] (Layout.overrides)
     variant = {"selective_modules": ("core_attn", "moe")}
-    return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant)
+    return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant,
+                                                           schedule=schedule)
 
 
 def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[SearchOptions] = None,
            step_fn: Optional[StepFn] = None, validate: Optional[Callable[[Layout], Optional[str]]] = None
            ) -> SearchResult:
     """Every split of the cluster, refused with a reason or ranked by tokens/s (module docstring).
-    `validate(layout)` returns the config validator's refusal of a layout (None: accepted)."""
+    `validate(layout)` returns the config validator's refusal of a layout (None: accepted). With the default time
+    model the best pipelined layouts are re-split and re-timed with the schedule simulated (`rescore`); a given
+    `step_fn` times every layout alone."""
     opts = opts or SearchOptions()
-    step_fn = step_fn or default_step_fn(cluster)
+    retime_fn = default_step_fn(cluster) if step_fn is None and opts.schedule_rescore else None
+    step_fn = step_fn or default_step_fn(cluster, "textbook")
     result = SearchResult(ranked=[])
 
     closest = {}  # memory refusals: the example shown is the nearest miss
@@ -264,6 +272,22 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
         cand.step = step_fn(dims, cand.layout, work, cluster)
         result.ranked.append(cand)
     result.ranked.sort(key=lambda c: -c.step.tokens_per_s_per_gpu)
+    if retime_fn is not None:
+        def retime(layout: Layout) -> Tuple[Optional[Candidate], Optional[str]]:
+            lay = scheduled(dims, layout, opts.pipeline_costs)
+            cand, reason, _ = fitting(dims, lay, work, cluster, opts)
+            if cand is None:
+                return None, reason
+            cand.step = retime_fn(dims, cand.layout, work, cluster)
+            if cand.step.bubble_fraction > opts.bubble_bound:
+                return None, (f"bubble (simulated schedule): {cand.step.bubble_fraction:.0%} of the busiest rank's "
+                              f"work at PP {lay.pp} x VPP {lay.vpp}, m {lay.num_microbatches}, over {opts.bubble_bound:.0%}")
+            return cand, None
+
+        result.ranked, refusals = rescore(result.ranked, retime, lambda c: c.step.tokens_per_s_per_gpu,
+                                          need=max(opts.validate_top, 1), limit=opts.schedule_rescore)
+        for reason in refusals:
+            refuse(reason)
     if validate is not None:
         kept, checked = [], 0
         for cand in result.ranked:
@@ -331,8 +355,8 @@ def stage_step(cfg, layout: Layout, work: Workload, cluster: Cluster) -> StepTim
 def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom: float = 0.10,
                 bubble_bound: float = 0.10) -> Optional[str]:
     """One line saying why a stage's config cannot run well on `world_size` GPUs of `cluster` (memory over
-    (1 - headroom) of the GPU or of the node's host memory, pipeline bubble over `bubble_bound`, a divisibility
-    rule), or None."""
+    (1 - headroom) of the GPU or of the node's host memory, pipeline bubble over `bubble_bound` by the textbook
+    formula or by megatron's schedule simulated with the stage's virtual stages, a divisibility rule), or None."""
     from pretrain.layout.types import cluster_preset
 
     gpus = cluster_preset(cluster, world_size)
@@ -346,6 +370,11 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
     if reason is None:
         reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom) or host_refusal(
             stage_host_memory(cfg, layout, work, gpus.gpus_per_node), gpus.host_memory_bytes, headroom)
+    if reason is None and layout.pp > 1:  # megatron's schedule with the stage's own virtual stages
+        bubble = stage_step(cfg, layout, work, gpus).bubble_fraction
+        if bubble > bubble_bound:
+            reason = (f"bubble (simulated schedule): {bubble:.0%} of the busiest rank's work at PP {layout.pp} x "
+                      f"VPP {layout.vpp}, m {layout.num_microbatches}, over {bubble_bound:.0%}")
     return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
 
 

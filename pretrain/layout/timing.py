@@ -9,8 +9,10 @@ Per micro-batch, on the slowest pipeline stage's rank (T = micro_batch_size x se
     t_mb = max(G, H) + Y                                         H: the host's kernel launches for the rank's layers,
                                                                  Y: host gaps per micro-batch (both per layer, from
                                                                  micro-batch 1 against 4 on one GPU)
-    step = m x t_mb(slowest stage) + (pp - 1) / vpp x mean stage t_mb   (1F1B / interleaved bubble)
-           + p2p + exposed DP gradient reduce + optimizer step
+    step = pipeline + p2p + exposed DP gradient reduce + optimizer step
+    pipeline = megatron's (interleaved) 1F1B schedule of m micro-batches simulated with each virtual stage's time
+               (`pretrain.layout.schedule_term`; with equal stages m x t_mb + (pp - 1) / vpp x t_mb), or, with
+               schedule="textbook", m x t_mb(slowest stage) + (pp - 1) / vpp x mean stage t_mb
 
 T_c is the tokens a rank computes for class c: T / (tp x cp) for GEMMs split by TP (experts too, since EP x ETP
 is carved out of the same ranks), T / cp for the DSA indexer (replicated under TP). rate_c is the achieved model
@@ -39,13 +41,13 @@ MFU = pretrain.training.flops' FLOPs of the step / time / GPUs / flops.peak_flop
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from pretrain.layout.calibration import Calibration, load_calibration
+from pretrain.layout.schedule_term import simulated_pipeline
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload, pipeline_plan
-from pretrain.training.flops import peak_flops, training_flops_per_token
+from pretrain.layout.flop_terms import flops_per_token, newton_schulz_flops, per_layer_flops
+from pretrain.training.flops import peak_flops
 
 __all__ = ["step_time", "load_calibration", "flops_per_token", "newton_schulz_flops", "offrank_rows"]
 
@@ -53,68 +55,6 @@ BF16, FP32 = 2, 4
 LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
 DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "merged", "selective_modules": ("core_attn", "moe"),
                    "dsa_kernels": "current"}
-
-
-# ------------------------------------------------------------------------------------------------ FLOPs
-def _flops_model(dims: ModelDims) -> SimpleNamespace:
-    """The attributes pretrain.training.flops reads, from the planner's dims."""
-    return SimpleNamespace(
-        num_layers=dims.num_layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
-        multi_latent_attention=True, qk_head_dim=dims.qk_head_dim, qk_pos_emb_head_dim=dims.qk_pos_emb_head_dim,
-        q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, v_head_dim=dims.v_head_dim,
-        kv_channels=None, num_query_groups=None, window_size=None, ffn_hidden_size=dims.ffn_hidden,
-        num_moe_experts=dims.num_experts or None, moe_layer_freq=list(dims.moe_pattern),
-        moe_router_topk=dims.topk, moe_ffn_hidden_size=dims.expert_ffn_hidden,
-        moe_shared_expert_intermediate_size=dims.shared_expert_ffn_hidden, vocab_size=dims.vocab,
-        mtp_num_layers=dims.mtp_depths, experimental_attention_variant="dsa" if dims.dsa_indexer_heads else None,
-        dsa_indexer_n_heads=dims.dsa_indexer_heads, dsa_indexer_head_dim=dims.dsa_indexer_head_dim,
-        dsa_indexer_topk=dims.dsa_indexer_topk)
-
-
-def flops_per_token(dims: ModelDims, seq: int) -> Dict[str, object]:
-    """flops.py's training FLOPs per token as the trainer counts them (DSA modes from the dims)."""
-    return training_flops_per_token(_flops_model(dims), seq, dsa_sparse=dims.dsa_sparse_attention,
-                                    dsa_indexer=dims.dsa_indexer_loss)
-
-
-@lru_cache(maxsize=256)
-def _per_layer(dims: ModelDims, seq: int) -> Tuple[Dict[str, float], Dict[str, float], float]:
-    """(per decoder layer FLOPs/token by class, per-head FLOPs/token {output_head, mtp_eh_proj}, total)."""
-    f = flops_per_token(dims, seq)
-    c: Dict[str, float] = f["components"]
-    d = dims.mtp_depths
-    slots = dims.num_layers + d
-    moe_slots = dims.moe_layers + (d if dims.mtp_layer_is_moe else 0)
-    dense_slots = dims.dense_layers + (0 if dims.mtp_layer_is_moe else d)
-    layer = {k: c.get(k, 0.0) / slots for k in ("attention_proj", "attention_core", "attention_sparse", "dsa_indexer")}
-    layer.update({k: c.get(k, 0.0) / max(moe_slots, 1) for k in ("routed_experts", "shared_expert", "router")})
-    layer["dense_mlp"] = c.get("dense_mlp", 0.0) / max(dense_slots, 1)
-    head = {"output_head": c["output_head"] / (1 + d), "mtp_eh_proj": c.get("mtp_eh_proj", 0.0) / max(d, 1)}
-    return layer, head, f["total"]
-
-
-@lru_cache(maxsize=64)
-def newton_schulz_flops(dims: ModelDims, steps: int = 5) -> float:
-    """Newton-Schulz FLOPs of one Muon step over the model's matrices (4 m^2 n + 2 m^3 per iteration, m <= n), cut
-    as `pretrain.optim.roles.param_split` cuts them (optimizer.muon_split): the q up-projection per head, the kv
-    up-projection per head as W_UK and W_UV, the output projection whole; experts and FFNs whole;
-    embedding/output/router on AdamW."""
-    h, H = dims.hidden, dims.heads
-    ns = lambda a, b: steps * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3)
-    q_in = dims.q_lora_rank or h
-    attn = (ns(h, dims.q_lora_rank) if dims.q_lora_rank else 0) + H * ns(q_in, dims.qk_head)
-    attn += ns(h, dims.kv_lora_rank + dims.qk_pos_emb_head_dim)
-    attn += H * (ns(dims.kv_lora_rank, dims.qk_head_dim) + ns(dims.kv_lora_rank, dims.v_head_dim))
-    attn += ns(H * dims.v_head_dim, h)
-    if dims.dsa_indexer_heads:
-        attn += (ns(q_in, dims.dsa_indexer_heads * dims.dsa_indexer_head_dim) + ns(h, dims.dsa_indexer_head_dim)
-                 + ns(h, dims.dsa_indexer_heads))  # queries, keys, and the per-head weights
-    swiglu = lambda f: ns(h, 2 * f) + ns(f, h)
-    moe = dims.num_experts * swiglu(dims.expert_ffn_hidden) + (swiglu(dims.shared_expert_ffn_hidden)
-                                                               if dims.shared_expert_ffn_hidden else 0)
-    per_layer = [attn + (moe if m else swiglu(dims.ffn_hidden)) for m in dims.moe_pattern]
-    mtp = dims.mtp_layers * (attn + (moe if dims.mtp_layer_is_moe else swiglu(dims.ffn_hidden)) + ns(h, 2 * h))
-    return float(sum(per_layer) + mtp)
 
 
 # ------------------------------------------------------------------------------------------------ placement
@@ -166,7 +106,7 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
     T = layout.micro_batch_size * S
     t_rank = T / (tp * cp)  # tokens of the split GEMMs / sequence-parallel elementwise work
     t_elem = t_rank if (layout.sequence_parallel or tp == 1) else T / cp
-    layer_f, head_f, _ = _per_layer(dims, S)
+    layer_f, head_f, _ = per_layer_flops(dims, S)
     knee = calib["gemm.small_m_knee_rows"]
     share = calib["recompute.forward_share"]
     slot = layers + mtp  # decoder layers run on this rank per micro-batch (MTP depths included)
@@ -347,15 +287,19 @@ def _rank_params(dims: ModelDims, layout: Layout) -> Tuple[float, float]:
 
 
 def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration,
-              variant: Optional[Mapping] = None) -> StepTime:
+              variant: Optional[Mapping] = None, schedule: str = "simulated") -> StepTime:
     """Seconds of one optimizer step of `work` under `layout` on `cluster` (module docstring), by component.
 
     `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
     ("alltoall": megatron's, the GPU default; "alltoall_dedup"), cp_attention ("merged": model.cp_attention's default;
     "chunks": its bottom_right; "mask": the explicit CP mask path before 2026-11-27), selective_modules (megatron recompute_modules for "selective"; default
     core_attn + moe as Layout.overrides emits), dsa_kernels. ZeRO-2's reduce mode is the layout's
-    (`Layout.zero2_grad_reduce`).
+    (`Layout.zero2_grad_reduce`). `schedule`: "simulated" runs megatron's pipeline schedule with the layout's
+    virtual stages (`pretrain.layout.schedule_term`); "textbook" takes (PP - 1) / VPP x the mean rank's micro-batch
+    (cheaper: the search's first pass).
     """
+    if schedule not in ("simulated", "textbook"):
+        raise ValueError(f"schedule {schedule!r}: simulated or textbook")
     v = dict(DEFAULT_VARIANT, **(variant or {}))
     v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
     notes: List[str] = []
@@ -364,6 +308,16 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     crit = max(stages, key=lambda st: st["total"])
     mean = sum(st["total"] for st in stages) / len(stages)
     bubble = (layout.pp - 1) / layout.vpp * mean
+    bubble_fraction = layout.bubble if layout.pp > 1 else 0.0
+    if layout.pp > 1 and schedule == "simulated":
+        sim = simulated_pipeline(
+            dims, layout, lambda counts: _stage_time(dims, layout, work, cluster, calib, v, *counts, notes=[]),
+            [st["total"] for st in stages])
+        if sim is None:
+            notes.append("micro-batch group refused by megatron: the textbook bubble")
+        else:
+            bubble = sim.step - m * crit["total"]
+            bubble_fraction = bubble / (m * crit["total"])
     if layout.pp > 1:
         bw, _ = _group_bw(cluster, calib, layout.pp, layout.tp * layout.cp * layout.dp)
         act = layout.micro_batch_size * work.seq_length / (layout.tp * layout.cp) * dims.hidden * BF16
@@ -411,11 +365,11 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     total = m * crit["total"] + bubble + accum + dp_exposed + optimizer + fixed
     tokens = work.tokens_per_step
     gpus = layout.gpus
-    _, _, flops_tok = _per_layer(dims, work.seq_length)
+    _, _, flops_tok = per_layer_flops(dims, work.seq_length)
     peak = peak_flops(calib.device_name) or cluster.peak_bf16_flops
     return StepTime(
         compute_fwd=m * crit["fwd"], compute_bwd=m * crit["bwd"] + accum, host=m * crit["host"] + fixed,
         recompute=m * crit["recompute"], tp_comm=m * crit["tp"], cp_comm=m * crit["cp"], ep_a2a=m * crit["ep"],
-        pp_bubble=bubble, dp_comm_exposed=dp_exposed, optimizer=optimizer, total=total,
+        pp_bubble=bubble, dp_comm_exposed=dp_exposed, optimizer=optimizer, total=total, bubble_fraction=bubble_fraction,
         tokens_per_s_per_gpu=tokens / total / gpus, mfu=flops_tok * tokens / total / gpus / peak,
         notes=tuple(dict.fromkeys(notes)))

@@ -305,6 +305,7 @@ class Layout:
         return (f"tp{self.tp} pp{self.pp} vpp{self.vpp} ep{self.ep} etp{self.etp} cp{self.cp} dp{self.dp} "
                 f"mbs{self.micro_batch_size} m{self.num_microbatches} {rc}{' off' if self.activation_offload else ''}"
                 f" {self.optimizer}/{self.zero}{REDUCE_SUFFIX[self.zero2_grad_reduce]} {self.output_loss_backend}"
+                + (f" group {self.microbatch_group}" if self.microbatch_group else "")
                 + (f" layout {self.pipeline_layout}" if self.pipeline_layout else ""))
 
 
@@ -407,9 +408,12 @@ class StepTime:
     tokens_per_s_per_gpu: float
     mfu: float
     host: float = 0.0  # the host's kernel launches and gaps not hidden behind GPU work (additive, like the above)
+    # the pipeline's idle time over the busiest rank's work, a fraction: the schedule simulated in megatron's order
+    # (timing.step_time's default) or the textbook (PP - 1) / (VPP m); 0 without a pipeline. Not additive.
+    bubble_fraction: float = 0.0
     notes: Tuple[str, ...] = field(default=())  # assumptions taken for this layout (e.g. a missing calibration point)
 
     def components(self) -> Dict[str, float]:
         """{name: seconds} of the additive components (everything but total and the rates)."""
-        skip = {"total", "tokens_per_s_per_gpu", "mfu", "notes"}
+        skip = {"total", "tokens_per_s_per_gpu", "mfu", "notes", "bubble_fraction"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}

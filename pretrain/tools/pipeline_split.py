@@ -36,14 +36,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from functools import lru_cache
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import format_layout, stage_entries
 from pretrain.config.schema import GLM5Config
 from pretrain.layout.pipeline_schedule import (
     best_split,
+    even_sizes,
     forward_shares,
     local_search,
+    quick_split,
     simulated_step,
     sizes_of,
 )
@@ -193,10 +196,38 @@ def split_inputs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE, gpu
     return entries, costs, can_start
 
 
+@lru_cache(maxsize=2048)
+def _cached_split(costs: Tuple[float, ...], pp: int, vpp: int, microbatches: int,
+                  can_start: Tuple[bool, ...], minimax: bool) -> Tuple[int, ...]:
+    """`interleaved_split` (or, `minimax`, `balanced_split` over PP x VPP stages), remembered: the layout search asks
+    for the same split of the same model many times."""
+    if minimax:
+        return tuple(balanced_split(costs, pp * vpp, can_start))
+    return tuple(interleaved_split(costs, pp, vpp, microbatches, can_start))
+
+
 def balanced_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp: int, microbatches: int,
                     can_start: Optional[Sequence[bool]] = None) -> List[List[str]]:
     """The balanced stages (lists of entry letters) of `split_inputs`' entries over PP x VPP stages."""
-    return _stages(entries, interleaved_split(costs, pp, vpp, microbatches, can_start))
+    can = tuple(can_start or [True] * len(costs))
+    return _stages(entries, list(_cached_split(tuple(costs), pp, vpp, microbatches, can, False)))
+
+
+def scheduled_stages(entries: Sequence[str], costs: Sequence[float], pp: int, vpp: int, microbatches: int,
+                     can_start: Optional[Sequence[bool]] = None, fused_loss: bool = True
+                     ) -> Tuple[Optional[List[List[str]]], int, float]:
+    """(stages, micro-batch group, simulated step) for the layout planner's search: of megatron's even split (then
+    stages None), the closed-form balanced split (`interleaved_split`) and the split with the smallest largest stage
+    (`balanced_split`), the one whose interleaved schedule simulates shortest (`pipeline_schedule.quick_split`)."""
+    can_start = list(can_start or [True] * len(costs))
+    shares = forward_shares(entries, fused_loss)
+    key = (tuple(costs), pp, vpp, microbatches, tuple(can_start))
+    candidates = [list(_cached_split(*key, False)), list(_cached_split(*key, True))]
+    even = even_sizes(len(costs), pp * vpp)
+    if even is not None and all(can_start[i] for i in itertools.accumulate(even[:-1])):
+        candidates.insert(0, even)
+    sizes, group, step = quick_split(costs, shares, pp, vpp, microbatches, candidates)
+    return (None if sizes == even else _stages(entries, sizes)), group, step
 
 
 def balanced_layout(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
