@@ -228,6 +228,7 @@ def _comm_entries() -> Dict[str, Dict]:
                                                   "share of the last micro-batch's backward that the bucketed "
                                                   "gradient reduce can hide behind (overlap_grad_reduce)"),
         "p2p.exposed_fraction": entry(1.0, "fraction", "assumption", NONE, "pipeline send/recv on the critical path"),
+        "p2p.overhead_s_per_transfer": entry(0.0, "s", "assumption", NONE, "replaced by its fit (FITS)"),
     }
 
 
@@ -256,6 +257,11 @@ FITS = [  # (entry, the case whose measurement it is fitted to, what it stands f
      "the share of ZeRO-2's per-micro-batch gradient reduce (its ring time at the modeled bus bandwidth) that "
      "lengthens each micro-batch although the backward could hide it: NCCL's kernels take SMs and memory bandwidth "
      "from the backward (not yet split by a profile); DDP's one reduce per step is not charged this"),
+    ("p2p.overhead_s_per_transfer", "h200 muon pp2 vpp2 mbs4 simulated schedule, group 4 (11-29d)",
+     "what a pipeline rank waits per stage transfer (2 x VPP per micro-batch) beyond megatron's schedule simulated "
+     "with the planner's stage times and the transfers' modeled time: transfers not hidden, host stalls, the "
+     "tied-embedding gradient reduce (benchmarks/pipeline_bubble.py on this layout: 0.116 s of rank 0's idle, "
+     "0.052 s of it the schedule's); measured at PP = 2 over NVLink only"),
     ("cp.merged_over_ideal", "h200 muon cp2 32K full, CP merged (11-28)",
      "one CP rank's dense attention with model.cp_attention=merged (a non-causal block and a causal square per query "
      "chunk, lse-merged) / (1/cp of one causal call); whatever else CP costs per rank at 32K lands here too; measured "
@@ -265,9 +271,10 @@ FIT_SHAPES = {  # entries that are tables: (lower, upper bound of the bisection,
     "cp.merged_over_ideal": (0.5, 3.0, "ratio", lambda v: [{"seq": 32768, "cp": 2, "value": v}]),
     "dp.zero2_microbatch_reduce_shown": (0.0, 4.0, "fraction of the reduce's ring time", lambda v: v),
 }
-# Ratios of a cost to the model's own estimate of it: on another GPU kind they take the value fitted on the case's
-# kind (its committed table: regenerate that one first) instead of a refit against the other kind's rates
-RATIO_FITS = {"dp.zero2_microbatch_reduce_shown"}
+# Ratios of a cost to the model's own estimate of it, and waits outside the GPU's rates (the pipeline's per-transfer
+# overhead): on another GPU kind they take the value fitted on the case's kind (its committed table: regenerate
+# that one first) instead of a refit against the other kind's rates
+RATIO_FITS = {"dp.zero2_microbatch_reduce_shown", "p2p.overhead_s_per_transfer"}
 
 
 def _fit(table: Dict, gpu: str) -> None:

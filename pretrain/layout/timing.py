@@ -10,6 +10,8 @@ Per micro-batch, on the slowest pipeline stage's rank (T = micro_batch_size x se
                                                                  Y: host gaps per micro-batch (both per layer, from
                                                                  micro-batch 1 against 4 on one GPU)
     step = pipeline + p2p + exposed DP gradient reduce + optimizer step
+    p2p  = m x 2 vpp x (activation bytes / bw + latency + `p2p.overhead_s_per_transfer`, fitted to a measured
+           pipeline: the transfers not hidden, host stalls and the tied-embedding reduce the schedule does not see)
     pipeline = megatron's (interleaved) 1F1B schedule of m micro-batches simulated with each virtual stage's time
                (`pretrain.layout.schedule_term`; with equal stages m x t_mb + (pp - 1) / vpp x t_mb), or, with
                schedule="textbook", m x t_mb(slowest stage) + (pp - 1) / vpp x mean stage t_mb
@@ -322,6 +324,8 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
         bw, _ = _group_bw(cluster, calib, layout.pp, layout.tp * layout.cp * layout.dp)
         act = layout.micro_batch_size * work.seq_length / (layout.tp * layout.cp) * dims.hidden * BF16
         p2p = 2 * layout.vpp * (act / bw + calib["collective.latency_s"]) * calib["p2p.exposed_fraction"]
+        # what a pipeline rank waits beyond the simulated schedule and the transfers' modeled time (fitted)
+        p2p += 2 * layout.vpp * calib["p2p.overhead_s_per_transfer"]
         bubble += m * p2p
 
     # --- gradients: accumulation per micro-batch, the DP reduce, the optimizer

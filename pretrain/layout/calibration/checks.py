@@ -54,7 +54,9 @@ MISSES = {
                         "(0.70 with the old split), the model predicts 0.90. The run batched each stage transfer "
                         "(megatron-core's batch_p2p_comm), which ends in a device synchronize: the model has no term "
                         "for it. Re-measured in one call (11-28d): 0.75 batched, 0.86 with the transfers overlapped "
-                        "(parallel.overlap_p2p_comm, the default since), which the model predicts within 4%.",
+                        "(parallel.overlap_p2p_comm, the default since), which the model predicts within 4%. "
+                        "Since the pipeline term is megatron's schedule simulated with a fitted wait per transfer "
+                        "(2026-11-29, p2p.overhead_s_per_transfer) this batched run is predicted within 11%.",
 }
 
 
