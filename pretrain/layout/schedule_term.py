@@ -4,7 +4,7 @@ The textbook bubble, (p - 1) / (v m) of the step, holds when every virtual stage
 pipeline of GLM-5 gets are not equal (the embedding, the MTP block of three depths on one layer, the output heads;
 layers that do not divide evenly), and megatron's interleaved schedule then waits more than that: simulated in
 megatron's order, the 744B plan's VPP 3 and 4 stages ran 1.24-1.47x an ideal pipeline where the textbook said
-1.07-1.13 (benchmarks/results/pipeline_plan_schedule_744b.md). So the planner times a pipeline by running the
+1.07-1.13 (docs/layout.md, the 744B plan). So the planner times a pipeline by running the
 schedule (`pretrain.layout.pipeline_schedule.simulate`, Narayanan et al., SC 2021, megatron-core's order):
 
 - each virtual stage s of `types.pipeline_plan` is timed by the planner's stage model as if it were a rank's only

@@ -16,7 +16,9 @@ A PP x VPP that does not divide the layers gets uneven stages, `pretrain.tools.p
 at the layout's micro-batches (`uneven_layout`, carried as `Layout.pipeline_layout`). Within one parallel split
 the recompute options are tried from the fastest (none) to the leanest (full +
 offload) and the first that fits is kept. Survivors are ranked by the time model's tokens/s per GPU
-(`pretrain.layout.timing.step_time`); the best are built as configs and validated (`validate_config`).
+(`pretrain.layout.timing.step_time`, the textbook bubble); the best pipelined ones are then re-split, re-fitted and
+re-timed with megatron's schedule simulated, and refused over the bound by that schedule (`pretrain.layout.rescore`);
+the best are built as configs and validated (`validate_config`).
 """
 
 from __future__ import annotations
