@@ -54,7 +54,8 @@ def project(plan_path: str, gpus: int, cluster_name: str, plan=None) -> Dict:
     """Per stage and in total: layout, memory, step, tokens/s per GPU, MFU, GPU-hours, days (`plan`: the loaded
     plan of `plan_path`, when the caller has it)."""
     from pretrain.curriculum.plan import load_plan
-    from pretrain.layout.search import bubble_refusal, layout_of, memory_refusal, refusal, stage_memory, stage_step
+    from pretrain.layout.search import (bubble_refusal, layout_of, memory_refusal, refusal,
+                                        simulated_bubble_refusal, stage_memory, stage_step)
     from pretrain.layout.types import ModelDims, cluster_preset
 
     plan = plan or load_plan(plan_path)
@@ -68,9 +69,9 @@ def project(plan_path: str, gpus: int, cluster_name: str, plan=None) -> Dict:
             raise ValueError(f"stage {s.name}: {layout.short()} on {gpus} GPUs: {refused}")
         mem = stage_memory(s.cfg, layout, work)
         step = stage_step(s.cfg, layout, work, cluster)
-        if step.bubble_fraction > 0.10:  # megatron's schedule simulated with the stage's virtual stages
-            raise ValueError(f"stage {s.name}: {layout.short()} on {gpus} GPUs: simulated pipeline bubble "
-                             f"{step.bubble_fraction:.0%} over 10%")
+        refused = simulated_bubble_refusal(layout, step, 0.10)  # megatron's schedule, the stage's virtual stages
+        if refused:
+            raise ValueError(f"stage {s.name}: {layout.short()} on {gpus} GPUs: {refused}")
         seconds = s.train_iters * step.total
         stages.append({"name": s.name, "seq": s.seq_length, "tokens": s.trained_tokens, "steps": s.train_iters,
                        "batch": s.global_batch_size, "layout": layout, "memory": mem,

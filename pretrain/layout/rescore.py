@@ -23,7 +23,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from pretrain.layout.types import Layout, ModelDims
+from pretrain.layout.types import Layout
 
 __all__ = ["scheduled", "rescore", "TEXTBOOK_NOTE"]
 
@@ -46,7 +46,7 @@ def _scheduled(costs: Costs, pp: int, vpp: int, m: int) -> Optional[Tuple[Option
     return (format_layout(stages) if stages is not None else None), group
 
 
-def scheduled(dims: ModelDims, layout: Layout, costs: Optional[Costs]) -> Layout:
+def scheduled(layout: Layout, costs: Optional[Costs]) -> Layout:
     """The layout with the split and micro-batch group its simulated schedule prefers (module docstring); unchanged
     without virtual stages or entry costs."""
     if layout.pp == 1 or layout.vpp == 1 or costs is None:
@@ -54,9 +54,7 @@ def scheduled(dims: ModelDims, layout: Layout, costs: Optional[Costs]) -> Layout
     chosen = _scheduled(costs, layout.pp, layout.vpp, layout.num_microbatches)
     if chosen is None:
         return layout
-    stages, group = chosen
-    if stages is None and dims.num_layers % (layout.pp * layout.vpp):
-        return layout
+    stages, group = chosen  # stages None: megatron's even split (chosen only where the layers divide)
     return replace(layout, pipeline_layout=stages, microbatch_group=None if group == layout.pp else group)
 
 

@@ -144,6 +144,15 @@ def bubble_refusal(layout: Layout, bound: float) -> Optional[str]:
     return None
 
 
+def simulated_bubble_refusal(layout: Layout, step: StepTime, bound: float) -> Optional[str]:
+    """The refusal of a pipeline whose schedule, simulated with its own virtual stages (`StepTime.bubble_fraction`),
+    idles more than `bound` of its busiest rank's work; None within it."""
+    if layout.pp > 1 and step.bubble_fraction > bound:
+        return (f"bubble (simulated schedule): {step.bubble_fraction:.0%} of the busiest rank's work at PP {layout.pp} "
+                f"x VPP {layout.vpp}, m {layout.num_microbatches}, over {bound:.0%}")
+    return None
+
+
 def pipeline_costs(cfg, work: Workload, gpu: Optional[str] = None
                    ) -> Tuple[Tuple[str, ...], Tuple[float, ...], Tuple[bool, ...]]:
     """`SearchOptions.pipeline_costs` of `cfg` at the workload's sequence length (docs/parallelism.md's cost model):
@@ -276,15 +285,13 @@ def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[Sea
     result.ranked.sort(key=lambda c: -c.step.tokens_per_s_per_gpu)
     if retime_fn is not None:
         def retime(layout: Layout) -> Tuple[Optional[Candidate], Optional[str]]:
-            lay = scheduled(dims, layout, opts.pipeline_costs)
+            lay = scheduled(layout, opts.pipeline_costs)
             cand, reason, _ = fitting(dims, lay, work, cluster, opts)
             if cand is None:
                 return None, reason
             cand.step = retime_fn(dims, cand.layout, work, cluster)
-            if cand.step.bubble_fraction > opts.bubble_bound:
-                return None, (f"bubble (simulated schedule): {cand.step.bubble_fraction:.0%} of the busiest rank's "
-                              f"work at PP {lay.pp} x VPP {lay.vpp}, m {lay.num_microbatches}, over {opts.bubble_bound:.0%}")
-            return cand, None
+            reason = simulated_bubble_refusal(cand.layout, cand.step, opts.bubble_bound)
+            return (None, reason) if reason else (cand, None)
 
         result.ranked, refusals = rescore(result.ranked, retime, lambda c: c.step.tokens_per_s_per_gpu,
                                           need=max(opts.validate_top, 1), limit=opts.schedule_rescore)
@@ -373,13 +380,11 @@ def check_stage(cfg, world_size: int, cluster: str = "h100-nvl-ib400", headroom:
         reason = memory_refusal(stage_memory(cfg, layout, work), gpus.memory_bytes, headroom) or host_refusal(
             stage_host_memory(cfg, layout, work, gpus.gpus_per_node), gpus.host_memory_bytes, headroom)
     if reason is None and layout.pp > 1:  # megatron's schedule with the stage's own virtual stages
-        bubble = stage_step(cfg, layout, work, gpus).bubble_fraction
-        if bubble > bubble_bound:
-            reason = (f"bubble (simulated schedule): {bubble:.0%} of the busiest rank's work at PP {layout.pp} x "
-                      f"VPP {layout.vpp}, m {layout.num_microbatches}, over {bubble_bound:.0%}")
+        reason = simulated_bubble_refusal(layout, stage_step(cfg, layout, work, gpus), bubble_bound)
     return f"{layout.short()} on {world_size} x {gpus.gpu_kind}: {reason}" if reason else None
 
 
 __all__: Sequence[str] = ["Candidate", "SearchOptions", "SearchResult", "check_stage", "config_validator",
                           "configured_layout", "layout_of", "pipeline_costs", "refusal", "saves_checkpoints", "search",
-                          "splits", "stage_host_memory", "stage_memory", "stage_step", "uneven_layout"]
+                          "simulated_bubble_refusal", "splits", "stage_host_memory", "stage_memory", "stage_step",
+                          "uneven_layout"]

@@ -24,10 +24,9 @@ import argparse
 import bisect
 import json
 from collections import defaultdict
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from pretrain.tools.trace_events import Trace, end, merge_intervals
+from pretrain.tools.trace_events import Trace, end, merge_intervals, write_report
 
 DEPTH = 4  # host operators/ranges per chain, innermost first
 SHORT = "(stretches shorter than the threshold)"
@@ -159,12 +158,7 @@ def main(argv=None) -> int:
     with open(args.trace, encoding="utf-8") as f:
         trace = Trace(json.load(f))
     summary = idle(trace, args.steps, args.min_us)
-    text = format_idle(summary, args.top)
-    print(text, end="")
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    write_report(format_idle(summary, args.top), summary, args.out, args.json)
     return 0
 
 

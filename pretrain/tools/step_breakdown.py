@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from pretrain.tools import device_idle
-from pretrain.tools.trace_events import Trace, end, merge_intervals
+from pretrain.tools.trace_events import Trace, end, merge_intervals, write_report
 from pretrain.training.profile_scopes import MODEL_PARTS, PARTS, PREFIX
 
 OTHER = "other"
@@ -319,11 +318,7 @@ def main(argv=None) -> int:
         gaps = device_idle.idle(trace, args.steps)
         summary["device_idle"] = {k: v[:12] if isinstance(v, list) else v for k, v in gaps.items()}
         table += device_idle.format_idle(gaps, 12)
-    print(table, end="")
-    if args.out:
-        Path(args.out).write_text(table, encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    write_report(table, summary, args.out, args.json)
     return 0
 
 

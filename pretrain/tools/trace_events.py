@@ -24,7 +24,9 @@ the batch for bmm; for `_grouped_mm` the groups' rows are summed: a [M, K] x b [
 from __future__ import annotations
 
 import bisect
+import json
 import math
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
@@ -225,3 +227,13 @@ class Trace:
         out = [e for evs in self.host.values() for e in evs
                if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
         return sorted(out, key=lambda e: e["ts"])
+
+
+def write_report(text: str, summary: dict, out: Optional[str] = None, json_path: Optional[str] = None) -> None:
+    """What the trace tools' command lines end with: the table printed, and written to `out` and the numbers as JSON
+    to `json_path` where given."""
+    print(text, end="")
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2), encoding="utf-8")

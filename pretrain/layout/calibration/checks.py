@@ -50,13 +50,6 @@ MISSES = {
                         "+4.1% (the 11-29 cases). The memory model describes today's code, whose local MoE dispatch "
                         "holds one buffer of the routed rows' gradient where an all-to-all holds send and receive "
                         "(the 128K memory profile, long_context_h200/retention_128k/).",
-    "pp2 vpp2 mbs4 calibrated split (11-28c)": "the calibrated split (Et*4|t*3|t*5|m*3L) measured 0.77 of one GPU "
-                        "(0.70 with the old split), the model predicts 0.90. The run batched each stage transfer "
-                        "(megatron-core's batch_p2p_comm), which ends in a device synchronize: the model has no term "
-                        "for it. Re-measured in one call (11-28d): 0.75 batched, 0.86 with the transfers overlapped "
-                        "(parallel.overlap_p2p_comm, the default since), which the model predicts within 4%. "
-                        "Since the pipeline term is megatron's schedule simulated with a fitted wait per transfer "
-                        "(2026-11-29, p2p.overhead_s_per_transfer) this batched run is predicted within 11%.",
 }
 
 
