@@ -123,13 +123,13 @@ def _indexer_gradients(rank, world_size, overrides: List[str]) -> dict:
     model = unwrap_model(trainer.model[0])
     grads: Dict[str, torch.Tensor] = {}
 
-    def record_step():
+    def record_step(grad_norm):
         for name, param in model.named_parameters():
             if param.requires_grad:
                 grads[name] = param.main_grad.detach().clone()
-        return True, 0.0, None
+        return True
 
-    trainer.optimizer.step = record_step
+    trainer.optimizer_step = record_step
     values = trainer.train_step()
     return {"grads": grads, "values": values, "num_microbatches": trainer.num_microbatches}
 

@@ -106,9 +106,9 @@ def _one_step(rank, world_size, overrides):
     chunk = unwrap_model(trainer.model)[0]
     before = {n: p.detach().clone() for n, p in chunk.named_parameters()}
     grads, used = {}, {}
-    original = trainer.optimizer.step
+    original = trainer.optimizer_step
 
-    def step():  # the gradients, learning rate and weight decay this update uses
+    def step(grad_norm):  # the gradients, learning rate and weight decay this update uses
         for n, p in chunk.named_parameters():
             if not p.requires_grad:
                 continue
@@ -116,9 +116,9 @@ def _one_step(rank, world_size, overrides):
             grads[n] = (g if g is not None else p.grad).detach().clone()
         used["lr"] = trainer.optimizer.param_groups[0]["lr"]
         used["wd"] = {id(p): g["weight_decay"] for g in trainer.optimizer.param_groups for p in g["params"]}
-        return original()
+        return original(grad_norm)
 
-    trainer.optimizer.step = step
+    trainer.optimizer_step = step
     trainer.train()
     names = {id(p): n for n, p in chunk.named_parameters()}
     roles = {names[id(p)]: (role, split) for p, role, split in muon_roles(trainer.optimizer)}

@@ -60,17 +60,17 @@ def _train_with_nan(rank, world_size, overrides, poison_steps):
     from pretrain.training import loop
     from pretrain.training.loop import Trainer
 
-    original = loop.Trainer._global_mean
+    original = loop.Trainer._loss_total
     calls = {"n": 0}
 
-    def global_mean(self, losses):
+    def loss_total(self, losses):
         calls["n"] += 1
         if calls["n"] in poison_steps:
             for item in losses:
                 item["lm loss"][0] = torch.nan
         return original(self, losses)
 
-    loop.Trainer._global_mean = global_mean
+    loop.Trainer._loss_total = loss_total
     trainer = Trainer(load_config(str(ROOT / "configs/models/glm5-tiny.yaml"), overrides))
     before = {n: p.detach().clone() for n, p in trainer.model[0].named_parameters()}
     try:

@@ -54,18 +54,18 @@ def train_ranks(rank, world_size, overrides):
     trainer = Trainer(load_config(TINY, overrides))
     loaded = _state_summary(trainer)  # what a resumed run starts from
     grad_bytes, last_grads = [], {}
-    original = trainer.optimizer.step
+    original = trainer.optimizer_step
 
-    def step():  # every gradient has arrived and been reduced: the most gradient memory of the step
+    def step(grad_norm):  # every gradient has arrived and been reduced: the most gradient memory of the step
         grad_bytes.append(allocated_grad_bytes(trainer.model))
         last_grads.clear()  # the reduced gradients the optimizer sees (this rank's owned ones with ZeRO-2)
         for c in trainer.model:
             owns = getattr(c, "owns", lambda p: True)
             last_grads.update({n: p.main_grad.detach().clone() for n, p in c.module.named_parameters()
                                if p.requires_grad and owns(p)})
-        return original()
+        return original(grad_norm)
 
-    trainer.optimizer.step = step
+    trainer.optimizer_step = step
     trainer.train()
     out = {"loaded": loaded, "params": {n: p.detach().clone() for c in unwrap_model(trainer.model) for n, p in c.named_parameters()},
            "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),

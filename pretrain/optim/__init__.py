@@ -1,6 +1,7 @@
 """The optimizer's one home: Muon with Muon Split (`muon`), which update each GLM-5 parameter takes
 (`roles`), ZeRO-2 gradient ownership and reduction (`zero2_grads`) and its owner-side optimizer
-(`zero2_owner`), and the builder that decides data-parallel wrapping and optimizer together (`build`).
+(`zero2_owner`), the step clipped by the loop's gradient norm (`clipped_step`), and the builder that
+decides data-parallel wrapping and optimizer together (`build`).
 """
 
 from pretrain.optim.build import (
@@ -12,6 +13,7 @@ from pretrain.optim.build import (
     register_optimizer,
     wrap_model_chunks,
 )
+from pretrain.optim.clipped_step import step_with_norm
 from pretrain.optim.muon import Muon, MuonSplit, newton_schulz, orthogonalized_update, sharded_orthogonalized_update
 from pretrain.optim.roles import (
     build_muon_optimizer,
@@ -46,6 +48,7 @@ __all__ = [
     "register_optimizer",
     "shard_optimizer",
     "sharded_orthogonalized_update",
+    "step_with_norm",
     "sub_optimizers",
     "wrap_model_chunks",
 ]

@@ -37,6 +37,7 @@ from pretrain.model.builder import build_model_chunks as build_rank_chunks
 from pretrain.model.stages import freeze_for_stage
 from pretrain.notices import first_time
 from pretrain.optim.build import build_optimizer, build_scheduler, wrap_model_chunks
+from pretrain.optim.clipped_step import step_with_norm
 from pretrain.training.metrics import synchronize
 from pretrain.training.preflight import preflight
 from pretrain.training.profile_scopes import scope
@@ -188,14 +189,23 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def _global_mean(self, losses: List[Dict[str, torch.Tensor]]) -> float:
-        """Token-mean LM loss over the global batch (counted once per model replica)."""
-        total = torch.zeros(2, dtype=torch.float64)
-        for item in losses:
-            total += item["lm loss"].detach().double().cpu()
-        total = total.to(_device())
+    def _loss_total(self, losses: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        """(LM loss sum, token count) over the global batch (counted once per model replica), summed and
+        all-reduced on the device: nothing waits for it until `_mean` reads it."""
+        total = torch.zeros(2, dtype=torch.float64, device=_device())
+        if losses:
+            total += torch.stack([item["lm loss"].detach().reshape(2) for item in losses]).double().sum(0)
         dist.all_reduce(total)
-        return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+        return total
+
+    @staticmethod
+    def _mean(total: torch.Tensor) -> float:
+        total_sum, count = total.tolist()  # one host read of both
+        return total_sum / count if count > 0 else float("nan")
+
+    def _global_mean(self, losses: List[Dict[str, torch.Tensor]]) -> float:
+        """Token-mean LM loss over the global batch."""
+        return self._mean(self._loss_total(losses))
 
     def _auxiliary_losses(self) -> Dict[str, float]:
         """This step's auxiliary losses (MTP depths, MoE balancing, DSA indexer, ...), for logging."""
@@ -215,16 +225,18 @@ class Trainer:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
         losses = self._run_schedule(self.train_iter, forward_only=False)
-        loss = self._global_mean(losses)  # reads the loss: the device is idle from here
-        optimizer_start = time.perf_counter()
+        loss_total = self._loss_total(losses)  # queued behind the backward, read after the norm's wait
         with scope("optimizer"):
             self.optimizer.prepare_grads()
+            # The step's one wait for the device: the norm is read on the host (a non-finite one skips the
+            # step), and the update is clipped by this same norm rather than megatron's step computing it again.
             grad_norm = self.optimizer.get_grad_norm()
+        optimizer_start = time.perf_counter()  # the backward has ended on the device
+        loss = self._mean(loss_total)
         finite = math.isfinite(loss) and grad_norm is not None and math.isfinite(grad_norm)
         if finite:
             with scope("optimizer"):
-                updated, grad_norm, _ = self.optimizer.step()
-            finite = bool(updated)
+                finite = self.optimizer_step(grad_norm)
         synchronize()
         optimizer_seconds = time.perf_counter() - optimizer_start
         if finite:
@@ -238,6 +250,10 @@ class Trainer:
                   "optimizer_time_s": optimizer_seconds}
         values.update(self._auxiliary_losses())
         return values
+
+    def optimizer_step(self, grad_norm: float) -> bool:
+        """Clip by `grad_norm` and update (`pretrain.optim.step_with_norm`); False if the update did not happen."""
+        return step_with_norm(self.optimizer, grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -7,9 +7,9 @@ flushes it, so a crashed or killed run keeps every step it logged. Each line hol
 
 (null when unknown; `mfu` is a fraction of the GPU's dense bf16 peak, null on CPU; `tokens_per_sec`
 is the whole job's throughput; memory in GiB), plus whatever else the trainer reports:
-`mtp_loss_<d>`, `aux_loss`, `indexer_loss`, `valid_loss`, `step_time_s`, `optimizer_time_s` (gradient
-norm, clipping and the update, device-synchronized), ... Non-finite numbers
-(a NaN-skipped step's loss) are written as null, so every line is strict JSON.
+`mtp_loss_<d>`, `aux_loss`, `indexer_loss`, `valid_loss`, `step_time_s`, `optimizer_time_s` (clipping
+and the update, timed from the read of the gradient norm, which waits for the backward; device-synchronized),
+... Non-finite numbers (a NaN-skipped step's loss) are written as null, so every line is strict JSON.
 
 Resume: `MetricsLogger(..., resume_step=k)` first rewrites metrics.jsonl keeping only the lines
 with step <= k (and dropping a torn last line), so the steps the resumed run logs again (k + 1, ...)
