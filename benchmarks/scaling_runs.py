@@ -15,10 +15,6 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
     ddp_ctas4_m32,         ddp_m32 / zero2_m32 with parallel.nccl_communicator_config_path=
     zero2_ctas4_m32        configs/nccl/dp_reduce_4ctas.yaml: the data-parallel groups' NCCL kernels take at most 4
                            thread blocks (SMs) beside the backward
-    zero2_carve8_m32,      zero2_ctas4_m32 with parallel.gemm_sm_carveout=8 / 16: cuBLAS / CUTLASS GEMMs target 8 / 16
-    zero2_carve16_m32      SMs fewer, so that a GEMM's thread blocks fit in one wave beside the reduce's NCCL kernel
-    ddp_carve8_m32         ddp_ctas4_m32 with the same carveout of 8: what the carveout costs where little runs beside
-    zero2_bf16_carve8_m32  zero2_carve8_m32 with each micro-batch's reduce in bf16 (zero2_bf16_m32's half traffic)
     ep_a2a                 EP = N x DP = N, megatron's alltoall dispatcher
     ep                     EP = N x DP = N, alltoall_dedup (one row per token and destination rank)
     ep_shared, ep_chunks   ep + model.moe_shared_expert_overlap / + model.moe_overlap_chunks=2
@@ -33,8 +29,6 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
     pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not
                            Liger's, whose forward reads its mask count on the host (`.item()`) once per head per
                            micro-batch: the last stage's host then waits for its device, which waits for the other stage
-    pp2_carve8             pp2_chunked with parallel.gemm_sm_carveout=8: GEMMs leave 8 SMs to the stage transfers'
-                           NCCL kernels, which run beside them
     pp2_closed             pp2_chunked with pipeline_split's closed-form balance (--closed-form: the busiest rank and
                            the slowest stage, micro-batch groups of PP), what pp2_chunked ran before the simulated
                            schedule
@@ -70,12 +64,11 @@ WIDTH_128K = "configs/scaling/glm5-width-128k.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
     "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32", "zero2_scatter_m32", "zero2_bf16_m32", "zero2_step_m32",
-           "zero2_b160_m32", "ddp_ctas4_m32", "zero2_ctas4_m32", "zero2_carve8_m32", "zero2_carve16_m32",
-           "ddp_carve8_m32", "zero2_bf16_carve8_m32"],
+           "zero2_b160_m32", "ddp_ctas4_m32", "zero2_ctas4_m32"],
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2", "pp2_batched", "pp2_chunked", "pp2_carve8", "pp2_closed"],
+    "pp": ["pp2", "pp2_batched", "pp2_chunked", "pp2_closed"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs",
            "cp2_32k_docs_work", "gpu1_32k_dsa", "cp2_32k_dsa"],
@@ -129,11 +122,6 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str], pp_closed: Optiona
         Run("zero2_b160_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.bucket_size=160000000"]),
         Run("ddp_ctas4_m32", n, 32, n, "gpu1", [FEW_CTAS]),
         Run("zero2_ctas4_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS]),
-        Run("zero2_carve8_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS, "parallel.gemm_sm_carveout=8"]),
-        Run("zero2_carve16_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS, "parallel.gemm_sm_carveout=16"]),
-        Run("ddp_carve8_m32", n, 32, n, "gpu1", [FEW_CTAS, "parallel.gemm_sm_carveout=8"]),
-        Run("zero2_bf16_carve8_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS, "parallel.gemm_sm_carveout=8",
-                                                              "parallel.grad_reduce_in_fp32=false"]),
         Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], "a2a"),
         Run("ep", n, 8, n, "gpu1", ep + DEDUP, "a2a"),
         Run("ep_shared", n, 8, n, "gpu1", ep + DEDUP + OVERLAP[:1], "a2a"),
@@ -147,8 +135,6 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str], pp_closed: Optiona
             + ["parallel.overlap_p2p_comm=false", "parallel.deallocate_pipeline_outputs=false"]),
         Run("pp2_chunked", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
             + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
-        Run("pp2_carve8", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
-            + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096", "parallel.gemm_sm_carveout=8"]),
         Run("pp2_closed", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + (pp_closed or pp_layout)
             + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
         Run("tp2", n, 8, half, "gpu1", TP2),

@@ -66,10 +66,7 @@ def initialize_parallel(parallel: ParallelConfig, seed: int = 1234, backend: Opt
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    carveout = gemm_sm_carveout(parallel)  # refused before any process group
     init_distributed(backend, parallel.distributed_timeout_minutes)
-    if carveout is not None:
-        torch._C._set_sm_carveout_experimental(carveout)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -97,26 +94,6 @@ def nccl_options_path(parallel: ParallelConfig) -> Optional[str]:
         raise RuntimeError(f"parallel.nccl_communicator_config_path={path} sets NCCL options, but this run has no "
                            "CUDA and uses gloo; set it to null")
     return path
-
-
-def gemm_sm_carveout(parallel: ParallelConfig) -> Optional[int]:
-    """`parallel.gemm_sm_carveout`, checked against this GPU's SM count; refused without CUDA.
-
-    A GEMM sized for every SM runs a second, mostly idle wave of thread blocks when an NCCL kernel (a
-    gradient reduce beside the backward) holds some SMs; GEMMs that target fewer SMs fit beside it, a few
-    percent slower alone (torch's `_set_sm_carveout_experimental`: cuBLASLt's SM count target and CUTLASS's
-    grouped GEMMs; cuDNN's attention and other kernels keep every SM)."""
-    n = parallel.gemm_sm_carveout
-    if n is None:
-        return None
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"parallel.gemm_sm_carveout={n} leaves SMs free for communication, but this run has no CUDA; "
-                           "set it to null")
-    # this rank's GPU by LOCAL_RANK: `current_device()` here, before the device is set, would open a context on GPU 0
-    sms = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).multi_processor_count
-    if n >= sms:
-        raise ValueError(f"parallel.gemm_sm_carveout={n} must be below this GPU's {sms} SMs")
-    return n
 
 
 def ensure_single_rank(seed: int = 1234) -> None:

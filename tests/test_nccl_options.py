@@ -1,6 +1,5 @@
 """`parallel.nccl_communicator_config_path`: a bad file is refused at config time in one line naming the key, a good
-one reaches megatron-core's `initialize_model_parallel`, and a gloo run refuses it before building any group; the same
-for `parallel.gemm_sm_carveout` (the SMs GEMMs leave to NCCL), which reaches torch's global setting."""
+one reaches megatron-core's `initialize_model_parallel`, and a gloo run refuses it before building any group."""
 
 from __future__ import annotations
 
@@ -61,43 +60,3 @@ def test_gloo_run_refuses_nccl_options(monkeypatch):
     with pytest.raises(RuntimeError, match=f"{KEY}=.*no CUDA"):
         initialize.nccl_options_path(ParallelConfig(nccl_communicator_config_path=SHIPPED))
     assert initialize.nccl_options_path(ParallelConfig()) is None
-
-
-CARVE = "parallel.gemm_sm_carveout"
-
-
-@pytest.mark.parametrize("value", [0, -4])
-def test_bad_sm_carveout_is_refused_naming_the_key(value):
-    with pytest.raises(ConfigError) as e:
-        tiny(f"{CARVE}={value}")
-    assert str(e.value).startswith(CARVE) and "\n" not in str(e.value)
-
-
-def test_sm_carveout_reaches_torch_before_the_groups_and_is_checked_against_the_gpu(monkeypatch):
-    """The carveout is set in every rank's process (torch's global GEMM setting), after the process group and
-    before megatron's groups; more SMs than the GPU has, or no CUDA at all, is refused before any group."""
-    from types import SimpleNamespace
-
-    from megatron.core import parallel_state as ps
-    import megatron.core.tensor_parallel as mtp
-
-    order = []
-    monkeypatch.setattr(initialize, "init_distributed", lambda *a, **k: order.append("process group"))
-    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
-    monkeypatch.setattr(ps, "initialize_model_parallel", lambda **kw: order.append("megatron groups"))
-    monkeypatch.setattr(mtp, "model_parallel_cuda_manual_seed", lambda seed: None)
-    monkeypatch.setattr(initialize.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(initialize.torch.cuda, "get_device_properties",
-                        lambda i: SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(initialize.torch._C, "_set_sm_carveout_experimental", lambda n: order.append(f"carveout {n}"))
-    initialize.initialize_parallel(tiny(f"{CARVE}=8").parallel)
-    assert order == ["process group", "carveout 8", "megatron groups"]
-    order.clear()
-    with pytest.raises(ValueError, match=f"{CARVE}=132 must be below this GPU's 132 SMs"):
-        initialize.initialize_parallel(tiny(f"{CARVE}=132").parallel)
-    monkeypatch.setattr(initialize.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match=f"{CARVE}=8 .*no CUDA"):
-        initialize.initialize_parallel(tiny(f"{CARVE}=8").parallel)
-    assert order == []  # nothing was built for either refusal
-    initialize.initialize_parallel(tiny().parallel)
-    assert order == ["process group", "megatron groups"]  # no carveout asked: torch's setting untouched

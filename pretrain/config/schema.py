@@ -252,8 +252,6 @@ class ParallelConfig:
     """Timeout of every process group's collectives (megatron-core's default); a rank waiting longer raises."""
     nccl_communicator_config_path: Optional[str] = None
     """megatron-core's NCCL options per process group, a YAML file (group -> max_ctas, min_ctas, ...); null: NCCL's."""
-    gemm_sm_carveout: Optional[int] = None
-    """SMs that cuBLAS / CUTLASS GEMMs leave free (torch's SM carveout), for NCCL kernels running beside them; null: none."""
 
 
 @dataclass

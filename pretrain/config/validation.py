@@ -294,7 +294,6 @@ def check_parallel(p: ParallelConfig) -> None:
               "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes")
     _positive(p, "parallel", "bucket_size", optional=True)
     check_nccl_options(p.nccl_communicator_config_path)
-    _positive(p, "parallel", "gemm_sm_carveout", optional=True)
     _positive(p, "parallel", "microbatch_group_size_per_vp_stage", optional=True)
     require(p.microbatch_group_size_per_vp_stage is None or p.virtual_pipeline_model_parallel_size is not None,
             "parallel.microbatch_group_size_per_vp_stage orders the interleaved schedule and needs "

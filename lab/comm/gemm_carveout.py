@@ -1,8 +1,12 @@
-"""GEMMs beside an NCCL reduce, with and without `parallel.gemm_sm_carveout` (torch's SM carveout), on 2 GPUs.
+"""GEMMs beside an NCCL reduce, with and without torch's SM carveout for GEMMs, on 2 GPUs.
 
-    torchrun --nproc-per-node 2 benchmarks/gemm_carveout.py --out gemm_carveout.json
+    torchrun --nproc-per-node 2 lab/comm/gemm_carveout.py --out gemm_carveout.json
 
-For carveouts none, 8, 16 and 66 SMs, each rank times (medians of wall clock around synchronized CUDA work,
+The question: does ZeRO-2's per-micro-batch reduce slow the backward's GEMMs because a GEMM sized for every SM
+runs a second wave of thread blocks when NCCL holds some SMs, and does `torch._C._set_sm_carveout_experimental`
+(GEMMs targeting fewer SMs) take that back? The journal (lab/journal/comm.md) has the answer: no.
+
+For carveouts none, 8, 16 and 66 SMs, each rank times (the mean of wall clock around synchronized CUDA work over
 `--reps` repetitions): an 8192^3 bf16 GEMM and eight [8192 x 2048] @ [2048 x 6144] projections alone, and
 the same while a 200 MB fp32 reduce to rank 0 runs on a side stream (what ZeRO-2's per-micro-batch reduce does
 beside the backward); then the reduce alone. Rank 0 writes the JSON.
