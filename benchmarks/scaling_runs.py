@@ -29,6 +29,8 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
     pp2_chunked            pp2 with the chunked output loss (output_loss_backend=chunked, 4096-token chunks), not
                            Liger's, whose forward reads its mask count on the host (`.item()`) once per head per
                            micro-batch: the last stage's host then waits for its device, which waits for the other stage
+    pp2_muon_balance       pp2_chunked with optimizer.muon_pipeline_balance=true: the busier pipeline rank sends part of
+                           its Newton-Schulz blocks to the other
     pp2_closed             pp2_chunked with pipeline_split's closed-form balance (--closed-form: the busiest rank and
                            the slowest stage, micro-batch groups of PP), what pp2_chunked ran before the simulated
                            schedule
@@ -68,7 +70,7 @@ GROUPS = {
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
-    "pp": ["pp2", "pp2_batched", "pp2_chunked", "pp2_closed"],
+    "pp": ["pp2", "pp2_batched", "pp2_chunked", "pp2_muon_balance", "pp2_closed"],
     "tp": ["tp2"],
     "cp": ["gpu1_32k", "cp2_32k", "cp2_32k_merged", "cp2_32k_zero2", "gpu1_32k_docs", "cp2_32k_docs",
            "cp2_32k_docs_work", "gpu1_32k_dsa", "cp2_32k_dsa"],
@@ -135,6 +137,9 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str], pp_closed: Optiona
             + ["parallel.overlap_p2p_comm=false", "parallel.deallocate_pipeline_outputs=false"]),
         Run("pp2_chunked", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
             + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
+        Run("pp2_muon_balance", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + pp_layout
+            + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096",
+               "optimizer.muon_pipeline_balance=true"]),
         Run("pp2_closed", n, 8, half, "gpu1", ["parallel.pipeline_model_parallel_size=2"] + (pp_closed or pp_layout)
             + ["model.output_loss_backend=chunked", "model.output_chunk_size=4096"]),
         Run("tp2", n, 8, half, "gpu1", TP2),

@@ -290,6 +290,8 @@ class OptimizerConfig:
     """Ours: true orthogonalizes a SwiGLU fc1's gate and up apart (fewer FLOPs, trained worse); false: whole."""
     muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Ours: Newton-Schulz precision."""
+    muon_pipeline_balance: bool = False
+    """Ours: PP > 1: a pipeline rank with more Newton-Schulz work sends some blocks to one with less (no ZeRO-2)."""
     muon_router: Literal["adamw", "muon"] = "adamw"
     """Ours: optimizer of the MoE router gate (embeddings, output layer, norms, biases always take AdamW)."""
     muon_indexer: Literal["adamw", "muon"] = "muon"

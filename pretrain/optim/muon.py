@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.model.dsa.kernels import triton_available
-from pretrain.optim.muon_staging import StagedBlock, stage_batches, use_fused
+from pretrain.optim.muon_staging import StagedBlock, apply_stage, fill_stage, stage_batches, use_fused
 
 # Quintic Newton-Schulz coefficients (Jordan et al., Muon): fast convergence of singular values
 # into a band around 1 rather than exactly to 1.
@@ -226,6 +226,8 @@ class Muon(torch.optim.Optimizer):
             if id(p) in self._splits:
                 self._splits[id(p)].shard_dim(dim)
         self._foreign: set = set()
+        # `pretrain.optim.muon_pipeline.PipelineBalance` when pipeline ranks share the Newton-Schulz work
+        self.pipeline_balance = None
         self.ns_batch_elements = ns_batch_elements
         self.fused_elementwise = fused_elementwise
 
@@ -266,11 +268,11 @@ class Muon(torch.optim.Optimizer):
                     matrices.append((group, p))
                 else:
                     self._adamw_update(group, p)
-        if matrices:
-            self._muon_updates(matrices)
+        if matrices or (self.pipeline_balance is not None and only is None):  # a balance exchanges every step
+            self._muon_updates(matrices, balanced=only is None)
         return loss
 
-    def _muon_updates(self, matrices: List[Tuple[dict, torch.Tensor]]) -> None:
+    def _muon_updates(self, matrices: List[Tuple[dict, torch.Tensor]], balanced: bool = False) -> None:
         """Momentum, Newton-Schulz and the update of every Muon matrix in `matrices`.
 
         Blocks of one shape from all matrices (every layer's experts, every head) run through one
@@ -307,6 +309,11 @@ class Muon(torch.optim.Optimizer):
                 coef = -group["lr"] * group["scale_rms"] * math.sqrt(max(grad.shape[-2:]))
                 block = StagedBlock(grad, momentum, param, mu, coef, fused)
                 staged.setdefault((dtype, group["ns_steps"]), []).append(block)
+        if balanced and self.pipeline_balance is not None:
+            from pretrain.optim.muon_pipeline import balanced_updates
+
+            balanced_updates(staged, self.ns_batch_elements, self.pipeline_balance, newton_schulz_lowp)
+            return
         for (dtype, steps), blocks in staged.items():
             shapes = [(b.grad.shape[0], *b.wide) for b in blocks]
             for batch in stage_batches(shapes, self.ns_batch_elements):
@@ -325,31 +332,7 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _orthogonalize_and_apply(blocks: List[StagedBlock], dtype: torch.dtype, steps: int) -> None:
         """One batched Newton-Schulz over `blocks` (all of one wide shape), each result added to its weight."""
-        if any(b.fused is not None for b in blocks):
-            from pretrain.optim import muon_kernels
-        m, n = blocks[0].wide
-        stage = torch.empty(sum(b.grad.shape[0] for b in blocks), m, n, dtype=dtype, device=blocks[0].grad.device)
-        start = 0
-        for b in blocks:
-            span = stage[start : start + b.grad.shape[0]]
-            start += b.grad.shape[0]
-            span = span.mT if b.transposed else span
-            if b.fused is not None:  # M <- mu M + G and the stage in one pass
-                muon_kernels.momentum_and_stage(b.grad, b.momentum, span, b.fused[0], b.nesterov_mu)
-            elif b.nesterov_mu is None:
-                span.copy_(b.momentum)
-            else:  # u = G + mu M, rounded once into the stage
-                torch.add(b.grad, b.momentum, alpha=b.nesterov_mu, out=span)
-        x = newton_schulz_lowp(stage, steps, dtype)
-        start = 0
-        for b in blocks:
-            out = x[start : start + b.grad.shape[0]]
-            start += b.grad.shape[0]
-            out = out.mT if b.transposed else out
-            if b.fused is not None:  # W <- W (1 - lr wd) + coef O in one pass
-                muon_kernels.decay_and_add(b.param, out, b.fused[1], b.coef)
-            else:
-                b.param.add_(out, alpha=b.coef)
+        apply_stage(blocks, newton_schulz_lowp(fill_stage(blocks, dtype), steps, dtype))
 
     def _adamw_update(self, group: dict, p: torch.Tensor) -> None:
         state = self.state[p]

@@ -92,3 +92,40 @@ def use_fused(p: torch.Tensor, stage_dtype: torch.dtype, requested: Optional[boo
     if p.is_cuda:  # each reason said once per process
         say_once(log, "Muon takes the unfused torch elementwise path: %s", why, level=logging.WARNING)
     return False
+
+
+def fill_stage(blocks: List[StagedBlock], dtype: torch.dtype) -> torch.Tensor:
+    """The stage [sum of groups, m, n] in `dtype` of `blocks` (all of one wide shape (m, n)): each block's u
+    (G + mu M, or M), written in the wide orientation; with the fused kernels the momentum step happens here."""
+    if any(b.fused is not None for b in blocks):
+        from pretrain.optim import muon_kernels
+    m, n = blocks[0].wide
+    stage = torch.empty(sum(b.grad.shape[0] for b in blocks), m, n, dtype=dtype, device=blocks[0].grad.device)
+    start = 0
+    for b in blocks:
+        span = stage[start : start + b.grad.shape[0]]
+        start += b.grad.shape[0]
+        span = span.mT if b.transposed else span
+        if b.fused is not None:  # M <- mu M + G and the stage in one pass
+            muon_kernels.momentum_and_stage(b.grad, b.momentum, span, b.fused[0], b.nesterov_mu)
+        elif b.nesterov_mu is None:
+            span.copy_(b.momentum)
+        else:  # u = G + mu M, rounded once into the stage
+            torch.add(b.grad, b.momentum, alpha=b.nesterov_mu, out=span)
+    return stage
+
+
+def apply_stage(blocks: List[StagedBlock], x: torch.Tensor) -> None:
+    """Add each block's orthogonalized slice of `x` (the Newton-Schulz of `fill_stage`'s stage) to its weight,
+    scaled by its coefficient (with the fused kernels, after the decoupled decay in the same pass)."""
+    if any(b.fused is not None for b in blocks):
+        from pretrain.optim import muon_kernels
+    start = 0
+    for b in blocks:
+        out = x[start : start + b.grad.shape[0]]
+        start += b.grad.shape[0]
+        out = out.mT if b.transposed else out
+        if b.fused is not None:  # W <- W (1 - lr wd) + coef O in one pass
+            muon_kernels.decay_and_add(b.param, out, b.fused[1], b.coef)
+        else:
+            b.param.add_(out, alpha=b.coef)

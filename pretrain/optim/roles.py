@@ -39,15 +39,19 @@ Newton-Schulz work).
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 from pretrain.config.schema import ModelConfig, OptimizerConfig
 from pretrain.model.dsa import is_indexer_parameter
 from pretrain.optim.muon import Muon, MuonSplit
+
+log = logging.getLogger(__name__)
 
 
 def sub_optimizers(optimizer) -> List:
@@ -235,7 +239,26 @@ def build_muon_optimizer(optimizer_cfg: OptimizerConfig, model_cfg: ModelConfig,
             scale_rms=o.muon_scale_rms, adam_betas=(o.adam_beta1, o.adam_beta2), adam_eps=o.adam_eps,
             splits=splits, adamw_params=adamw, tp_shards=tp_shards)
         sub.init_state_fn = init_muon_state
+    if o.muon_pipeline_balance and ps.get_pipeline_model_parallel_world_size() > 1:
+        balance_pipeline([sub.optimizer for sub in sub_optimizers(megatron_optimizer) if sub.optimizer is not None])
     return megatron_optimizer
+
+
+def balance_pipeline(muons: List[Muon]) -> None:
+    """`optimizer.muon_pipeline_balance`: pair each Muon with the same sub-optimizer of every pipeline rank
+    (`pretrain.optim.muon_pipeline`). Ranks holding different numbers of them (a stage without experts) could not
+    pair their exchanges: then none is balanced, and the log says so."""
+    from pretrain.optim.muon_pipeline import PipelineBalance
+
+    group = ps.get_pipeline_model_parallel_group()
+    counts: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, len(muons), group=group)
+    if len(set(counts)) > 1:
+        log.warning("optimizer.muon_pipeline_balance is not applied: the pipeline ranks hold %s Muon optimizers "
+                    "(dense, expert), which cannot be paired; each rank runs its own Newton-Schulz", counts)
+        return
+    for tag, muon in enumerate(muons):
+        muon.pipeline_balance = PipelineBalance(group, tag)
 
 
 def init_muon_state(opt: Muon, config=None) -> None:
