@@ -73,3 +73,67 @@ def test_the_744b_plans_pipelines_idle_at_most_a_tenth_of_their_busiest_rank():
     for name, r in rows.items():
         assert r["simulated"] / r["busiest"] <= 1.10, (name, r["simulated"], r["busiest"])
     assert rows["pretrain-4k"]["simulated"] == pytest.approx(1.228, abs=0.002)
+
+
+def test_the_written_out_schedule_is_megatrons_own():
+    """`warmup_forwards` and `schedule_table` are megatron-core's `get_pp_rank_microbatches` and `get_schedule_table`
+    written out (so the planner's search imports neither torch nor megatron): the same numbers over a grid of
+    pipeline sizes, virtual stages, micro-batches and every group megatron accepts."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    from pretrain.layout.pipeline_schedule import schedule_table, warmup_forwards
+
+    checked = 0
+    for pp in (1, 2, 3, 4, 8, 16):
+        for vpp in (1, 2, 3, 5):
+            for m in (1, 2, 5, 8, 12, 16, 33, 64):
+                for group in sorted({pp, *schedule_groups(pp, m)}):
+                    for rank in range(pp):
+                        comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+                                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                        theirs = get_pp_rank_microbatches(m, vpp, group, p2p_communicator=comm)[2]
+                        assert warmup_forwards(rank, pp, vpp, m, group) == theirs, (rank, pp, vpp, m, group)
+                    assert schedule_table(m, vpp, group) == get_schedule_table(m, vpp, group), (pp, vpp, m, group)
+                    checked += 1
+    assert checked > 500
+
+
+def _reference_simulate(forward, backward, pp, m, transfer=0.0, group=None):
+    """`simulate` as first written: each op's end kept by ("F" / "B", stage, micro-batch), every rank in turn."""
+    stages = len(forward)
+    orders = [rank_order(r, pp, stages // pp, m, group) for r in range(pp)]
+    done, free, busy, nxt = {}, [0.0] * pp, [0.0] * pp, [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        for r in range(pp):
+            while nxt[r] < len(orders[r]):
+                kind, s, j = orders[r][nxt[r]]
+                if kind == "F":
+                    need, cost = (("F", s - 1, j) if s > 0 else None), forward[s]
+                else:
+                    need, cost = (("B", s + 1, j) if s < stages - 1 else ("F", s, j)), backward[s]
+                if need is not None and need not in done:
+                    break
+                ready = 0.0 if need is None else done[need] + (transfer if need[1] != s else 0.0)
+                free[r] = done[(kind, s, j)] = max(free[r], ready) + cost
+                busy[r] += cost
+                nxt[r] += 1
+                remaining -= 1
+    return max(free), tuple(busy)
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 1, 8), (4, 1, 6), (2, 2, 8), (4, 2, 12), (4, 3, 16), (3, 2, 7), (8, 2, 24)])
+def test_the_simulation_is_the_reference_one_to_the_bit(pp, vpp, m):
+    """`simulate` numbers the ops instead of keying them by tuple: the same makespan and busy times, exactly, for
+    unequal random stages, a transfer time and every micro-batch group."""
+    import random
+
+    rng = random.Random(pp * 100 + vpp * 10 + m)
+    forward = [rng.uniform(0.5, 2.0) for _ in range(pp * vpp)]
+    backward = [2 * f * rng.uniform(0.8, 1.2) for f in forward]
+    for group in schedule_groups(pp, m) if vpp > 1 else [None]:
+        for transfer in (0.0, 0.013):
+            sim = simulate(forward, backward, pp, m, transfer=transfer, group=group)
+            assert (sim.step, sim.busy) == _reference_simulate(forward, backward, pp, m, transfer, group)

@@ -14,7 +14,7 @@ Per GPU (bytes), on the pipeline rank that needs the most:
                          ZeRO-2 owners write their own share, so W = per-replica bytes / DP x CP for dense
                          parameters, / the expert-data-parallel size for routed experts.
     activation_offload   the saved activations that wait in host memory at the peak of the schedule
-                         (`memory.offloaded_bytes`) x PINNED_ROUNDING: pinned buffers from the same allocator.
+                         (`activations.offloaded_bytes`) x PINNED_ROUNDING: pinned buffers from the same allocator.
 
 PINNED_ROUNDING = 1.3 is measured: a synchronous save kept 1.275 x W on glm5-proxy (27.78 GiB for W = 21.79 GiB on
 one H200; 13.90 GiB per rank on two) and 1.33 x on a 48-expert glm5-tiny (2.04 GB for 1.54 GB written); sizes spread
@@ -26,10 +26,11 @@ same rounding, not measured on a host. A layout fits when GPUs per node x the la
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from pretrain.layout.memory import (ParamShard, format_terms, offloaded_bytes, rank_parameters, replica_groups,
-                                   state_terms)
+from pretrain.layout.activations import ranks_offloaded_bytes
+from pretrain.layout.memo import Memo
+from pretrain.layout.memory import ParamShard, format_terms, rank_parameters, replica_groups, state_terms
 from pretrain.layout.types import GiB, Layout, ModelDims, Workload
 
 PINNED_ROUNDING = 1.3
@@ -71,18 +72,40 @@ def host_estimate(dims: ModelDims, layout: Layout, work: Workload, gpus_per_node
                   trainable: str = "all", saves: bool = False, pinned_staging: bool = True) -> HostEstimate:
     """Host bytes per GPU on the pipeline rank that needs the most (module docstring). `saves`: the run saves
     checkpoints; `pinned_staging`: `checkpoint.pinned_staging` (asynchronous saves stage pinned in any case)."""
-    best: Optional[HostEstimate] = None
-    for rank in range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1}):
+    best: Optional[Tuple[float, Dict[str, float], int]] = None  # (per GPU, terms, rank)
+    ranks = tuple(range(layout.pp)) if layout.pipeline_layout else tuple(sorted({0, layout.pp - 1}))
+    written = ranks_written_bytes(dims, layout, ranks, trainable, a == 2) if saves else ()
+    offloaded = ranks_offloaded_bytes(dims, layout, work, ranks, a) if layout.activation_offload else ()
+    for i, rank in enumerate(ranks):
         terms = {"process": PROCESS_BYTES}
         if saves:
-            staged = written_bytes(rank_parameters(dims, layout, rank, trainable), layout, a == 2)
-            terms["checkpoint_staging"] = staged * (PINNED_ROUNDING if pinned_staging else 1.0)
+            terms["checkpoint_staging"] = written[i] * (PINNED_ROUNDING if pinned_staging else 1.0)
         if layout.activation_offload:
-            terms["activation_offload"] = offloaded_bytes(dims, layout, work, rank, a) * PINNED_ROUNDING
-        candidate = HostEstimate(terms, rank, min(gpus_per_node, layout.gpus))
-        if best is None or candidate.per_gpu > best.per_gpu:
-            best = candidate
-    return best
+            terms["activation_offload"] = offloaded[i] * PINNED_ROUNDING
+        per_gpu = sum(terms.values())  # HostEstimate.per_gpu
+        if best is None or per_gpu > best[0]:
+            best = (per_gpu, terms, rank)
+    return HostEstimate(best[1], best[2], min(gpus_per_node, layout.gpus))
+
+
+_WRITTEN = Memo()  # a layout's ranks' written bytes, by the fields they read
+_RANK_WRITTEN = Memo()  # one rank's, by its shards and the fields written_bytes reads
+
+
+def ranks_written_bytes(dims: ModelDims, layout: Layout, ranks: Tuple[int, ...], trainable: str = "all",
+                        bf16: bool = True) -> Tuple[float, ...]:
+    """`written_bytes` of each of `ranks`, remembered by the fields they read (`pretrain.layout.memo`): the split
+    and the optimizer, not ZeRO or its reduce mode (a replica is written whole) nor anything of the activations."""
+    groups = replica_groups(layout)  # CP and DP enter only as the replica groups
+    fields = (groups["dense"], groups["expert"], layout.optimizer, bf16)
+
+    def rank(r: int) -> float:
+        shards = rank_parameters(dims, layout, r, trainable)
+        return _RANK_WRITTEN.get((tuple(shards), fields), lambda: written_bytes(shards, layout, bf16))
+
+    key = (dims, trainable, ranks, layout.pp, layout.vpp, layout.pipeline_layout, layout.tp, layout.ep, layout.etp,
+           fields)
+    return _WRITTEN.get(key, lambda: tuple(rank(r) for r in ranks))
 
 
 def host_refusal(host: HostEstimate, capacity: float, headroom: float) -> Optional[str]:

@@ -46,7 +46,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from pretrain.layout.activations import layer_terms, working_set
+# the per-rank activations, this module's API too (tests import them from here)
+from pretrain.layout.activations import (activation_fields, activation_terms, head_terms, in_flight_chunks,
+                                         offloaded_bytes, saved_activations)
+from pretrain.layout.memo import Memo
 from pretrain.layout.types import GiB, Layout, ModelDims, Workload, pipeline_plan
 
 ZERO2_BUCKET_ELEMENTS = 40_000_000  # pretrain.optim.zero2_grads.DEFAULT_BUCKET_ELEMENTS (megatron's DDP bucket)
@@ -150,9 +153,10 @@ def _rank_parameters(dims: ModelDims, tp: int, ep: int, etp: int, kinds: Tuple[T
         else:
             add(dims.dense_mlp_params // tp, "muon", largest=2 * h * dims.ffn_hidden // tp)
 
-    for (moe, dsa), n in kinds:
-        for _ in range(n):
-            layer(bool(moe), dsa)
+    for (moe, dsa), n in kinds:  # a kind's layers hold the same shards: one layer's, n times the elements
+        start = len(out)
+        layer(bool(moe), dsa)
+        out[start:] = [ParamShard(p.elements * n, p.optimizer, p.group, p.largest) for p in out[start:]]
     embedding, mtp, loss, norm = holds
     # MTP embeds the shifted tokens on its rank: a copy of the embedding lives there (gradients summed with
     # the first rank's, megatron's shared-embedding all-reduce), optimizer state included
@@ -167,12 +171,12 @@ def _rank_parameters(dims: ModelDims, tp: int, ep: int, etp: int, kinds: Tuple[T
             layer(dims.mtp_layer_is_moe, bool(dims.indexer_params))
             add(2 * h * h // tp, "muon")  # eh_proj
             add(dims.mtp_extra_params - 2 * h * h, "adamw")
-    merged: Dict[Tuple[str, str], ParamShard] = {}
+    merged: Dict[Tuple[str, str], Tuple[int, int]] = {}  # (elements, largest tensor) in order of first appearance
     for p in out:
         q = merged.get((p.optimizer, p.group))
-        merged[(p.optimizer, p.group)] = p if q is None else ParamShard(
-            q.elements + p.elements, p.optimizer, p.group, max(q.largest, p.largest))
-    return tuple(merged.values())
+        merged[(p.optimizer, p.group)] = (p.elements, p.largest) if q is None else (
+            q[0] + p.elements, max(q[1], p.largest))
+    return tuple(ParamShard(n, opt, group, largest) for (opt, group), (n, largest) in merged.items())
 
 
 def optimizer_state_bytes(shard: ParamShard, layout: Layout) -> int:
@@ -220,100 +224,16 @@ def save_copies_terms(shards: List[ParamShard], layout: Layout, bf16: bool = Tru
     return {"checkpoint_save_copies": experts["weights"] + experts["main_weights"] + experts["optimizer_state"]}
 
 
-def in_flight_chunks(layout: Layout, rank: int) -> int:
-    """Micro-batch model chunks whose activations rank `rank` holds at the peak of the schedule."""
-    m = layout.num_microbatches
-    if layout.vpp == 1:
-        return min(layout.pp - rank, m)
-    group = layout.microbatch_group or layout.pp  # megatron's microbatch_group_size_per_vp_stage: its warm-up
-    return min(2 * (layout.pp - rank - 1) + (layout.vpp - 1) * group + 1, m * layout.vpp)
+_ACTIVATIONS = Memo()  # a layout's compared ranks' activation terms, by activation_fields
+_STATES = Memo()  # a split's compared ranks with their state (rank_states)
+_RANK_STATES = Memo()  # one rank's state and a save's copies, by its shards and the fields they read
 
 
-def _layer_kinds(dims: ModelDims, layout: Layout, rank: int) -> Tuple[Tuple[int, int], ...]:
-    """(a layer of the kind, count) per layer kind (MoE, DSA) of the rank: a kind's layers keep equal bytes."""
-    plan = pipeline_plan(dims, layout)
-    first = {}
-    for i in plan.layers[rank]:
-        first.setdefault((dims.moe_pattern[i], dims.dsa_layers[i]), i)
-    return tuple((first[kind], n) for kind, n in plan.kinds[rank])
-
-
-def saved_activations(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2
-                      ) -> Tuple[Dict[str, float], float]:
-    """(the in-flight micro-batches' saved tensors on pipeline rank `rank` by term, what stays on the GPU of them
-    under activation offloading: two layers' worth, the one running and the one prefetched)."""
-    kinds = _layer_kinds(dims, layout, rank)
-    per_kind = [(layer_terms(dims, layout, work, first, a, layout.recompute), n) for first, n in kinds]
-    chunks = in_flight_chunks(layout, rank)
-    # chunks in flight x the rank's mean layers per chunk (its layers / VPP), at its mean per-layer bytes
-    scale = chunks / layout.vpp
-    out: Dict[str, float] = {}
-    for terms, n in per_kind:
-        for k, v in terms.items():
-            out[k] = out.get(k, 0.0) + v * n * scale
-    resident = 2 * max((sum(t.values()) for t, _ in per_kind), default=0.0)  # a rank may hold no layer
-    return out, min(sum(out.values()), resident)
-
-
-def offloaded_bytes(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> float:
-    """Saved activations pipeline rank `rank` keeps in host memory at the peak of the schedule (0 without
-    `activation_offload`)."""
-    if not layout.activation_offload:
-        return 0.0
-    saved, resident = saved_activations(dims, layout, work, rank, a)
-    return sum(saved.values()) - resident
-
-
-def activation_terms(dims: ModelDims, layout: Layout, work: Workload, rank: int, a: int = 2) -> Dict[str, float]:
-    """Activation bytes on pipeline rank `rank`: the in-flight micro-batches' saved tensors, by term."""
-    out, resident = saved_activations(dims, layout, work, rank, a)
-    if layout.activation_offload:  # saved tensors wait in host memory; two layers' worth stay
-        out = {"offload_resident": resident}
-    # transients: a layer's backward working set, or (last rank) the output loss's logits, whichever is larger:
-    # the loss runs before the first backward, so the two do not coexist
-    transient = working_set(dims, layout, work, a)
-    plan = pipeline_plan(dims, layout)
-    loss_rank, mtp_rank = plan.loss_rank, plan.mtp_rank
-    if rank in (loss_rank, mtp_rank):
-        head = head_terms(dims, layout, work, a)
-        logits = {"output_logits_transient": head.pop("output_logits_transient")}
-        if rank != mtp_rank:  # MTP placed on the rank before (its stage ends before an L-only last stage)
-            head.pop("mtp", None)
-        if rank != loss_rank:  # the MTP rank: its depths (their heads' logits are the transient)
-            head, logits = {"mtp": head["mtp"]}, {}  # the heads' logits and loss run on the last stage
-        out.update(head)
-        if sum(logits.values()) > sum(transient.values()):
-            transient = logits
-    out.update(transient)
-    return out
-
-
-def head_terms(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> Dict[str, float]:
-    """The last rank's final norm, MTP depths and output loss for one micro-batch (bytes)."""
-    t = layout.micro_batch_size * work.seq_length // layout.cp
-    n = t // layout.tp if layout.sequence_parallel and layout.tp > 1 else t
-    h, heads = dims.hidden, 1 + dims.mtp_depths
-    v = dims.vocab // layout.tp
-    # the final norm, the output layer's input (every head's hidden states in one storage), and per head the
-    # loss's target indices and mask (int64, bool) and, for the MTP depths, their shifted labels and mask (int64, fp32)
-    out = {"final_norm": (2 * h + 1) * n * a + heads * h * n * a, "loss_inputs": (heads * 9 + dims.mtp_depths * 12) * t}
-    if dims.mtp_depths:
-        rc = layout.recompute
-        mtp_layer = sum(layer_terms(dims, layout, work, dims.num_layers, a, rc).values())
-        # per depth: its layer, plus enorm / hnorm / eh_proj input / final norm (full recompute: the checkpoint's
-        # second input, the shifted embedding) and the shifted ids
-        extra = (8 * h + 3) * n * a if rc != "full" else h * n * a
-        out["mtp"] = dims.mtp_depths * (mtp_layer + extra + 8 * t)
-    if layout.output_loss_backend == "unfused":
-        out["output_logits_saved"] = heads * 4 * v * t  # the fp32 softmax each head's loss keeps for backward
-        out["output_logits_transient"] = (a + 4) * v * t  # one head's logits and their fp32 cast
-    else:
-        chunk = min(layout.output_chunk_size, t)
-        out["output_logits_transient"] = (a + 8) * v * chunk  # a chunk's logits, fp32 softmax and its gradient
-        # chunked: the weight gradient summed over chunks in fp32 (output_grad_weight_fp32, the default);
-        # liger: formed in forward in the weights' dtype
-        out["output_weight_grad"] = (4.0 if layout.output_loss_backend == "chunked" else a) * v * h
-    return out
+def rank_activations(dims: ModelDims, layout: Layout, work: Workload, a: int = 2) -> Tuple[Dict[str, float], ...]:
+    """`activation_terms` of each rank `compared_ranks` lists, in its order, remembered by the fields they read
+    (`activation_fields`; shared: not to be changed)."""
+    return _ACTIVATIONS.get((dims, work, a, activation_fields(layout)), lambda: tuple(
+        activation_terms(dims, layout, work, r, a) for r in compared_ranks(dims, layout)))
 
 
 def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, trainable: str = "all",
@@ -322,10 +242,43 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
     `a`: bytes per activation (2: bf16 training; 4: fp32 on CPU, no main-weight copy); `trainable`
     (`train.trainable_params`) as in the config (ZeRO-2's reduce mode is the layout's); `saves`:
     the run saves checkpoints (`checkpoint.save`), whose copies may peak above the step (`save_copies_terms`)."""
-    best: Optional[MemoryEstimate] = None
-    # even stages: the first rank holds the most in flight, the last the heads; uneven: any rank may peak (a rank
-    # of decoder layers only whose layers match an earlier such rank's, kind by kind, is its twin with fewer in
-    # flight: skipped; twins only, since ZeRO-2's ownership slack makes bytes not monotone in the layers held)
+    best: Optional[Tuple[float, Dict[str, float], int, Tuple[int, ...]]] = None  # (total, terms, rank, layers)
+    states = rank_states(dims, layout, trainable, a == 2)
+    for (rank, layers, state, copies), act in zip(states, rank_activations(dims, layout, work, a)):
+        terms = {**state, **act}
+        total = sum(terms.values())
+        if saves:  # between steps: the state and the save's copies, no activations
+            at_save = {**state, **copies}
+            if sum(at_save.values()) > total:
+                terms, total = at_save, sum(at_save.values())
+        if best is None or total > best[0]:
+            best = (total, terms, rank, layers)
+    return MemoryEstimate(best[1], best[2], best[3])
+
+
+def rank_states(dims: ModelDims, layout: Layout, trainable: str = "all", bf16: bool = True
+                ) -> Tuple[Tuple[int, Tuple[int, ...], Dict[str, float], Dict[str, float]], ...]:
+    """(rank, its decoder layers, its `state_terms`, a save's copies (`save_copies_terms`)) of each pipeline rank
+    `estimate` compares, remembered by the fields they read (the same for every recompute setting, micro-batch and
+    activation layout of a split; shared: not to be changed)."""
+    # CP and DP enter only as the replica groups: the CP x DP splits of a TP x PP share their state
+    groups = replica_groups(layout)
+    key = (dims, trainable, bf16, layout.pp, layout.vpp, layout.pipeline_layout, layout.tp, layout.ep, layout.etp,
+           groups["dense"], groups["expert"], layout.zero, layout.optimizer, layout.zero2_grad_reduce)
+    return _STATES.get(key, lambda: _rank_states(dims, layout, trainable, bf16))
+
+
+def state_floor(dims: ModelDims, layout: Layout, trainable: str = "all", bf16: bool = True) -> float:
+    """A lower bound of `estimate(...).total` under every recompute, offload and micro-batch setting of the split:
+    its ranks' largest state (a rank's activations, or a save's copies, only add bytes to its state)."""
+    return max(sum(state.values()) for _, _, state, _ in rank_states(dims, layout, trainable, bf16))
+
+
+def compared_ranks(dims: ModelDims, layout: Layout) -> Tuple[int, ...]:
+    """The pipeline ranks `estimate` compares. Even stages: the first rank holds the most in flight, the last the
+    heads; uneven: any rank may peak (a rank of decoder layers only whose layers match an earlier such rank's, kind
+    by kind, is its twin with fewer in flight: skipped; twins only, since ZeRO-2's ownership slack makes bytes not
+    monotone in the layers held)."""
     plan = pipeline_plan(dims, layout)
     ranks, seen = [], set()
     for r in range(layout.pp) if layout.pipeline_layout else sorted({0, layout.pp - 1}):
@@ -334,15 +287,17 @@ def estimate(dims: ModelDims, layout: Layout, work: Workload, a: int = 2, traina
         elif plan.kinds[r] not in seen:
             ranks.append(r)
             seen.add(plan.kinds[r])
-    for rank in ranks:
+    return tuple(ranks)
+
+
+def _rank_states(dims: ModelDims, layout: Layout, trainable: str, bf16: bool):
+    groups = replica_groups(layout)
+    fields = (groups["dense"], groups["expert"], layout.zero, layout.optimizer, layout.zero2_grad_reduce, bf16)
+    out = []
+    for rank in compared_ranks(dims, layout):
         shards = rank_parameters(dims, layout, rank, trainable)
-        state = state_terms(shards, layout, a == 2)
-        layers = tuple(rank_layers(dims, layout, rank))
-        candidate = MemoryEstimate({**state, **activation_terms(dims, layout, work, rank, a)}, rank, layers)
-        if saves:  # between steps: the state and the save's copies, no activations
-            at_save = MemoryEstimate({**state, **save_copies_terms(shards, layout, a == 2)}, rank, layers)
-            if at_save.total > candidate.total:
-                candidate = at_save
-        if best is None or candidate.total > best.total:
-            best = candidate
-    return best
+        # a rank's state reads only its shards and `fields`: the ranks of other splits with its shards share it
+        state, copies = _RANK_STATES.get((tuple(shards), fields), lambda: (
+            state_terms(shards, layout, bf16), save_copies_terms(shards, layout, bf16)))
+        out.append((rank, tuple(rank_layers(dims, layout, rank)), state, copies))
+    return tuple(out)

@@ -12,16 +12,20 @@ starts when the rank is free and its input has arrived:
 
 with S = p v virtual stages, stage s on rank s mod p. Each rank's order:
 
-- the schedule table (megatron's own `get_schedule_table`): micro-batches in groups of G (megatron's
+- the schedule table (megatron's `get_schedule_table`: `schedule_table`): micro-batches in groups of G (megatron's
   `microbatch_group_size_per_vp_stage`, default P), and for each group every model chunk in turn; virtual
   micro-batch k -> (micro-batch, chunk); backward visits the chunks in reverse;
-- warm-up (megatron's own `get_pp_rank_microbatches`): (p - r - 1) x 2 + (v - 1) x G forwards on rank r, at most
-  all of them; then one forward and one backward per slot (1F1B); then the remaining backwards. Without virtual
-  stages: p - r - 1 warm-up forwards.
+- warm-up (megatron's `get_pp_rank_microbatches`: `warmup_forwards`): (p - r - 1) x 2 + (v - 1) x G forwards on
+  rank r, at most all of them; then one forward and one backward per slot (1F1B); then the remaining backwards.
+  Without virtual stages: p - r - 1 warm-up forwards.
 
 Transfers take `transfer` seconds (stage to stage, the same for activations and gradients); a rank that waits
 for an input is idle. Returns the makespan and each rank's idle time, so a layout's cost can be ranked by the
 schedule it will run, not by its busiest rank alone (`pretrain.tools.pipeline_split`).
+
+The two megatron functions are written out here, not called: their module imports torch and all of megatron-core,
+about 3 s that the layout planner's search would pay for 20 lines of arithmetic; tests/test_pipeline_schedule.py
+checks both against megatron's own over a grid of pipeline sizes, virtual stages, micro-batches and groups.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from functools import lru_cache
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import microbatch_group_ok
 
@@ -49,25 +53,37 @@ class Simulated:
 
 
 def warmup_forwards(rank: int, pp: int, vpp: int, microbatches: int, group: int) -> int:
-    """Forwards before rank `rank`'s first backward: megatron-core's own `get_pp_rank_microbatches`, given a stand-in
-    for the pipeline communicator it reads the sizes from (no process group needed)."""
-    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+    """Forwards before rank `rank`'s first backward: megatron-core 0.16.1's `get_pp_rank_microbatches` (training,
+    without the MoE-overlap's extra forward), written out (module docstring)."""
+    total = microbatches * vpp
+    if pp == 1:
+        warm = 0
+    elif vpp == 1:  # forward_backward_pipelining_without_interleaving
+        warm = pp - rank - 1
+    else:  # forward_backward_pipelining_with_interleaving
+        warm = (pp - rank - 1) * 2 + (vpp - 1) * group
+    return min(warm, total)
 
-    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
-                           virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    return get_pp_rank_microbatches(microbatches, vpp, group, p2p_communicator=comm)[2]
+
+def schedule_table(microbatches: int, vpp: int, group: int) -> List[Tuple[int, int]]:
+    """(micro-batch, model chunk) in megatron-core 0.16.1's interleaved order, its `get_schedule_table` written out
+    (as `warmup_forwards`): groups of `group` micro-batches, each group through every chunk in turn, the last group
+    whatever is left."""
+    table: List[Tuple[int, int]] = []
+    for first in range(0, microbatches, group):
+        end = microbatches if first + group >= microbatches else first + group
+        table.extend((j, chunk) for chunk in range(vpp) for j in range(first, end))
+    return table
 
 
 def rank_order(rank: int, pp: int, vpp: int, microbatches: int, group: Optional[int] = None) -> List[Op]:
     """The ops of pipeline rank `rank` in megatron-core's order (module docstring); `group`: megatron's
     `microbatch_group_size_per_vp_stage` (default PP)."""
-    from megatron.core.pipeline_parallel.schedules import get_schedule_table
-
     group = group or pp
     if vpp == 1:
         table = [(j, 0) for j in range(microbatches)]
     elif microbatch_group_ok(pp, group, microbatches):
-        table = get_schedule_table(microbatches, vpp, group)
+        table = schedule_table(microbatches, vpp, group)
     else:
         raise ValueError(f"micro-batch group {group} per virtual stage: megatron needs PP ({pp}) <= group <= "
                          f"micro-batches ({microbatches}) and a last group of 0 or >= PP")
@@ -92,9 +108,8 @@ def simulate(forward: Sequence[float], backward: Sequence[float], pp: int, micro
     stages = len(forward)
     if stages % pp or len(backward) != stages:
         raise ValueError(f"{stages} stages (forward) and {len(backward)} (backward) for PP {pp}")
-    vpp = stages // pp
-    orders = [rank_order(r, pp, vpp, microbatches, group) for r in range(pp)]
-    done: Dict[Op, float] = {}
+    orders = _numbered_orders(pp, stages // pp, microbatches, group or pp)
+    done: List[Optional[float]] = [None] * (2 * stages * microbatches)  # each op's end, by its number
     free = [0.0] * pp
     busy = [0.0] * pp
     nxt = [0] * pp
@@ -102,26 +117,51 @@ def simulate(forward: Sequence[float], backward: Sequence[float], pp: int, micro
     while remaining:
         progressed = False
         for r in range(pp):
-            while nxt[r] < len(orders[r]):
-                kind, s, j = orders[r][nxt[r]]
-                if kind == "F":
-                    need = ("F", s - 1, j) if s > 0 else None
-                    cost = forward[s]
+            ops, i, end, work = orders[r], nxt[r], free[r], busy[r]
+            while i < len(ops):
+                op, s, is_forward, need, need_stage = ops[i]
+                cost = forward[s] if is_forward else backward[s]
+                if need < 0:
+                    ready = 0.0
                 else:
-                    need = ("B", s + 1, j) if s < stages - 1 else ("F", s, j)
-                    cost = backward[s]
-                if need is not None and need not in done:
-                    break
-                ready = 0.0 if need is None else done[need] + (transfer if need[1] != s else 0.0)
-                start = max(free[r], ready)
-                free[r] = done[(kind, s, j)] = start + cost
-                busy[r] += cost
-                nxt[r] += 1
+                    arrived = done[need]
+                    if arrived is None:
+                        break
+                    ready = arrived + (transfer if need_stage != s else 0.0)
+                start = max(end, ready)
+                end = done[op] = start + cost
+                work += cost
+                i += 1
                 remaining -= 1
                 progressed = True
+            nxt[r], free[r], busy[r] = i, end, work
         if not progressed:
             raise RuntimeError("the schedule deadlocked (an op waits for one that never runs)")
     return Simulated(max(free), tuple(busy))
+
+
+@lru_cache(maxsize=64)  # a search simulates a few dozen schedule shapes (PP, VPP, m, group) for many stage costs
+def _numbered_orders(pp: int, vpp: int, microbatches: int, group: int
+                     ) -> Tuple[Tuple[Tuple[int, int, bool, int, int], ...], ...]:
+    """Every rank's `rank_order` as (op number, stage, forward, number of the op it needs or -1, that op's stage):
+    `simulate` keeps each op's end in a list by number (the same arithmetic as with the ops as keys, less work)."""
+    stages = pp * vpp
+
+    def number(kind: str, s: int, j: int) -> int:
+        return ((kind == "B") * stages + s) * microbatches + j
+
+    out = []
+    for order in (rank_order(r, pp, vpp, microbatches, group) for r in range(pp)):
+        ops = []
+        for kind, s, j in order:
+            if kind == "F":
+                need = ("F", s - 1, j) if s > 0 else None
+            else:
+                need = ("B", s + 1, j) if s < stages - 1 else ("F", s, j)
+            ops.append((number(kind, s, j), s, kind == "F", -1 if need is None else number(*need),
+                        -1 if need is None else need[1]))
+        out.append(tuple(ops))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------- choosing a split by it

@@ -14,11 +14,11 @@ with a reason (the rules of `pretrain.config.cross_checks`, which the best candi
 
 A PP x VPP that does not divide the layers gets uneven stages, `pretrain.tools.pipeline_split`'s balanced split
 at the layout's micro-batches (`uneven_layout`, carried as `Layout.pipeline_layout`). Within one parallel split
-the recompute options are tried from the fastest (none) to the leanest (full +
-offload) and the first that fits is kept. Survivors are ranked by the time model's tokens/s per GPU
-(`pretrain.layout.timing.step_time`, the textbook bubble); the best pipelined ones are then re-split, re-fitted and
-re-timed with megatron's schedule simulated, and refused over the bound by that schedule (`pretrain.layout.rescore`);
-the best are built as configs and validated (`validate_config`).
+the recompute options are tried from the fastest (none) to the leanest (full + offload) and the first that fits is
+kept (a split whose state alone exceeds the bound gets the leanest's refusal: `memory.state_floor`). Survivors are
+ranked by the time model's tokens/s per GPU (`pretrain.layout.timing.step_time`, the textbook bubble); the best
+pipelined ones are then re-split, re-fitted and re-timed with megatron's schedule simulated, and refused over the
+bound by that schedule (`pretrain.layout.rescore`); the best are built as configs and validated (`validate_config`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import yaml
 
 from pretrain.layout.from_config import configured_layout, layout_of  # also this module's API (__all__)
 from pretrain.layout.host_memory import HostEstimate, host_estimate, host_refusal
-from pretrain.layout.memory import MemoryEstimate, estimate
+from pretrain.layout.memo import Memo
+from pretrain.layout.memory import RUNTIME_RESERVE_BYTES, MemoryEstimate, estimate, state_floor
 from pretrain.layout.rescore import rescore, scheduled
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
 
@@ -99,33 +100,38 @@ def _divisors(n: int) -> List[int]:
 def refusal(dims: ModelDims, layout: Layout, work: Workload) -> Optional[str]:
     """The first arithmetic rule `layout` breaks, as 'kind: detail', or None (cheap: no memory, no config)."""
     tp, pp, vpp, ep, etp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, layout.cp, layout.dp
-    rules = [
-        (dims.heads % tp == 0, "heads % tp", f"{dims.heads} heads over TP {tp}"),
-        (dims.vocab % tp == 0, "vocab % tp", f"vocab {dims.vocab} over TP {tp}"),
-        (dims.ffn_hidden % tp == 0 and dims.shared_expert_ffn_hidden % tp == 0, "ffn % tp",
-         f"FFN widths {dims.ffn_hidden}/{dims.shared_expert_ffn_hidden} over TP {tp}"),
-        (pp * vpp <= dims.num_layers + 2, "stages > entries",
-         f"PP {pp} x VPP {vpp} stages for {dims.num_layers} layers, the embedding and the loss"),
-        (dims.num_layers % (pp * vpp) == 0 or layout.pipeline_layout is not None, "layers % (pp*vpp)",
-         f"{dims.num_layers} layers over PP {pp} x VPP {vpp} (uneven stages need the model's stage costs, "
-         "SearchOptions.pipeline_costs)"),
-        (vpp == 1 or pp > 1, "vpp without pp", f"VPP {vpp} needs PP > 1"),
-        (ep == 1 or dims.num_experts % ep == 0, "experts % ep", f"{dims.num_experts} experts over EP {ep}"),
-        (etp == 1 or dims.expert_ffn_hidden % etp == 0, "expert width % etp",
-         f"expert width {dims.expert_ffn_hidden} over ETP {etp}"),
-        ((tp * cp * dp) % (ep * etp) == 0, "ep*etp vs tp*cp*dp", f"EP {ep} x ETP {etp} must divide TP x CP x DP"),
-        (tp == 1 or layout.sequence_parallel or not dims.num_experts, "moe needs sp", "TP > 1 with MoE needs SP"),
-        (work.seq_length % (2 * cp) == 0, "seq % (2*cp)", f"seq {work.seq_length} over 2 x CP {cp}"),
-        (not layout.sequence_parallel or (work.seq_length // cp) % tp == 0, "seq/cp % tp",
-         f"seq / CP {work.seq_length // cp} over TP {tp}"),
-        (work.global_batch_size % (layout.micro_batch_size * dp) == 0, "global batch % (mbs*dp)",
-         f"global batch {work.global_batch_size} over micro-batch {layout.micro_batch_size} x DP {dp}"),
-        (vpp == 1 or layout.num_microbatches % pp == 0, "micro-batches % pp with vpp",
-         f"{layout.num_microbatches} micro-batches over PP {pp} (interleaved schedule)"),
-    ]
-    for ok, kind, detail in rules:
-        if not ok:
-            return f"{kind}: {detail}"
+    # in order, each reason formatted only when its rule is broken (the search asks this of every layout)
+    if dims.heads % tp:
+        return f"heads % tp: {dims.heads} heads over TP {tp}"
+    if dims.vocab % tp:
+        return f"vocab % tp: vocab {dims.vocab} over TP {tp}"
+    if dims.ffn_hidden % tp or dims.shared_expert_ffn_hidden % tp:
+        return f"ffn % tp: FFN widths {dims.ffn_hidden}/{dims.shared_expert_ffn_hidden} over TP {tp}"
+    if pp * vpp > dims.num_layers + 2:
+        return f"stages > entries: PP {pp} x VPP {vpp} stages for {dims.num_layers} layers, the embedding and the loss"
+    if dims.num_layers % (pp * vpp) and layout.pipeline_layout is None:
+        return (f"layers % (pp*vpp): {dims.num_layers} layers over PP {pp} x VPP {vpp} (uneven stages need the "
+                "model's stage costs, SearchOptions.pipeline_costs)")
+    if vpp != 1 and pp <= 1:
+        return f"vpp without pp: VPP {vpp} needs PP > 1"
+    if ep != 1 and dims.num_experts % ep:
+        return f"experts % ep: {dims.num_experts} experts over EP {ep}"
+    if etp != 1 and dims.expert_ffn_hidden % etp:
+        return f"expert width % etp: expert width {dims.expert_ffn_hidden} over ETP {etp}"
+    if (tp * cp * dp) % (ep * etp):
+        return f"ep*etp vs tp*cp*dp: EP {ep} x ETP {etp} must divide TP x CP x DP"
+    if tp != 1 and not layout.sequence_parallel and dims.num_experts:
+        return "moe needs sp: TP > 1 with MoE needs SP"
+    if work.seq_length % (2 * cp):
+        return f"seq % (2*cp): seq {work.seq_length} over 2 x CP {cp}"
+    if layout.sequence_parallel and (work.seq_length // cp) % tp:
+        return f"seq/cp % tp: seq / CP {work.seq_length // cp} over TP {tp}"
+    if work.global_batch_size % (layout.micro_batch_size * dp):
+        return (f"global batch % (mbs*dp): global batch {work.global_batch_size} over micro-batch "
+                f"{layout.micro_batch_size} x DP {dp}")
+    if vpp != 1 and layout.num_microbatches % pp:
+        return (f"micro-batches % pp with vpp: {layout.num_microbatches} micro-batches over PP {pp} "
+                "(interleaved schedule)")
     return None
 
 
@@ -222,7 +228,10 @@ def fitting(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     """(the fastest recompute/offload setting of `layout` that fits, None, bytes it needs), or
     (None, the leanest setting's refusal, the bytes that one needs)."""
     reason, needed = None, 0.0
-    for recompute, offload in RECOMPUTE_ORDER:
+    # where the split's state alone exceeds the bound (beyond rounding) every setting is refused: size the leanest only
+    floor = state_floor(dims, layout, opts.trainable) + RUNTIME_RESERVE_BYTES
+    hopeless = floor > (1 - opts.headroom) * cluster.memory_bytes * (1 + 1e-9)
+    for recompute, offload in RECOMPUTE_ORDER[-1:] if hopeless else RECOMPUTE_ORDER:
         lay = replace(layout, recompute=recompute, activation_offload=offload)
         mem = estimate(dims, lay, work, trainable=opts.trainable, saves=opts.saves)
         reason, needed = memory_refusal(mem, cluster.memory_bytes, opts.headroom), mem.needed
@@ -245,8 +254,9 @@ def default_step_fn(cluster: Cluster, schedule: str = "simulated") -> StepFn:
     calib = timing.load_calibration(cluster.gpu_kind)
     # the layouts' selective recompute is recompute_modules [core_attn, moe] (Layout.overrides)
     variant = {"selective_modules": ("core_attn", "moe")}
+    memo = Memo()  # the stage model's times, shared by the layouts this function times (timing.step_time)
     return lambda dims, layout, work, cl: timing.step_time(dims, layout, work, cl, calib, variant=variant,
-                                                           schedule=schedule)
+                                                           schedule=schedule, memo=memo)
 
 
 def search(dims: ModelDims, work: Workload, cluster: Cluster, opts: Optional[SearchOptions] = None,

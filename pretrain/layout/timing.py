@@ -36,16 +36,19 @@ proportionally slower (an assumption). Communication (ring formulas; `bw` per GP
         to hide it; NCCL's kernels share the SMs and memory bandwidth with the backward).
 
 A group's bandwidth is NVLink's when its ranks share a node and InfiniBand's otherwise, with megatron's rank
-order tp-cp-ep-dp-pp (a group of size n and stride s stays inside a node when n x s <= gpus_per_node).
+order tp-cp-ep-dp-pp (a group of size n and stride s stays inside a node when n x s <= gpus_per_node;
+`pretrain.layout.collectives`).
 MFU = pretrain.training.flops' FLOPs of the step / time / GPUs / flops.peak_flops(device): the trainer's MFU.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from pretrain.layout.calibration import Calibration, load_calibration
+from pretrain.layout.collectives import group_bw, offrank_rows, ring
+from pretrain.layout.memo import Memo
 from pretrain.layout.schedule_term import simulated_pipeline
 from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload, pipeline_plan
 from pretrain.layout.flop_terms import flops_per_token, newton_schulz_flops, per_layer_flops
@@ -57,34 +60,6 @@ BF16, FP32 = 2, 4
 LATENT_WIDTH = 576  # MLA's gathered key/value latent: kv_lora 512 + rope 64 (GLM-5, glm5-proxy)
 DEFAULT_VARIANT = {"ep_dispatcher": "alltoall", "cp_attention": "merged", "selective_modules": ("core_attn", "moe"),
                    "dsa_kernels": "current"}
-
-
-# ------------------------------------------------------------------------------------------------ placement
-def _group_bw(cluster: Cluster, calib: Calibration, size: int, stride: int) -> Tuple[float, bool]:
-    """(bus bandwidth, inside one node) of a group of `size` ranks `stride` apart (megatron's rank order)."""
-    intra = size * stride <= cluster.gpus_per_node
-    if intra:
-        return cluster.intra_node_bw * calib["collective.busbw_fraction_intra"], True
-    return cluster.inter_node_bw * calib["collective.busbw_fraction_inter"], False
-
-
-def _ring(nbytes: float, n: int, bw: float, latency: float, allreduce: bool = False) -> float:
-    """Ring all-gather / reduce-scatter (all-reduce: twice) of `nbytes` (the whole tensor) over n ranks."""
-    if n <= 1:
-        return 0.0
-    return (2 if allreduce else 1) * nbytes * (n - 1) / n / bw + latency
-
-
-def offrank_rows(tokens: float, dims: ModelDims, ep: int, dispatcher: str) -> float:
-    """Rows a rank sends to other EP ranks per all-to-all, uniform routing."""
-    if ep <= 1 or not dims.num_experts:
-        return 0.0
-    k, e = dims.topk, dims.num_experts
-    if dispatcher == "alltoall_dedup":
-        local = e // ep
-        p_none = math.comb(e - local, k) / math.comb(e, k) if e - local >= k else 0.0
-        return tokens * (ep - 1) * (1 - p_none)
-    return tokens * k * (ep - 1) / ep
 
 
 def _indexer_s_per_token(calib: Calibration, seq: int, notes: List[str]) -> float:
@@ -203,9 +178,9 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
     lat = calib["collective.latency_s"]
     comm_tp = comm_cp = comm_ep = tp_serial = 0.0
     if tp > 1:
-        bw, _ = _group_bw(cluster, calib, tp, 1)
+        bw, _ = group_bw(cluster, calib, tp, 1)
         act = T / cp * dims.hidden * BF16
-        one = _ring(act, tp, bw, lat, allreduce=not layout.sequence_parallel)
+        one = ring(act, tp, bw, lat, allreduce=not layout.sequence_parallel)
         n_fwd = 4 if layout.sequence_parallel else 2
         comm_tp = (slot + 1) * n_fwd * one * (1 + (1 - calib["tp.exposed_fraction_backward"]))
         # what TP=2 costs beyond its collectives' volume, on the GPU's critical path (fitted, calibration entry)
@@ -214,11 +189,11 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
             notes.append(f"tp.overhead_s_per_layer_microbatch fitted at TP=2, scaled by tp - 1 to TP={tp}")
         comm_tp += tp_serial
     if cp > 1:
-        bw, _ = _group_bw(cluster, calib, cp, tp)
+        bw, _ = group_bw(cluster, calib, cp, tp)
         indexer_on = dims.dsa_indexer_loss or dims.dsa_sparse_attention
         width = LATENT_WIDTH + (dims.dsa_indexer_head_dim if indexer_on else 0)
         gathered = layout.micro_batch_size * S * width * BF16
-        comm_cp = slot * 2 * _ring(gathered, cp, bw, lat)
+        comm_cp = slot * 2 * ring(gathered, cp, bw, lat)
     if ep > 1 and moe_slots:
         rows = offrank_rows(t_rank, dims, ep, variant["ep_dispatcher"])
         intra = ep * layout.etp <= cluster.gpus_per_node
@@ -231,9 +206,9 @@ def _stage_time(dims, layout: Layout, work: Workload, cluster: Cluster, calib: C
         # all-to-all and reduce-scatters the experts' output before the combine (forward; the reverse backward):
         # 4 ring collectives of etp x the t_rank x topk rows a rank receives at balanced routing, per MoE layer;
         # the ETP group is the innermost of the expert grid (stride 1)
-        bw, _ = _group_bw(cluster, calib, layout.etp, 1)
+        bw, _ = group_bw(cluster, calib, layout.etp, 1)
         gathered = layout.etp * t_rank * dims.topk * dims.hidden * BF16
-        comm_ep += moe_slots * 4 * _ring(gathered, layout.etp, bw, lat)
+        comm_ep += moe_slots * 4 * ring(gathered, layout.etp, bw, lat)
     gpu = total_compute + recompute + offload + comm_tp - tp_serial + comm_cp + comm_ep
     host = slot * calib["host.launch_s_per_layer_microbatch"]
     if layout.recompute == "full":  # the recomputed forward launches its kernels again
@@ -288,8 +263,40 @@ def _rank_params(dims: ModelDims, layout: Layout) -> Tuple[float, float]:
     return dense / (layout.tp * layout.pp), experts / (layout.ep * layout.etp * layout.pp)
 
 
+def _stage_times(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration, v: Dict,
+                 memo: Optional[Memo]) -> Tuple[Callable, List[Dict[str, float]], Tuple[str, ...]]:
+    """(the stage model of the layout by a stage's `_stages` tuple, each pipeline rank's time by it, their notes),
+    through `memo` where given: keyed by every field `_stage_time` reads, so the layouts of a search that differ
+    elsewhere (DP, PP, the micro-batches, ZeRO) share their ranks' times; the times are shared, read only."""
+    def run(counts, notes: List[str]) -> Dict[str, float]:
+        return _stage_time(dims, layout, work, cluster, calib, v, *counts, notes=notes)
+
+    def ranks() -> Tuple[List[Dict[str, float]], Tuple[str, ...]]:
+        notes: List[str] = []
+        return [run(st, notes) for st in _stages(dims, layout)], tuple(notes)
+
+    if memo is None:
+        return (lambda counts: run(counts, []), *ranks())
+    fields = (dims, work, cluster, tuple(v.items()), layout.tp, layout.cp, layout.ep, layout.etp,
+              layout.micro_batch_size, layout.sequence_parallel, layout.output_loss_backend, layout.recompute,
+              layout.activation_offload)
+
+    def remembered(counts) -> Tuple[Dict[str, float], Tuple[str, ...]]:  # one stage's time and its notes
+        def compute():
+            notes: List[str] = []
+            return run(counts, notes), tuple(notes)
+        return memo.get(("stage", fields, tuple(counts)), compute)
+
+    def ranks_remembered() -> Tuple[List[Dict[str, float]], Tuple[str, ...]]:
+        timed = [remembered(st) for st in _stages(dims, layout)]
+        return [t for t, _ in timed], tuple(n for _, notes in timed for n in notes)
+
+    return (lambda counts: remembered(counts)[0],
+            *memo.get(("ranks", fields, layout.pp, layout.vpp, layout.pipeline_layout), ranks_remembered))
+
+
 def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster, calib: Calibration,
-              variant: Optional[Mapping] = None, schedule: str = "simulated") -> StepTime:
+              variant: Optional[Mapping] = None, schedule: str = "simulated", memo: Optional[Memo] = None) -> StepTime:
     """Seconds of one optimizer step of `work` under `layout` on `cluster` (module docstring), by component.
 
     `variant` selects code paths a layout does not name, for predicting runs made on them: ep_dispatcher
@@ -298,30 +305,29 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     core_attn + moe as Layout.overrides emits), dsa_kernels. ZeRO-2's reduce mode is the layout's
     (`Layout.zero2_grad_reduce`). `schedule`: "simulated" runs megatron's pipeline schedule with the layout's
     virtual stages (`pretrain.layout.schedule_term`); "textbook" takes (PP - 1) / VPP x the mean rank's micro-batch
-    (cheaper: the search's first pass).
+    (cheaper: the search's first pass). `memo`: a `pretrain.layout.memo.Memo` kept for one `calib` (the search's
+    step function; the variant's values hashable) remembers the stage model's times between calls.
     """
     if schedule not in ("simulated", "textbook"):
         raise ValueError(f"schedule {schedule!r}: simulated or textbook")
     v = dict(DEFAULT_VARIANT, **(variant or {}))
     v["ep_dispatcher"] = getattr(layout, "ep_dispatcher", None) or v["ep_dispatcher"]
-    notes: List[str] = []
-    stages = [_stage_time(dims, layout, work, cluster, calib, v, *st, notes=notes) for st in _stages(dims, layout)]
+    stage, stages, stage_notes = _stage_times(dims, layout, work, cluster, calib, v, memo)
+    notes: List[str] = list(stage_notes)
     m = layout.num_microbatches
     crit = max(stages, key=lambda st: st["total"])
     mean = sum(st["total"] for st in stages) / len(stages)
     bubble = (layout.pp - 1) / layout.vpp * mean
     bubble_fraction = layout.bubble if layout.pp > 1 else 0.0
     if layout.pp > 1 and schedule == "simulated":
-        sim = simulated_pipeline(
-            dims, layout, lambda counts: _stage_time(dims, layout, work, cluster, calib, v, *counts, notes=[]),
-            [st["total"] for st in stages])
+        sim = simulated_pipeline(dims, layout, stage, [st["total"] for st in stages])
         if sim is None:
             notes.append("micro-batch group refused by megatron: the textbook bubble")
         else:
             bubble = sim.step - m * crit["total"]
             bubble_fraction = bubble / (m * crit["total"])
     if layout.pp > 1:
-        bw, _ = _group_bw(cluster, calib, layout.pp, layout.tp * layout.cp * layout.dp)
+        bw, _ = group_bw(cluster, calib, layout.pp, layout.tp * layout.cp * layout.dp)
         act = layout.micro_batch_size * work.seq_length / (layout.tp * layout.cp) * dims.hidden * BF16
         p2p = 2 * layout.vpp * (act / bw + calib["collective.latency_s"]) * calib["p2p.exposed_fraction"]
         # what a pipeline rank waits beyond the simulated schedule and the transfers' modeled time (fitted)
@@ -337,13 +343,13 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
     # expert-data-parallel group TP x CP x DP / (EP x ETP)
     ddp = layout.dp * layout.cp
     edp = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
-    dp_bw, _ = _group_bw(cluster, calib, ddp, layout.tp)
-    edp_bw, _ = _group_bw(cluster, calib, edp, layout.ep * layout.etp)
+    dp_bw, _ = group_bw(cluster, calib, ddp, layout.tp)
+    edp_bw, _ = group_bw(cluster, calib, edp, layout.ep * layout.etp)
     gbytes = FP32  # parallel.grad_reduce_in_fp32 (the configs' default)
     window = calib["dp.overlap_fraction_of_backward"] * crit["bwd_window"]
     if layout.zero == "zero2" and layout.optimizer == "muon":
-        per_mb = _ring(dense_p * gbytes, ddp, dp_bw, lat) + _ring(expert_p * gbytes, edp, edp_bw, lat)
-        gather = _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+        per_mb = ring(dense_p * gbytes, ddp, dp_bw, lat) + ring(expert_p * gbytes, edp, edp_bw, lat)
+        gather = ring(dense_p * BF16, ddp, dp_bw, lat) + ring(expert_p * BF16, edp, edp_bw, lat)
         if layout.zero2_grad_reduce == "step":  # one reduce-scatter after the last micro-batch
             dp_exposed = max(0.0, per_mb - window) + gather
         else:  # every micro-batch; measured to show in the step even where the backward could hide it
@@ -351,12 +357,12 @@ def step_time(dims: ModelDims, layout: Layout, work: Workload, cluster: Cluster,
             dp_exposed = m * max(0.0, per_mb - window, shown) + gather
         shard_dense, shard_expert = ddp, edp
     else:
-        reduce = (_ring(dense_p * gbytes, ddp, dp_bw, lat, allreduce=True)
-                  + _ring(expert_p * gbytes, edp, edp_bw, lat, allreduce=True))
+        reduce = (ring(dense_p * gbytes, ddp, dp_bw, lat, allreduce=True)
+                  + ring(expert_p * gbytes, edp, edp_bw, lat, allreduce=True))
         dp_exposed = max(0.0, reduce - window)
         shard_dense = shard_expert = 1
         if layout.zero == "zero2":  # AdamW: megatron's distributed optimizer gathers the updated bf16 weights
-            dp_exposed += _ring(dense_p * BF16, ddp, dp_bw, lat) + _ring(expert_p * BF16, edp, edp_bw, lat)
+            dp_exposed += ring(dense_p * BF16, ddp, dp_bw, lat) + ring(expert_p * BF16, edp, edp_bw, lat)
             shard_dense, shard_expert = ddp, edp
     owned = dense_p / shard_dense + expert_p / shard_expert
     if layout.optimizer == "muon":

@@ -22,7 +22,7 @@ Sizes count elements; memory counts bytes; bandwidths are bytes/s in one directi
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Dict, List, Literal, Optional, Tuple
 
 GiB = 1 << 30
@@ -106,7 +106,7 @@ class ModelDims:
         # the MTP layer always has its own indexer under DSA (indexer_params is 0 without DSA)
         return self.attention_params + self.indexer_params + self.layer_norm_params + ffn + self.mtp_extra_params
 
-    @property
+    @cached_property  # frozen: computed once per dims (the time model asks for it per layout)
     def total_params(self) -> int:
         """Every parameter (and router bias) of the model, MTP included."""
         trunk = sum(self.layer_params(i) for i in range(self.num_layers))

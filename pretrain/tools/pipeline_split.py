@@ -26,30 +26,23 @@ megatron's `microbatch_group_size_per_vp_stage` whose schedule, simulated op by 
 (`pretrain.layout.pipeline_schedule`), is shortest: unequal virtual stages make the interleaved schedule wait where
 the closed form does not see it (glm5-proxy, PP=2 x VPP=2 on 2 x H200: 0.88 of one GPU against 0.86 for the closed
 form's layout, docs/parallelism.md). `--closed-form` prints the closed form's choice (`balanced_layout`, what the
-layout planner's search uses). With untied embeddings the MTP block may end a stage of its own before the last,
-which then holds L alone (GLM-5's placement); a stage may start only at a layer whose DSA indexer is "full"
-(`model.dsa_indexer_types`).
+layout planner's search uses; the closed form's search itself is `pretrain.tools.split_search`). With untied
+embeddings the MTP block may end a stage of its own before the last, which then holds L alone (GLM-5's placement);
+a stage may start only at a layer whose DSA indexer is "full" (`model.dsa_indexer_types`).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 from functools import lru_cache
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import format_layout, stage_entries
 from pretrain.config.schema import GLM5Config
-from pretrain.layout.pipeline_schedule import (
-    best_split,
-    even_sizes,
-    forward_shares,
-    local_search,
-    quick_split,
-    simulated_step,
-    sizes_of,
-)
+from pretrain.layout.pipeline_schedule import best_split, even_sizes, forward_shares, quick_split, simulated_step
+# the closed-form split (`pretrain.tools.split_search`), this tool's API too: tests and benchmarks import it from here
+from pretrain.tools.split_search import balanced_split, interleaved_split, step_time
 from pretrain.training.flops import (
     layer_training_flops,
     mtp_eh_proj_training_flops,
@@ -57,7 +50,6 @@ from pretrain.training.flops import (
 )
 
 H100_FLOP_PER_BYTE = 989.4e12 / 3.35e12
-EXHAUSTIVE_SPLITS = 200_000  # up to this many ways to cut, every split is estimated (a local search from above)
 
 
 def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
@@ -88,39 +80,6 @@ def entry_costs(cfg: GLM5Config, flop_per_byte: float = H100_FLOP_PER_BYTE,
     return entries + ["L"], costs + [(1 + depths) * head]
 
 
-def balanced_split(costs: Sequence[float], stages: int, can_start: Optional[Sequence[bool]] = None) -> List[int]:
-    """Sizes of `stages` consecutive non-empty groups of `costs` whose largest sum is smallest.
-
-    `can_start[i]`: whether a group may begin at item i (item 0 always does). Exact: best[k][i] is the
-    smallest possible largest sum of the first i items in k groups."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot cut {n} entries into {stages} non-empty stages")
-    can_start = can_start or [True] * n
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):  # the k-th group is items j .. i-1
-                if best[k - 1][j] == inf or (j > 0 and not can_start[j]):
-                    continue
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    if best[stages][n] == inf:
-        raise ValueError("no split satisfies the stage-start constraints (model.dsa_indexer_types)")
-    sizes, i = [], n
-    for k in range(stages, 0, -1):
-        sizes.append(i - cut[k][i])
-        i = cut[k][i]
-    return sizes[::-1]
-
-
 def calibrated_costs(cfg: GLM5Config, gpu: str) -> Tuple[List[str], List[float]]:
     """`entry_costs` in seconds per micro-batch from the layout planner's time model calibrated on `gpu`
     (`pretrain.layout.timing.entry_seconds`): the measured speed of each part, where FLOPs alone weigh the output
@@ -144,35 +103,6 @@ def calibrated_costs(cfg: GLM5Config, gpu: str) -> Tuple[List[str], List[float]]
         entries.append("m" * depths)
         costs.append(depths * sec["m"])
     return entries + ["L"], costs + [sec["L"]]
-
-
-def step_time(sizes: Sequence[int], costs: Sequence[float], pp: int, microbatches: int) -> float:
-    """Estimated step time of a split, per token of a micro-batch: m x the busiest rank's work (steady state)
-    plus (p - 1) x the slowest stage (the warm-up and drain)."""
-    stage, start = [], 0
-    for size in sizes:
-        stage.append(sum(costs[start:start + size]))
-        start += size
-    ranks = [sum(stage[r::pp]) for r in range(pp)]
-    return microbatches * max(ranks) + (pp - 1) * max(stage)
-
-
-def interleaved_split(costs: Sequence[float], pp: int, vpp: int, microbatches: int,
-                      can_start: Optional[Sequence[bool]] = None, exhaustive: int = EXHAUSTIVE_SPLITS) -> List[int]:
-    """Stage sizes for PP x VPP stages minimizing `step_time`: exact (`balanced_split`) for VPP = 1; with
-    virtual stages a rank's work is the sum of non-adjacent stages: every split when there are at most
-    `exhaustive` (EXHAUSTIVE_SPLITS), else a local search from the minimax split that moves one stage boundary by
-    one entry while the estimate improves."""
-    if vpp == 1:
-        return balanced_split(costs, pp, can_start)
-    if math.comb(len(costs) - 1, pp * vpp - 1) <= exhaustive:  # small models: every split, the best estimate
-        starts = [i for i in range(1, len(costs)) if can_start is None or can_start[i]]
-        best_cuts = min(itertools.combinations(starts, pp * vpp - 1),
-                        key=lambda cuts: step_time(sizes_of(cuts, len(costs)), costs, pp, microbatches), default=None)
-        if best_cuts is not None:
-            return sizes_of(best_cuts, len(costs))
-    sizes = balanced_split(costs, pp * vpp, can_start)
-    return local_search(sizes, lambda trial: step_time(trial, costs, pp, microbatches), can_start)[0]
 
 
 def simulated_split(costs: Sequence[float], shares: Sequence[float], pp: int, vpp: int, microbatches: int,
