@@ -39,7 +39,8 @@ from functools import lru_cache
 from typing import Dict, Tuple
 
 from pretrain.layout.memo import Memo
-from pretrain.layout.types import Layout, ModelDims, Workload, pipeline_plan
+from pretrain.layout.pipeline_plan import pipeline_plan
+from pretrain.layout.types import Layout, ModelDims, Workload
 
 
 def _tokens(layout: Layout, work: Workload):

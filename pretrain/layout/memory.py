@@ -16,7 +16,7 @@ FFNs and the MTP projection / TP; latent norms, the DSA indexer and the router r
 experts: E / EP experts of width F_e / ETP; embedding and output layer vocab-parallel (/ TP) on the first
 and last stage; with MTP, its layers and a copy of the embedding on its stage (the last, or the one before an
 output-only last stage); the final norm with the last decoder layer. Stages: even (L / (PP VPP) layers each)
-or as `Layout.pipeline_layout` places them (`types.pipeline_plan`).
+or as `Layout.pipeline_layout` places them (`pipeline_plan.pipeline_plan`).
 
 Activations (`pretrain.layout.activations`): one micro-batch's saved tensors per layer, times the micro-batches
 in flight on the rank: 1F1B keeps min(PP - r, m) on pipeline rank r; megatron's interleaved schedule keeps
@@ -50,7 +50,8 @@ from typing import Dict, List, Optional, Tuple
 from pretrain.layout.activations import (activation_fields, activation_terms, head_terms, in_flight_chunks,
                                          offloaded_bytes, saved_activations)
 from pretrain.layout.memo import Memo
-from pretrain.layout.types import GiB, Layout, ModelDims, Workload, pipeline_plan
+from pretrain.layout.pipeline_plan import pipeline_plan
+from pretrain.layout.types import GiB, Layout, ModelDims, Workload
 
 ZERO2_BUCKET_ELEMENTS = 40_000_000  # pretrain.optim.zero2_grads.DEFAULT_BUCKET_ELEMENTS (megatron's DDP bucket)
 ZERO2_BUCKETS_IN_FLIGHT = 2
@@ -108,7 +109,7 @@ def replica_groups(layout: Layout) -> Dict[str, int]:
 
 
 def rank_layers(dims: ModelDims, layout: Layout, rank: int) -> List[int]:
-    """Decoder layers of pipeline rank `rank`, its virtual stages' in order (`types.pipeline_stages`: even,
+    """Decoder layers of pipeline rank `rank`, its virtual stages' in order (`pipeline_plan.pipeline_stages`: even,
     chunk j holds layers ((j PP + rank) c, ..., + c), c = L / (PP VPP); or as `layout.pipeline_layout` places them)."""
     return list(pipeline_plan(dims, layout).layers[rank])
 

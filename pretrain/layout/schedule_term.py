@@ -7,7 +7,7 @@ megatron's order, the 744B plan's VPP 3 and 4 stages ran 1.24-1.47x an ideal pip
 1.07-1.13 (docs/layout.md, the 744B plan). So the planner times a pipeline by running the
 schedule (`pretrain.layout.pipeline_schedule.simulate`, Narayanan et al., SC 2021, megatron-core's order):
 
-- each virtual stage s of `types.pipeline_plan` is timed by the planner's stage model as if it were a rank's only
+- each virtual stage s of `pipeline_plan.pipeline_plan` is timed by the planner's stage model as if it were a rank's only
   stage (its decoder layers, MoE layers, MTP depths, embedding, output heads), forward and backward apart
   (recompute counts with the backward);
 - a rank's stages are then scaled together to the rank's own time per micro-batch (what a rank pays once per
@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import microbatch_group_ok
 from pretrain.layout.pipeline_schedule import Simulated, simulate
-from pretrain.layout.types import Layout, ModelDims, pipeline_plan
+from pretrain.layout.pipeline_plan import pipeline_plan
+from pretrain.layout.types import Layout, ModelDims
 
 StageCounts = Tuple[int, int, int, bool, bool]  # (decoder layers, MoE layers, MTP depths, embedding, output heads)
 

@@ -50,7 +50,8 @@ from pretrain.layout.calibration import Calibration, load_calibration
 from pretrain.layout.collectives import group_bw, offrank_rows, ring
 from pretrain.layout.memo import Memo
 from pretrain.layout.schedule_term import simulated_pipeline
-from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload, pipeline_plan
+from pretrain.layout.pipeline_plan import pipeline_plan
+from pretrain.layout.types import Cluster, Layout, ModelDims, StepTime, Workload
 from pretrain.layout.flop_terms import flops_per_token, newton_schulz_flops, per_layer_flops
 from pretrain.training.flops import peak_flops
 
@@ -244,7 +245,7 @@ def entry_seconds(dims: ModelDims, layout: Layout, work: Workload, cluster: Clus
 # ------------------------------------------------------------------------------------------------ the step
 def _stages(dims: ModelDims, layout: Layout) -> List[Tuple[float, float, int, bool, bool]]:
     """(decoder layers, MoE layers, MTP depths, first, last) per pipeline rank, its virtual stages together
-    (`types.pipeline_stages`: even, megatron's default, or `layout.pipeline_layout`): the embedding where E is,
+    (`pipeline_plan.pipeline_stages`: even, megatron's default, or `layout.pipeline_layout`): the embedding where E is,
     the MTP depths where m is, the output heads (main and MTP) where L is."""
     plan = pipeline_plan(dims, layout)
     mtp_rank, first, last = plan.mtp_rank, plan.embedding_rank, plan.loss_rank
