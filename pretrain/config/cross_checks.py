@@ -1,5 +1,6 @@
 """Checks that span config sections: model shapes vs parallel sizes, sequence vs model/parallel,
-LR schedule vs training length, and (given a world size) the whole parallel layout.
+LR schedule vs training length, optimizer settings that need a parallel layout, and (given a world size) the
+whole parallel layout.
 
 Rules follow megatron-core's own asserts (TransformerConfig, ModelParallelConfig, parallel_state).
 """
@@ -259,3 +260,16 @@ def check_world_size(p: ParallelConfig, t: TrainConfig, world_size: int) -> None
                 f"parallel.microbatch_group_size_per_vp_stage ({group}) must be between "
                 f"parallel.pipeline_model_parallel_size ({pp}) and the micro-batches per step ({microbatches}), with "
                 f"micro-batches % group 0 or >= {pp} (megatron-core's interleaved schedule)")
+
+
+def check_muon_pipeline_balance(o: OptimizerConfig, p: ParallelConfig) -> None:
+    # Read only by Muon's replicated (DDP) step over several pipeline ranks (pretrain/optim/muon_pipeline.py).
+    require(
+        not o.muon_pipeline_balance
+        or (o.optimizer == "muon" and not o.use_distributed_optimizer and p.pipeline_model_parallel_size > 1),
+        "optimizer.muon_pipeline_balance=true shares Muon's Newton-Schulz work between pipeline ranks: it needs "
+        "optimizer.optimizer=muon, optimizer.use_distributed_optimizer=false (ZeRO-2 already spreads it over data "
+        f"parallelism) and parallel.pipeline_model_parallel_size > 1; got optimizer={o.optimizer}, "
+        f"use_distributed_optimizer={o.use_distributed_optimizer}, "
+        f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}",
+    )

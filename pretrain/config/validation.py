@@ -18,6 +18,7 @@ from pretrain.config.cross_checks import (
     check_context_parallel,
     check_documents,
     check_model_parallel,
+    check_muon_pipeline_balance,
     check_profile_ranks,
     check_schedule,
     check_sequence,
@@ -326,19 +327,6 @@ def check_optimizer(o: OptimizerConfig) -> None:
         o.zero2_grad_reduce == "microbatch" or (o.optimizer == "muon" and o.use_distributed_optimizer),
         f"optimizer.zero2_grad_reduce={o.zero2_grad_reduce!r} applies to Muon's ZeRO-2 only; set optimizer.optimizer=muon "
         "and optimizer.use_distributed_optimizer=true, or leave it at \"microbatch\"",
-    )
-
-
-def check_muon_pipeline_balance(o: OptimizerConfig, p: ParallelConfig) -> None:
-    # Read only by Muon's replicated (DDP) step over several pipeline ranks (pretrain/optim/muon_pipeline.py).
-    require(
-        not o.muon_pipeline_balance
-        or (o.optimizer == "muon" and not o.use_distributed_optimizer and p.pipeline_model_parallel_size > 1),
-        "optimizer.muon_pipeline_balance=true shares Muon's Newton-Schulz work between pipeline ranks: it needs "
-        "optimizer.optimizer=muon, optimizer.use_distributed_optimizer=false (ZeRO-2 already spreads it over data "
-        f"parallelism) and parallel.pipeline_model_parallel_size > 1; got optimizer={o.optimizer}, "
-        f"use_distributed_optimizer={o.use_distributed_optimizer}, "
-        f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}",
     )
 
 
