@@ -203,7 +203,7 @@ def measure_muon(dev, timed, batches: Sequence[Tuple[int, int, int]], steps: int
     per block shape (m, n): its blocks, its batches, their FLOPs (steps x (4 m^2 n + 2 m^3) per block) and time (each
     distinct batch timed once, counted as often as it occurs)."""
     from pretrain.optim.muon import newton_schulz_lowp
-    from pretrain.optim.roles import newton_schulz_flops
+    from pretrain.optim.muon_staging import newton_schulz_flops
 
     seconds: Dict[Tuple[int, int, int], float] = {}
     for b in sorted(set(batches)):

@@ -75,31 +75,6 @@ def test_the_744b_plans_pipelines_idle_at_most_a_tenth_of_their_busiest_rank():
     assert rows["pretrain-4k"]["simulated"] == pytest.approx(1.228, abs=0.002)
 
 
-def test_the_written_out_schedule_is_megatrons_own():
-    """`warmup_forwards` and `schedule_table` are megatron-core's `get_pp_rank_microbatches` and `get_schedule_table`
-    written out (so the planner's search imports neither torch nor megatron): the same numbers over a grid of
-    pipeline sizes, virtual stages, micro-batches and every group megatron accepts."""
-    from types import SimpleNamespace
-
-    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
-
-    from pretrain.layout.pipeline_schedule import schedule_table, warmup_forwards
-
-    checked = 0
-    for pp in (1, 2, 3, 4, 8, 16):
-        for vpp in (1, 2, 3, 5):
-            for m in (1, 2, 5, 8, 12, 16, 33, 64):
-                for group in sorted({pp, *schedule_groups(pp, m)}):
-                    for rank in range(pp):
-                        comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
-                                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-                        theirs = get_pp_rank_microbatches(m, vpp, group, p2p_communicator=comm)[2]
-                        assert warmup_forwards(rank, pp, vpp, m, group) == theirs, (rank, pp, vpp, m, group)
-                    assert schedule_table(m, vpp, group) == get_schedule_table(m, vpp, group), (pp, vpp, m, group)
-                    checked += 1
-    assert checked > 500
-
-
 def _reference_simulate(forward, backward, pp, m, transfer=0.0, group=None):
     """`simulate` as first written: each op's end kept by ("F" / "B", stage, micro-batch), every rank in turn."""
     stages = len(forward)

@@ -12,20 +12,19 @@ starts when the rank is free and its input has arrived:
 
 with S = p v virtual stages, stage s on rank s mod p. Each rank's order:
 
-- the schedule table (megatron's `get_schedule_table`: `schedule_table`): micro-batches in groups of G (megatron's
+- the schedule table (megatron's own `get_schedule_table`): micro-batches in groups of G (megatron's
   `microbatch_group_size_per_vp_stage`, default P), and for each group every model chunk in turn; virtual
   micro-batch k -> (micro-batch, chunk); backward visits the chunks in reverse;
-- warm-up (megatron's `get_pp_rank_microbatches`: `warmup_forwards`): (p - r - 1) x 2 + (v - 1) x G forwards on
-  rank r, at most all of them; then one forward and one backward per slot (1F1B); then the remaining backwards.
-  Without virtual stages: p - r - 1 warm-up forwards.
+- warm-up (megatron's own `get_pp_rank_microbatches`): (p - r - 1) x 2 + (v - 1) x G forwards on rank r, at most
+  all of them; then one forward and one backward per slot (1F1B); then the remaining backwards. Without virtual
+  stages: p - r - 1 warm-up forwards.
 
 Transfers take `transfer` seconds (stage to stage, the same for activations and gradients); a rank that waits
 for an input is idle. Returns the makespan and each rank's idle time, so a layout's cost can be ranked by the
 schedule it will run, not by its busiest rank alone (`pretrain.tools.pipeline_split`).
 
-The two megatron functions are written out here, not called: their module imports torch and all of megatron-core,
-about 3 s that the layout planner's search would pay for 20 lines of arithmetic; tests/test_pipeline_schedule.py
-checks both against megatron's own over a grid of pipeline sizes, virtual stages, micro-batches and groups.
+Each rank's order is built once per schedule shape (PP, VPP, micro-batches, group) and reused for every set of
+stage costs a search tries.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from pretrain.config.pipeline_layout import microbatch_group_ok
@@ -53,27 +53,13 @@ class Simulated:
 
 
 def warmup_forwards(rank: int, pp: int, vpp: int, microbatches: int, group: int) -> int:
-    """Forwards before rank `rank`'s first backward: megatron-core 0.16.1's `get_pp_rank_microbatches` (training,
-    without the MoE-overlap's extra forward), written out (module docstring)."""
-    total = microbatches * vpp
-    if pp == 1:
-        warm = 0
-    elif vpp == 1:  # forward_backward_pipelining_without_interleaving
-        warm = pp - rank - 1
-    else:  # forward_backward_pipelining_with_interleaving
-        warm = (pp - rank - 1) * 2 + (vpp - 1) * group
-    return min(warm, total)
+    """Forwards before rank `rank`'s first backward: megatron-core's own `get_pp_rank_microbatches`, given a stand-in
+    for the pipeline communicator it reads the sizes from (no process group needed)."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-
-def schedule_table(microbatches: int, vpp: int, group: int) -> List[Tuple[int, int]]:
-    """(micro-batch, model chunk) in megatron-core 0.16.1's interleaved order, its `get_schedule_table` written out
-    (as `warmup_forwards`): groups of `group` micro-batches, each group through every chunk in turn, the last group
-    whatever is left."""
-    table: List[Tuple[int, int]] = []
-    for first in range(0, microbatches, group):
-        end = microbatches if first + group >= microbatches else first + group
-        table.extend((j, chunk) for chunk in range(vpp) for j in range(first, end))
-    return table
+    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+                           virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    return get_pp_rank_microbatches(microbatches, vpp, group, p2p_communicator=comm)[2]
 
 
 def rank_order(rank: int, pp: int, vpp: int, microbatches: int, group: Optional[int] = None) -> List[Op]:
@@ -83,7 +69,9 @@ def rank_order(rank: int, pp: int, vpp: int, microbatches: int, group: Optional[
     if vpp == 1:
         table = [(j, 0) for j in range(microbatches)]
     elif microbatch_group_ok(pp, group, microbatches):
-        table = schedule_table(microbatches, vpp, group)
+        from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+        table = get_schedule_table(microbatches, vpp, group)
     else:
         raise ValueError(f"micro-batch group {group} per virtual stage: megatron needs PP ({pp}) <= group <= "
                          f"micro-batches ({microbatches}) and a last group of 0 or >= PP")

@@ -268,8 +268,9 @@ class Muon(torch.optim.Optimizer):
                     matrices.append((group, p))
                 else:
                     self._adamw_update(group, p)
-        if matrices or (self.pipeline_balance is not None and only is None):  # a balance exchanges every step
-            self._muon_updates(matrices, balanced=only is None)
+        balanced = self.pipeline_balance is not None and only is None
+        if matrices or balanced:  # a balanced rank exchanges at every step, even with nothing of its own
+            self._muon_updates(matrices, balanced)
         return loss
 
     def _muon_updates(self, matrices: List[Tuple[dict, torch.Tensor]], balanced: bool = False) -> None:
@@ -309,10 +310,11 @@ class Muon(torch.optim.Optimizer):
                 coef = -group["lr"] * group["scale_rms"] * math.sqrt(max(grad.shape[-2:]))
                 block = StagedBlock(grad, momentum, param, mu, coef, fused)
                 staged.setdefault((dtype, group["ns_steps"]), []).append(block)
-        if balanced and self.pipeline_balance is not None:
+        if balanced:
             from pretrain.optim.muon_pipeline import balanced_updates
 
-            balanced_updates(staged, self.ns_batch_elements, self.pipeline_balance, newton_schulz_lowp)
+            device = self.param_groups[0]["params"][0].device
+            balanced_updates(staged, self.ns_batch_elements, self.pipeline_balance, newton_schulz_lowp, device)
             return
         for (dtype, steps), blocks in staged.items():
             shapes = [(b.grad.shape[0], *b.wide) for b in blocks]

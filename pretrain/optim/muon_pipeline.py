@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from pretrain.optim.muon_staging import StagedBlock, apply_stage, fill_stage, stage_batches
+from pretrain.optim.muon_staging import StagedBlock, apply_stage, fill_stage, newton_schulz_flops, stage_batches
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,9 @@ Move = Tuple[int, int, int]
 
 
 def block_flops(key: ClassKey) -> float:
-    """Newton-Schulz flops of one [m, n] block: steps x (4 m^2 n + 2 m^3)."""
+    """Newton-Schulz flops of one block of the class."""
     _, steps, m, n = key
-    return steps * (4.0 * m * m * n + 2.0 * m**3)
+    return newton_schulz_flops(m, n, steps)
 
 
 def balance_plan(counts: Sequence[Dict[ClassKey, int]]) -> Dict[ClassKey, List[Move]]:
@@ -113,19 +113,16 @@ class PipelineBalance:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def wait(requests) -> None:
     for r in requests:
         r.wait()
 
 
 def balanced_updates(staged: Dict[Tuple[torch.dtype, int], List[StagedBlock]], batch_elements: int,
-                     balance: PipelineBalance, newton_schulz) -> None:
+                     balance: PipelineBalance, newton_schulz, device: torch.device) -> None:
     """Muon's batched Newton-Schulz and updates of `staged` (Muon's blocks by (ns dtype, steps)) with the plan's
-    blocks orthogonalized on other pipeline ranks; `newton_schulz(stage, steps, dtype)` is Muon's iteration."""
+    blocks orthogonalized on other pipeline ranks; `newton_schulz(stage, steps, dtype)` is Muon's iteration, `device`
+    its parameters' (where blocks from other ranks are received)."""
     classes: Dict[ClassKey, List[List[StagedBlock]]] = {}
     for (dtype, steps), blocks in staged.items():
         shapes = [(b.grad.shape[0], *b.wide) for b in blocks]
@@ -158,7 +155,7 @@ def balanced_updates(staged: Dict[Tuple[torch.dtype, int], List[StagedBlock]], b
                 offset += k
         for src, dst, k in moves[key]:
             if dst == me:
-                buf = torch.empty(k, key[2], key[3], dtype=dtype_of(key), device=_device())
+                buf = torch.empty(k, key[2], key[3], dtype=dtype_of(key), device=device)
                 first.append(("recv", src, buf))
                 hosted.append((key, src, buf))
     posted = balance.exchange(first)

@@ -45,6 +45,12 @@ class StagedBlock:
         return self.grad.shape[-2] > self.grad.shape[-1]
 
 
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """Flops of `steps` quintic iterations on one [rows, cols] matrix: 4 m^2 n + 2 m^3 each (m <= n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m**3)
+
+
 def stage_batches(shapes: List[Tuple[int, int, int]], max_elements: int) -> List[List[int]]:
     """Indices of `shapes` ([groups, m, n] in the wide orientation) batched for Newton-Schulz: equal
     (m, n) together, in order, each batch at most `max_elements` (a larger block goes alone)."""

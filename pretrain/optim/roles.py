@@ -50,6 +50,7 @@ from megatron.core.utils import unwrap_model
 from pretrain.config.schema import ModelConfig, OptimizerConfig
 from pretrain.model.dsa import is_indexer_parameter
 from pretrain.optim.muon import Muon, MuonSplit
+from pretrain.optim.muon_staging import newton_schulz_flops
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,6 @@ def _local_split(name: str, p: torch.Tensor, optimizer_cfg: OptimizerConfig, mod
 # Optimizer work of an elementwise update (momentum, AdamW moments) per element, in flop-equivalents
 # of bf16 tensor-core time: ~16 bytes of memory traffic at ~4.8 TB/s vs ~800 TFLOP/s (H200).
 ELEMENTWISE_FLOPS = 2500.0
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
-    """Flops of `steps` quintic iterations on one [rows, cols] matrix: 4 m^2 n + 2 m^3 each (m <= n)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
 def ownership_cost(optimizer_cfg: OptimizerConfig, model_cfg: ModelConfig):
