@@ -12,6 +12,9 @@ that use fewer than N model-parallel ranks fill the rest with data parallelism):
                            the traffic; the owner still accumulates in fp32)
     zero2_step_m32         zero2_m32 with optimizer.zero2_grad_reduce=step (one reduce per step, a full gradient buffer)
     zero2_b160_m32         zero2_m32 with parallel.bucket_size=160000000: a quarter of the reduces, each 4x longer
+    zero2_ce_m8, zero2_ce_m32   zero2_m8 / zero2_m32 with optimizer.zero2_reduce_transport=copy_engine: the reduces'
+                           bytes on the GPUs' copy engines, not NCCL's kernels beside the backward
+    zero2_ce_bf16_m32      zero2_ce_m32 with the reduce in bf16 (parallel.grad_reduce_in_fp32=false)
     ddp_ctas4_m32,         ddp_m32 / zero2_m32 with parallel.nccl_communicator_config_path=
     zero2_ctas4_m32        configs/nccl/dp_reduce_4ctas.yaml: the data-parallel groups' NCCL kernels take at most 4
                            thread blocks (SMs) beside the backward
@@ -61,12 +64,13 @@ from typing import Dict, List, Optional
 
 DEFAULT_CONFIG = "configs/models/glm5-proxy.yaml"
 WIDTH = "configs/scaling/glm5-width.yaml"
+COPY_ENGINE = "optimizer.zero2_reduce_transport=copy_engine"
 FEW_CTAS = "parallel.nccl_communicator_config_path=configs/nccl/dp_reduce_4ctas.yaml"
 WIDTH_128K = "configs/scaling/glm5-width-128k.yaml"
 GROUPS = {
     "baseline": ["gpu1"],
     "dp": ["ddp_m8", "ddp_m32", "zero2_m8", "zero2_m32", "zero2_scatter_m32", "zero2_bf16_m32", "zero2_step_m32",
-           "zero2_b160_m32", "ddp_ctas4_m32", "zero2_ctas4_m32"],
+           "zero2_b160_m32", "ddp_ctas4_m32", "zero2_ctas4_m32", "zero2_ce_m8", "zero2_ce_m32", "zero2_ce_bf16_m32"],
     "dispatch": ["ep_a2a", "ep", "ep_overlap"],  # group names never equal a run's: `--only ep` is the run
     "overlaps": ["ep", "ep_shared", "ep_chunks", "ep_overlap"],
     "balance": ["gpu1_bal", "ep_bal", "ep_overlap_bal"],
@@ -122,6 +126,9 @@ def plan_runs(n: int, micro_batch: int, pp_layout: List[str], pp_closed: Optiona
         Run("zero2_bf16_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.grad_reduce_in_fp32=false"]),
         Run("zero2_step_m32", n, 32, n, "gpu1", ZERO2 + ["optimizer.zero2_grad_reduce=step"]),
         Run("zero2_b160_m32", n, 32, n, "gpu1", ZERO2 + ["parallel.bucket_size=160000000"]),
+        Run("zero2_ce_m8", n, 8, n, "gpu1", ZERO2 + [COPY_ENGINE]),
+        Run("zero2_ce_m32", n, 32, n, "gpu1", ZERO2 + [COPY_ENGINE]),
+        Run("zero2_ce_bf16_m32", n, 32, n, "gpu1", ZERO2 + [COPY_ENGINE, "parallel.grad_reduce_in_fp32=false"]),
         Run("ddp_ctas4_m32", n, 32, n, "gpu1", [FEW_CTAS]),
         Run("zero2_ctas4_m32", n, 32, n, "gpu1", ZERO2 + [FEW_CTAS]),
         Run("ep_a2a", n, 8, n, "gpu1", ep + ["model.moe_token_dispatcher_type=alltoall"], "a2a"),

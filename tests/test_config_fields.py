@@ -78,6 +78,7 @@ def test_every_literal_field_has_the_choices_its_docstring_or_megatron_names():
         "optimizer.optimizer": {"adam", "muon"},
         "optimizer.muon_ns_dtype": {"bfloat16", "float32"},
         "optimizer.zero2_grad_reduce": {"microbatch", "step", "microbatch_scatter"},
+        "optimizer.zero2_reduce_transport": {"nccl", "copy_engine"},
         "optimizer.muon_router": {"adamw", "muon"},
         "optimizer.muon_indexer": {"adamw", "muon"},
         "optimizer.lr_decay_style": {"constant", "linear", "cosine"},

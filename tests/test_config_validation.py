@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pretrain.config import ConfigError, GLM5Config, load_config, validate_config
 from tests.config_helpers import GLM5, tiny
@@ -87,6 +88,11 @@ BAD = [
      "optimizer.zero2_grad_reduce='step' applies to Muon's ZeRO-2 only"),
     ("zero2-reduce-adam", ["optimizer.optimizer=adam", "optimizer.use_distributed_optimizer=true",
                            "optimizer.zero2_grad_reduce=microbatch_scatter"], "optimizer.zero2_grad_reduce"),
+    ("copy-engine-needs-muon-zero2", ["optimizer.zero2_reduce_transport=copy_engine"],
+     "optimizer.zero2_reduce_transport='copy_engine' applies to Muon's ZeRO-2"),
+    ("copy-engine-not-scatter", ["optimizer.optimizer=muon", "optimizer.use_distributed_optimizer=true",
+                                 "optimizer.zero2_grad_reduce=microbatch_scatter",
+                                 "optimizer.zero2_reduce_transport=copy_engine"], "optimizer.zero2_reduce_transport"),
     ("dataset-threads", ["data.num_dataset_builder_threads=0"], "data.num_dataset_builder_threads"),
     ("bucket-size", ["parallel.bucket_size=0"], "parallel.bucket_size is 0; it must be > 0 (or null)"),
     ("doc-mask", ["data.reset_attention_mask=true", "data.create_attention_mask=true"], "data.create_attention_mask"),
@@ -166,3 +172,26 @@ def test_world_size_ok():
 
 def test_defaults_validate():
     validate_config(GLM5Config())
+
+
+def test_copy_engine_transport_needs_gpus_and_data_parallel_groups_inside_one_node(monkeypatch):
+    """Refused before any process group: without GPUs, and where a pipeline stage's tp x cp x dp ranks (consecutive
+    in megatron's rank order) cross a node; accepted where they fit in one."""
+    from pretrain.training.preflight import check_copy_engine_transport
+
+    ce = ["optimizer.optimizer=muon", "optimizer.use_distributed_optimizer=true",
+          "optimizer.zero2_reduce_transport=copy_engine"]
+    cfg = tiny(*ce)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="copy_engine needs GPUs"):
+        check_copy_engine_transport(cfg, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="stage's 4 ranks .* inside one node of 2"):
+        check_copy_engine_transport(cfg, 4)
+    check_copy_engine_transport(cfg, 2)
+    pp2 = tiny(*ce, "parallel.pipeline_model_parallel_size=2")
+    check_copy_engine_transport(pp2, 4)  # two stages of 2 ranks, each inside a node of 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="stage's 12 ranks"):
+        check_copy_engine_transport(cfg, 12)

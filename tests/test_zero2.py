@@ -196,7 +196,7 @@ def test_gradient_memory_is_one_over_dp_without_a_dominant_matrix(stdlib_data, t
 
 
 def test_ownership_balances_both_loads():
-    from pretrain.optim.zero2_grads import assign_owners
+    from pretrain.optim.zero2_buckets import assign_owners
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
@@ -321,6 +321,70 @@ def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
             assert g.dtype == torch.float32
             err = (g.double() - ref[n]).norm() / ref[n].norm()
             assert err < tol, (dtype, fp32, n, err.item())
+
+
+def _copy_engine_grads(rank, world_size, dtype, grad_reduce_in_fp32, directory):
+    """`_wrapper_grads` with the copy-engine transport over shared files (tests/file_fabric.py): slots of 7
+    elements in a ring of 2, so buckets go in several pieces and every slot is reused many times."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    from parallel.initialize import initialize_parallel
+    from pretrain.config.schema import ParallelConfig
+    from pretrain.optim.zero2_copy_engine import make_reducers
+    from pretrain.optim.zero2_grads import Zero2DataParallel
+    from tests.file_fabric import FileFabric
+
+    initialize_parallel(ParallelConfig(), seed=0)
+    fabrics = []
+
+    def fabric(group, nbytes):
+        fabrics.append(FileFabric(directory, group, nbytes))
+        return fabrics[-1]
+
+    groups = {"dense": ps.get_data_parallel_group(with_context_parallel=True),
+              "expert": ps.get_expert_data_parallel_group()}
+    transports = make_reducers(groups, torch.device("cpu"), fabric, slot_elements=7, ring=2)
+    module = _small_module(dtype)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    model = Zero2DataParallel(config, module, lambda n, p: float(p.numel()), "microbatch", grad_reduce_in_fp32,
+                              bucket_elements=40, max_inflight=2, reduce_transport="copy_engine",
+                              transports=transports)
+    assert all(b.transport is transports["dense"] for b in model.buckets)
+    model.zero_grad_buffer()
+    for m in range(3):
+        _small_loss(model, rank, m, dtype).backward()
+    model.finish_grad_sync()
+    grads = {n: p.main_grad.clone() for n, p in module.named_parameters() if model.owns(p)}
+    return grads, sum(f.copies for f in fabrics), transports["dense"].sent
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_copy_engine_transport_reduces_to_the_mean_over_ranks(world, tmp_path):
+    """`optimizer.zero2_reduce_transport: copy_engine`'s protocol (pieces, a reused ring of slots, signals; several
+    sources per owner at DP = 3) run over shared files: the owner's main_grad = (1/dp) * the float64 sum over
+    ranks and micro-batches, in fp32 to 1e-6 and in bf16 to bf16 accuracy."""
+    ref_module = _small_module(torch.float64)
+    ref = {n: torch.zeros_like(p) for n, p in ref_module.named_parameters()}
+    for r in range(world):
+        for m in range(3):
+            grads = torch.autograd.grad(_small_loss(ref_module, r, m, torch.float64), list(ref_module.parameters()))
+            for (n, _), g in zip(ref_module.named_parameters(), grads):
+                ref[n] += g / world
+    for i, (dtype, fp32, tol) in enumerate([(torch.float32, True, 1e-6), (torch.bfloat16, False, 3e-2)]):
+        directory = tmp_path / f"case{i}"
+        directory.mkdir()
+        ranks = run_ranks(_copy_engine_grads, world, dtype, fp32, str(directory))
+        got = {}
+        for grads, copies, sent in ranks:
+            assert not set(grads) & set(got)
+            got.update(grads)
+            assert copies > 0 and max(sent) > 2  # the peers' bytes went through the areas, slots were reused
+        assert [r[2] for r in ranks] == [ranks[0][2]] * world  # every rank counted the same pieces per owner
+        assert set(got) == set(ref)
+        for n, g in got.items():
+            err = (g.double() - ref[n]).norm() / ref[n].norm()
+            assert err < tol, (world, dtype, n, err.item())
 
 
 def _wrapped_bucket_sizes(rank, world_size):

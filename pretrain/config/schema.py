@@ -276,6 +276,8 @@ class OptimizerConfig:
     """Shard optimizer state over DP (megatron's for AdamW; ZeRO-2, pretrain/optim/zero2_*.py, with muon)."""
     zero2_grad_reduce: Literal["microbatch", "step", "microbatch_scatter"] = "microbatch"
     """Ours, Muon ZeRO-2: per micro-batch to owners, once per step (full grads), or per micro-batch scattered."""
+    zero2_reduce_transport: Literal["nccl", "copy_engine"] = "nccl"
+    """Ours, Muon ZeRO-2: who moves the reduces' bytes: NCCL, or the GPUs' copy engines (DP inside one node)."""
     muon_momentum: float = 0.95
     """Muon momentum (GLM-4.5 settings, kept by GLM-5)."""
     muon_use_nesterov: bool = True

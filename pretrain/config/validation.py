@@ -328,6 +328,13 @@ def check_optimizer(o: OptimizerConfig) -> None:
         f"optimizer.zero2_grad_reduce={o.zero2_grad_reduce!r} applies to Muon's ZeRO-2 only; set optimizer.optimizer=muon "
         "and optimizer.use_distributed_optimizer=true, or leave it at \"microbatch\"",
     )
+    require(
+        o.zero2_reduce_transport == "nccl"
+        or (o.optimizer == "muon" and o.use_distributed_optimizer and o.zero2_grad_reduce != "microbatch_scatter"),
+        f"optimizer.zero2_reduce_transport={o.zero2_reduce_transport!r} applies to Muon's ZeRO-2 with "
+        "optimizer.zero2_grad_reduce microbatch or step; set optimizer.optimizer=muon, "
+        "optimizer.use_distributed_optimizer=true, or leave it at \"nccl\"",
+    )
 
 
 def check_data(d: DataConfig) -> None:

@@ -1,6 +1,6 @@
 """The optimizer's one home: Muon with Muon Split (`muon`), which update each GLM-5 parameter takes
-(`roles`), ZeRO-2 gradient ownership and reduction (`zero2_grads`) and its owner-side optimizer
-(`zero2_owner`), the step clipped by the loop's gradient norm (`clipped_step`), and the builder that
+(`roles`), ZeRO-2 gradient ownership and reduction (`zero2_grads`, its buckets `zero2_buckets` and
+`zero2_scatter`, the copy-engine transport `zero2_copy_engine`) and its owner-side optimizer (`zero2_owner`), the step clipped by the loop's gradient norm (`clipped_step`), and the builder that
 decides data-parallel wrapping and optimizer together (`build`).
 """
 
@@ -24,7 +24,8 @@ from pretrain.optim.roles import (
     param_split,
     sub_optimizers,
 )
-from pretrain.optim.zero2_grads import Zero2DataParallel, assign_owners
+from pretrain.optim.zero2_buckets import assign_owners
+from pretrain.optim.zero2_grads import Zero2DataParallel
 from pretrain.optim.zero2_owner import shard_optimizer
 
 __all__ = [

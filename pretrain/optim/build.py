@@ -91,9 +91,11 @@ def wrap_model_chunks(chunks: List, parallel_cfg: ParallelConfig, optimizer_cfg:
     mode = data_parallel_mode(optimizer_cfg)
     if mode == "zero2":
         cost = ownership_cost(optimizer_cfg, model_cfg)
+        transports = {}  # copy-engine transports, one per group, shared by the chunks
         return [Zero2DataParallel(chunk.config, chunk, cost, optimizer_cfg.zero2_grad_reduce,
                                   parallel_cfg.grad_reduce_in_fp32,
-                                  bucket_elements=parallel_cfg.bucket_size or DEFAULT_BUCKET_ELEMENTS)
+                                  bucket_elements=parallel_cfg.bucket_size or DEFAULT_BUCKET_ELEMENTS,
+                                  reduce_transport=optimizer_cfg.zero2_reduce_transport, transports=transports)
                 for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=parallel_cfg.grad_reduce_in_fp32,

@@ -18,7 +18,8 @@ step`) instead accumulates locally and reduces once per step (DDP's traffic, a f
 buffer while the step's backward passes run, still sharded optimizer state and main weights).
 `optimizer.zero2_grad_reduce: microbatch_scatter` reduces per micro-batch as reduce-scatters of
 buckets that mix owners (`pretrain.optim.zero2_scatter`: half the time of a reduce at d = 2, the
-compute stream not waiting for it until the step's end), with ownership decided per bucket.
+compute stream not waiting for it until the step's end), with ownership decided per bucket. `optimizer.zero2_reduce_transport: copy_engine` moves the reduces' bytes
+with the GPUs' copy engines instead of NCCL's kernels (`pretrain.optim.zero2_copy_engine`; one node).
 
 After the optimizer step each owner broadcasts the updated parameters it owns: every parameter
 crosses the network once (the "all-gather of owned shards"), bucket by bucket, and the broadcasts
@@ -37,105 +38,18 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
-from pretrain.optim.zero2_scatter import ScatterBucket, flatten_parameters, scatter_windows, window_owners
+from pretrain.optim.zero2_buckets import OwnerBucket, assign_owners
+from pretrain.optim.zero2_copy_engine import CopyEngineReduce, make_reducers
+from pretrain.optim.zero2_scatter import ScatterBucket, scatter_windows, window_owners
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # megatron-core's DDP default bucket size
-
-
-def assign_owners(costs: Sequence[float], sizes: Sequence[int], world: int) -> List[int]:
-    """Owner rank of each item: greedy two-resource balance of compute `costs` and memory `sizes`."""
-    if world == 1:
-        return [0] * len(costs)
-    total_cost = float(sum(costs)) or 1.0
-    total_size = float(sum(sizes)) or 1.0
-    load_c, load_s = [0.0] * world, [0.0] * world
-    owners = [0] * len(costs)
-    order = sorted(range(len(costs)), key=lambda i: (-max(costs[i] / total_cost, sizes[i] / total_size), i))
-    for i in order:
-        c, s = costs[i] / total_cost, sizes[i] / total_size
-        best = min(range(world), key=lambda r: (max(load_c[r] + c, load_s[r] + s), r))
-        owners[i] = best
-        load_c[best] += c
-        load_s[best] += s
-    return owners
-
-
-class _Bucket:
-    """Parameters of one owner and dtype whose gradients are reduced together.
-
-    `grad`: the owner's persistent fp32 accumulation (its parameters' main_grad); `local`: this
-    rank's gradients of the current micro-batch(es), fp32; `comm`: what is being reduced (`local`
-    itself, or its copy in `reduce_dtype`). An owner reducing in fp32 accumulates straight into
-    `grad` and reduces it in place, so it needs no transient memory.
-    """
-
-    def __init__(self, params: List[torch.nn.Parameter], owner: int, group, scale: float, reduce_dtype: torch.dtype):
-        self.params, self.owner, self.group, self.scale = params, owner, group, scale
-        self.reduce_dtype = reduce_dtype
-        self.owner_global = dist.get_global_rank(group, owner) if group.size() > 1 else dist.get_rank()
-        self.is_owner = group.rank() == owner
-        self.numel = sum(p.numel() for p in params)
-        self.offsets: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
-        start = 0
-        for p in params:
-            self.offsets[p] = (start, start + p.numel())
-            start += p.numel()
-        self.param_data = flatten_parameters(params, self.offsets, self.numel)
-        self.grad: Optional[torch.Tensor] = None
-        if self.is_owner:
-            self.grad = torch.zeros(self.numel, dtype=torch.float32, device=params[0].device)
-            for p in params:
-                s, e = self.offsets[p]
-                p.main_grad = self.grad[s:e].view_as(p)
-        self.local: Optional[torch.Tensor] = None
-        self.comm: Optional[torch.Tensor] = None
-        self.ready: set = set()
-        self.work = None
-        self.owned_params = params if self.is_owner else []
-        self.owned_numel = self.numel if self.is_owner else 0
-
-    def start_reduce(self) -> None:
-        """Reduce `comm` (set by the caller) to the owner."""
-        self.work = dist.reduce(self.comm, dst=self.owner_global, group=self.group, async_op=True)
-
-    def start_param_sync(self):
-        """Send the owner's updated parameters to its group (the work)."""
-        return dist.broadcast(self.param_data, src=self.owner_global, group=self.group, async_op=True)
-
-    @property
-    def in_place(self) -> bool:
-        return self.is_owner and self.reduce_dtype == torch.float32
-
-    def transient_bytes(self) -> int:
-        live = {id(t): t for t in (self.local, self.comm) if t is not None and t is not self.grad}
-        return sum(t.numel() * t.element_size() for t in live.values())
-
-    def settle(self) -> None:
-        """Wait for this bucket's reduce; the owner adds a low-precision result into its fp32
-        accumulation, and the transient buffers are dropped."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        if self.comm is not None:
-            if self.is_owner and self.comm is not self.grad:
-                self.grad.add_(self.comm)
-            self.comm = None
-
-
-def broadcast_bucket(b):
-    """Start sending the owners' updated parameters of bucket `b` to its group (a broadcast, or an
-    all-gather for a `ScatterBucket`): the work, or None alone."""
-    if b.group.size() == 1:
-        return None
-    return b.start_param_sync()
 
 
 class Zero2DataParallel(DistributedDataParallel):
@@ -149,12 +63,17 @@ class Zero2DataParallel(DistributedDataParallel):
 
     def __init__(self, config, module: torch.nn.Module, cost_fn: Callable[[str, torch.nn.Parameter], float],
                  reduce_per: str = "microbatch", grad_reduce_in_fp32: bool = True,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, max_inflight: int = 2,
+                 reduce_transport: str = "nccl", transports: Optional[Dict[str, CopyEngineReduce]] = None,
+                 fabric_factory=None):
         _BaseDataParallel.__init__(self, config=config, module=module)
         if reduce_per not in ("microbatch", "step", "microbatch_scatter"):
             raise ValueError(f"optimizer.zero2_grad_reduce must be 'microbatch', 'step' or 'microbatch_scatter', "
                              f"got {reduce_per!r}")
         self.scatter = reduce_per == "microbatch_scatter"
+        if reduce_transport not in ("nccl", "copy_engine") or (reduce_transport == "copy_engine" and self.scatter):
+            raise ValueError(f"optimizer.zero2_reduce_transport must be 'nccl' or 'copy_engine' (not with "
+                             f"microbatch_scatter), got {reduce_transport!r} with {reduce_per!r}")
         reduce_per = "microbatch" if self.scatter else reduce_per
         # "step": megatron's schedules run every micro-batch but the last under no_sync(); gradients
         # then accumulate locally (full-size, transient) and are reduced once, as with DDP.
@@ -173,7 +92,7 @@ class Zero2DataParallel(DistributedDataParallel):
         scale = 1.0 / dense_group.size()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         named.reverse()  # about the order gradients arrive in backward
-        self.buckets: List[_Bucket] = []
+        self.buckets: List[OwnerBucket] = []
         self.param_owner: Dict[torch.nn.Parameter, Tuple[int, object]] = {}
         for expert in (False, True):
             part = [(n, p) for n, p in named if (not getattr(p, "allreduce", True)) == expert]
@@ -194,6 +113,8 @@ class Zero2DataParallel(DistributedDataParallel):
         # One launch order for dense and expert buckets together, by when a bucket's last gradient
         # arrives: in dense-then-expert order the expert buckets (most of an MoE model) could only
         # start after the dense embedding's gradient, at the very end of every backward.
+        if reduce_transport == "copy_engine":
+            self._attach_copy_engines(dense_group, expert_group, transports, fabric_factory)
         position = {p: i for i, (_, p) in enumerate(named)}
         self.buckets.sort(key=lambda b: max(position[p] for p in b.params))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -201,6 +122,19 @@ class Zero2DataParallel(DistributedDataParallel):
         self._inflight: deque = deque()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.peak_transient_bytes = 0
+
+    def _attach_copy_engines(self, dense_group, expert_group, transports, fabric_factory) -> None:
+        """Every bucket of a group of more than one rank reduces through that group's copy-engine transport,
+        shared by the model chunks (`transports`: filled by the first chunk, in the same order on every rank)."""
+        transports = {} if transports is None else transports
+        groups = {"dense": dense_group, "expert": expert_group}
+        missing = {k: g for k, g in groups.items() if k not in transports}
+        if missing:
+            device = self.buckets[0].param_data.device if self.buckets else torch.device("cpu")
+            transports.update(make_reducers(missing, device, fabric_factory))
+        by_group = {id(g): transports.get(k) for k, g in groups.items()}
+        for b in self.buckets:
+            b.transport = by_group.get(id(b.group))
 
     def _make_buckets(self, part, group, scale: float, bucket_elements: int) -> None:
         open_buckets: Dict[Tuple[int, torch.dtype], Tuple[List, List[int]]] = {}  # key -> (params, [elements])
@@ -218,7 +152,7 @@ class Zero2DataParallel(DistributedDataParallel):
         closing.sort(key=lambda t: (t[0], t[2]))  # a bucket is ready when its last gradient arrives
         for _, members, owner in closing:
             dtype = torch.float32 if self.grad_reduce_in_fp32 else members[0].dtype
-            self.buckets.append(_Bucket(members, owner, group, scale, dtype))
+            self.buckets.append(OwnerBucket(members, owner, group, scale, dtype))
 
     def _make_scatter_buckets(self, part, costs, group, scale: float, bucket_elements: int) -> None:
         """Windows of consecutive parameters, owners balanced inside each (`pretrain.optim.zero2_scatter`);
@@ -239,7 +173,7 @@ class Zero2DataParallel(DistributedDataParallel):
                 o = 0 if getattr(p, "shared_embedding", False) else min(range(world), key=lambda r: (load[r] + max(c, s), r))
                 load[o] += max(c, s)
                 self.param_owner[p] = (o, group)
-                self.buckets.append(_Bucket([p], o, group, scale, dtype))
+                self.buckets.append(OwnerBucket([p], o, group, scale, dtype))
                 continue
             for dt in sorted({p.dtype for p in params}, key=str):  # one dtype per flat bucket
                 sub = [i for i in idx if part[i][1].dtype == dt]
@@ -277,7 +211,7 @@ class Zero2DataParallel(DistributedDataParallel):
                 self.buckets[self._next_launch].params):
             self._launch(self.buckets[self._next_launch])
 
-    def _open(self, b: _Bucket) -> None:
+    def _open(self, b: OwnerBucket) -> None:
         """Give the bucket somewhere to collect this rank's gradients."""
         if b.local is not None:
             return
@@ -288,15 +222,17 @@ class Zero2DataParallel(DistributedDataParallel):
             b.local = torch.zeros(b.numel, dtype=torch.float32, device=b.param_data.device)
             self._track_transient()
 
-    def _accumulate(self, b: _Bucket, param: torch.nn.Parameter) -> None:
+    def _accumulate(self, b: OwnerBucket, param: torch.nn.Parameter) -> None:
         s, e = b.offsets[param]
         b.local[s:e].view_as(param).add_(param.grad, alpha=b.scale)
         param.grad = None
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: OwnerBucket) -> None:
         self._open(b)  # a bucket flushed without any gradient here sends zeros
         b.settle()  # this bucket's previous reduce (the last micro-batch's) is folded in first
-        b.comm = b.local if b.reduce_dtype == torch.float32 else b.local.to(b.reduce_dtype)
+        # an owner reducing through a transport adds its own fp32 gradients: no cast for it
+        keep = b.reduce_dtype == torch.float32 or (b.transport is not None and b.is_owner)
+        b.comm = b.local if keep else b.local.to(b.reduce_dtype)
         b.local = None
         self._track_transient()
         if b.group.size() > 1:
@@ -366,10 +302,10 @@ class Zero2DataParallel(DistributedDataParallel):
                 b.grad.mul_(scaling_factor)
 
     # ------------------------------------------------------------------ parameters
-    def broadcast_order(self) -> List[_Bucket]:
+    def broadcast_order(self) -> List[OwnerBucket]:
         """Buckets in the order of the post-step broadcasts: owners interleaved round-robin, so each
         rank's first buckets go out while it orthogonalizes its next ones."""
-        per_owner: Dict[Tuple[int, int], List[_Bucket]] = {}
+        per_owner: Dict[Tuple[int, int], List[OwnerBucket]] = {}
         for b in self.buckets:
             per_owner.setdefault((id(b.group), b.owner), []).append(b)
         order = []

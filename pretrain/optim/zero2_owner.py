@@ -33,7 +33,8 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
 from pretrain.optim.roles import inner_to_model_params, sub_optimizers
-from pretrain.optim.zero2_grads import Zero2DataParallel, broadcast_bucket
+from pretrain.optim.zero2_buckets import broadcast_bucket
+from pretrain.optim.zero2_grads import Zero2DataParallel
 
 
 def _main_replica(tree) -> None:

@@ -63,11 +63,13 @@ def flatten_parameters(params: Sequence[torch.nn.Parameter], offsets: Dict[torch
 class ScatterBucket:
     """A flat bucket whose d equal segments belong to the d ranks of `group` (see the module docstring).
 
-    Same interface as `zero2_grads._Bucket`: `grad` is this rank's persistent fp32 accumulation
+    Same interface as `zero2_buckets.OwnerBucket`: `grad` is this rank's persistent fp32 accumulation
     (its owned parameters' main_grad), `local` the current micro-batch's gradients (fp32, full
     bucket), `comm` what is reduce-scattered (`local` or its copy in `reduce_dtype`); the reduced
     segment is a view of `comm`, so no other buffer exists.
     """
+
+    transport = None  # always NCCL's reduce-scatter (no copy-engine transport)
 
     owner = -1  # many owners: `Zero2DataParallel.broadcast_order` puts these buckets first
     in_place = False

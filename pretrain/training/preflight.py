@@ -40,8 +40,25 @@ def preflight(cfg: GLM5Config, world_size: int | None = None) -> None:
         if local > torch.cuda.device_count():
             raise ConfigError(f"{local} processes per node but only {torch.cuda.device_count()} GPUs are visible; "
                               "start one process per GPU (torchrun --nproc-per-node)")
+    check_copy_engine_transport(cfg, world_size)
     check_data(cfg)
     _check_checkpoint(cfg)
+
+
+def check_copy_engine_transport(cfg: GLM5Config, world_size: int) -> None:
+    """`optimizer.zero2_reduce_transport=copy_engine` maps peers' GPU memory: GPUs, and every data-parallel group
+    inside one node. megatron's rank order puts pipeline stages outermost, so the tp x cp x dp ranks of one stage
+    are consecutive and must fall within one node's LOCAL_WORLD_SIZE."""
+    if cfg.optimizer.zero2_reduce_transport != "copy_engine":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("optimizer.zero2_reduce_transport=copy_engine needs GPUs (it maps peer GPU memory); "
+                          "set it to nccl")
+    span = world_size // cfg.parallel.pipeline_model_parallel_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if span > 1 and (span > local or local % span):
+        raise ConfigError(f"optimizer.zero2_reduce_transport=copy_engine needs each pipeline stage's {span} ranks "
+                          f"(tp x cp x dp) inside one node of {local} processes; set it to nccl")
 
 
 def sample_counts(cfg: GLM5Config) -> Tuple[int, int, int]:
