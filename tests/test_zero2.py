@@ -298,11 +298,8 @@ def _small_loss(model, rank, micro, dtype):
     return model(x).float().pow(2).mean()
 
 
-@pytest.mark.parametrize("reduce_per", ["microbatch", "step", "microbatch_scatter"])
-def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
-    """The owner's main_grad = (1/dp) * sum over ranks and micro-batches of the float64 gradients;
-    in fp32 to 1e-6, with parameters and the reduction in bf16 to bf16 accuracy."""
-    world = 2
+def _float64_mean(world):
+    """The reference: (1/world) x the sum over ranks and 3 micro-batches of `_small_module`'s float64 gradients."""
     ref_module = _small_module(torch.float64)
     ref = {n: torch.zeros_like(p) for n, p in ref_module.named_parameters()}
     for r in range(world):
@@ -310,6 +307,15 @@ def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
             grads = torch.autograd.grad(_small_loss(ref_module, r, m, torch.float64), list(ref_module.parameters()))
             for (n, _), g in zip(ref_module.named_parameters(), grads):
                 ref[n] += g / world
+    return ref
+
+
+@pytest.mark.parametrize("reduce_per", ["microbatch", "step", "microbatch_scatter"])
+def test_reduced_gradients_equal_the_mean_over_ranks(reduce_per):
+    """The owner's main_grad = (1/dp) * sum over ranks and micro-batches of the float64 gradients;
+    in fp32 to 1e-6, with parameters and the reduction in bf16 to bf16 accuracy."""
+    world = 2
+    ref = _float64_mean(world)
     for dtype, fp32, tol in [(torch.float32, True, 1e-6), (torch.bfloat16, True, 2e-2), (torch.bfloat16, False, 3e-2)]:
         ranks = run_ranks(_wrapper_grads, world, dtype, fp32, reduce_per)
         got = {}
@@ -364,13 +370,7 @@ def test_copy_engine_transport_reduces_to_the_mean_over_ranks(world, tmp_path):
     """`optimizer.zero2_reduce_transport: copy_engine`'s protocol (pieces, a reused ring of slots, signals; several
     sources per owner at DP = 3) run over shared files: the owner's main_grad = (1/dp) * the float64 sum over
     ranks and micro-batches, in fp32 to 1e-6 and in bf16 to bf16 accuracy."""
-    ref_module = _small_module(torch.float64)
-    ref = {n: torch.zeros_like(p) for n, p in ref_module.named_parameters()}
-    for r in range(world):
-        for m in range(3):
-            grads = torch.autograd.grad(_small_loss(ref_module, r, m, torch.float64), list(ref_module.parameters()))
-            for (n, _), g in zip(ref_module.named_parameters(), grads):
-                ref[n] += g / world
+    ref = _float64_mean(world)
     for i, (dtype, fp32, tol) in enumerate([(torch.float32, True, 1e-6), (torch.bfloat16, False, 3e-2)]):
         directory = tmp_path / f"case{i}"
         directory.mkdir()

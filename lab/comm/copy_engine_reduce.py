@@ -22,24 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-def timed(fn, reps: int) -> float:
-    """Milliseconds per call of `fn` (ranks aligned first), two warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    began = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / reps * 1e3
+from lab.comm.timing import timed  # noqa: E402
 
 
 def main() -> None:
@@ -101,11 +92,11 @@ def main() -> None:
 
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "bucket_mbytes": args.mbytes,
            "nccl_version": ".".join(map(str, torch.cuda.nccl.version()))}
-    mine = {f"{t}_alone_ms": timed(fn, args.reps) for t, fn in transfers.items()}
+    mine = {f"{t}_alone_ms": timed(fn, args.reps, warmups=2, align_ranks=True) for t, fn in transfers.items()}
     for name, load in loads.items():
-        mine[f"{name}_alone_ms"] = timed(load, args.reps)
+        mine[f"{name}_alone_ms"] = timed(load, args.reps, warmups=2, align_ranks=True)
         for t, fn in transfers.items():
-            mine[f"{name}_beside_{t}_ms"] = timed(beside(fn, load), args.reps)
+            mine[f"{name}_beside_{t}_ms"] = timed(beside(fn, load), args.reps, warmups=2, align_ranks=True)
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
     if rank == 0:

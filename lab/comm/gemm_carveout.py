@@ -17,21 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-def timed(fn, reps: int) -> float:
-    """Milliseconds per call of `fn`, one warm-up call first."""
-    fn()
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / reps * 1e3
+from lab.comm.timing import timed  # noqa: E402
 
 
 def main() -> None:
