@@ -18,8 +18,9 @@ step`) instead accumulates locally and reduces once per step (DDP's traffic, a f
 buffer while the step's backward passes run, still sharded optimizer state and main weights).
 `optimizer.zero2_grad_reduce: microbatch_scatter` reduces per micro-batch as reduce-scatters of
 buckets that mix owners (`pretrain.optim.zero2_scatter`: half the time of a reduce at d = 2, the
-compute stream not waiting for it until the step's end), with ownership decided per bucket. `optimizer.zero2_reduce_transport: copy_engine` moves the reduces' bytes
-with the GPUs' copy engines instead of NCCL's kernels (`pretrain.optim.zero2_copy_engine`; one node).
+compute stream not waiting for it until the step's end), with ownership decided per bucket.
+`optimizer.zero2_reduce_transport: copy_engine` moves the reduces' bytes with the GPUs' copy engines
+instead of NCCL's kernels (`pretrain.optim.zero2_copy_engine`; one node).
 
 After the optimizer step each owner broadcasts the updated parameters it owns: every parameter
 crosses the network once (the "all-gather of owned shards"), bucket by bucket, and the broadcasts
