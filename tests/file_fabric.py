@@ -26,14 +26,13 @@ class FileFabric:
         self.pads = torch.from_file(f"{prefix}.pads", shared=True, size=self.world * CHANNELS * self.world,
                                     dtype=torch.int32).view(self.world, CHANNELS, self.world)
         self.channels = CHANNELS
-        self.copies = 0  # pieces this rank wrote into a peer's area
+        self.peer_views = 0  # views of a peer's area this rank made (the transport writes through them)
         dist.barrier(group=group)  # every file exists, zeroed, before anyone writes
 
     def area(self, rank: int, offset_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        size = torch.empty((), dtype=dtype).element_size()
-        view = self.areas[rank][offset_bytes:offset_bytes + numel * size].view(dtype)
+        view = self.areas[rank][offset_bytes:offset_bytes + numel * dtype.itemsize].view(dtype)
         if rank != self.rank:
-            self.copies += 1
+            self.peer_views += 1
         return view
 
     def _spin(self, dst: int, channel: int, src: int, want: int, then: int) -> None:

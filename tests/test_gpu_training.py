@@ -19,6 +19,7 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     keeps fp32 main weights and gradients only for owned parameters, and resumes from its own
     checkpoint."""
     from tests.distributed import run_ranks
+    from tests.test_training import read_metrics
     from tests.test_zero2 import save_initial, train_ranks
 
     def run(name, world, *extra):
@@ -38,8 +39,8 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     # variant may differ from DDP by 3x that floor; a lost or doubled gradient moves the losses and the weights by far
     # more.
     one = run("one", 1, *start)
-    ref = [r["loss"] for r in _metrics(tmp_path / "ddp")]
-    assert [r["loss"] for r in _metrics(tmp_path / "one")] == pytest.approx(ref, rel=2e-3)
+    ref = [r["loss"] for r in read_metrics(tmp_path / "ddp")]
+    assert [r["loss"] for r in read_metrics(tmp_path / "one")] == pytest.approx(ref, rel=2e-3)
 
     def rel_errors(ranks):
         return {n: max((r["params"][n].float() - want.float()).norm().item() for r in ranks)
@@ -48,7 +49,7 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     noise = max(rel_errors(one).values())
     print(f"one GPU vs DDP: largest relative weight difference {noise:.4f}")
     for name, ranks in runs.items():
-        got = [r["loss"] for r in _metrics(tmp_path / name)]
+        got = [r["loss"] for r in read_metrics(tmp_path / name)]
         assert got == pytest.approx(ref, rel=2e-3), name
         errors = rel_errors(ranks)
         worst = max(errors, key=errors.get)
@@ -62,15 +63,8 @@ def test_zero2_bf16_matches_replicated_muon_and_resumes(tmp_path):
     # resume: 3 steps, save, 3 more from the checkpoint == 6 uninterrupted
     run("a", 2, f"checkpoint.load={init}", "train.train_iters=3", f"checkpoint.save={ckpt}", zero)
     run("b", 2, f"checkpoint.load={ckpt}", "train.train_iters=6", zero)
-    got = [r["loss"] for r in _metrics(tmp_path / "b")]
-    assert got == pytest.approx([r["loss"] for r in _metrics(tmp_path / "micro")][3:], rel=1e-3)
-
-
-def _metrics(run_dir):
-    import json
-
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    got = [r["loss"] for r in read_metrics(tmp_path / "b")]
+    assert got == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "micro")][3:], rel=1e-3)
 
 
 @pytest.mark.gpu

@@ -93,7 +93,8 @@ def test_copy_engine_reduces_to_the_mean_and_equals_nccl_bitwise():
 
 def test_training_with_the_copy_engine_follows_nccl(tmp_path):
     from tests.distributed import run_ranks
-    from tests.test_gpu_training import BF16, _metrics
+    from tests.test_gpu_training import BF16
+    from tests.test_training import read_metrics
     from tests.test_zero2 import save_initial, train_ranks
 
     init = tmp_path / "init"
@@ -102,8 +103,8 @@ def test_training_with_the_copy_engine_follows_nccl(tmp_path):
     nccl = run_ranks(train_ranks, 2, [*common, f"logging.run_dir={tmp_path / 'nccl'}"])
     ce = run_ranks(train_ranks, 2, [*common, f"logging.run_dir={tmp_path / 'ce'}",
                                     "optimizer.zero2_reduce_transport=copy_engine"])
-    want = [r["loss"] for r in _metrics(tmp_path / "nccl")]
-    got = [r["loss"] for r in _metrics(tmp_path / "ce")]
+    want = [r["loss"] for r in read_metrics(tmp_path / "nccl")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "ce")]
     print("losses nccl", want, "copy_engine", got)
     assert got == pytest.approx(want, rel=2e-3)
     for r_ce, r_nccl in zip(ce, nccl):

@@ -362,7 +362,7 @@ def _copy_engine_grads(rank, world_size, dtype, grad_reduce_in_fp32, directory):
         _small_loss(model, rank, m, dtype).backward()
     model.finish_grad_sync()
     grads = {n: p.main_grad.clone() for n, p in module.named_parameters() if model.owns(p)}
-    return grads, sum(f.copies for f in fabrics), transports["dense"].sent
+    return grads, sum(f.peer_views for f in fabrics), transports["dense"].sent
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -376,10 +376,10 @@ def test_copy_engine_transport_reduces_to_the_mean_over_ranks(world, tmp_path):
         directory.mkdir()
         ranks = run_ranks(_copy_engine_grads, world, dtype, fp32, str(directory))
         got = {}
-        for grads, copies, sent in ranks:
+        for grads, peer_views, sent in ranks:
             assert not set(grads) & set(got)
             got.update(grads)
-            assert copies > 0 and max(sent) > 2  # the peers' bytes went through the areas, slots were reused
+            assert peer_views > 0 and max(sent) > 2  # the transport wrote into peers' areas, slots were reused
         assert [r[2] for r in ranks] == [ranks[0][2]] * world  # every rank counted the same pieces per owner
         assert set(got) == set(ref)
         for n, g in got.items():

@@ -20,7 +20,6 @@ time alone is recorded too. Rank 0 writes the JSON; both ranks' numbers are in i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lab.comm.timing import timed  # noqa: E402
+from lab.comm.timing import report_and_finish, timed  # noqa: E402
 
 
 def main() -> None:
@@ -99,12 +98,8 @@ def main() -> None:
             mine[f"{name}_beside_{t}_ms"] = timed(beside(fn, load), args.reps, warmups=2, align_ranks=True)
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        out["rank0"], out["rank1"] = gathered
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out, indent=1))
-    dist.destroy_process_group()
+    out["rank0"], out["rank1"] = gathered
+    report_and_finish(out, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ beside the backward); then the reduce alone. Rank 0 writes the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lab.comm.timing import timed  # noqa: E402
+from lab.comm.timing import report_and_finish, timed  # noqa: E402
 
 
 def main() -> None:
@@ -60,11 +59,7 @@ def main() -> None:
             "projections_x8_beside_reduce_ms": timed(beside_reduce(projections), args.reps)}
     torch._C._set_sm_carveout_experimental(None)
     out["reduce_alone_ms"] = timed(lambda: dist.reduce(bucket, dst=0), args.reps)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out, indent=1))
-    dist.destroy_process_group()
+    report_and_finish(out, args.out)
 
 
 if __name__ == "__main__":

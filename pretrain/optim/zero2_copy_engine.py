@@ -41,11 +41,18 @@ DEFAULT_SLOT_ELEMENTS = 16_000_000  # 64 MB of fp32 per slot: large enough that 
 DEFAULT_RING = 2
 
 
+def slot_bytes(slot_elements: int) -> int:
+    """Bytes of one slot: `slot_elements` of fp32 (or smaller) elements, rounded up to 16-byte alignment."""
+    return -(-slot_elements * 4 // 16) * 16
+
+
 class Fabric(Protocol):
-    """Peer memory and signals of one group (rank, world: this rank's place in it)."""
+    """Peer memory and signals of one group (rank, world: this rank's place in it; channels: signal channels
+    per pair of ranks)."""
 
     rank: int
     world: int
+    channels: int
 
     def area(self, rank: int, offset_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A view of `rank`'s receive area, writable from this rank."""
@@ -98,11 +105,10 @@ class CopyEngineReduce:
                  device: Optional[torch.device] = None):
         if ring < 1 or slot_elements < 1:
             raise ValueError(f"ring ({ring}) and slot_elements ({slot_elements}) must be >= 1")
-        channels = getattr(fabric, "channels", None)
-        if channels is not None and channels < 2 * ring:
-            raise ValueError(f"the fabric has {channels} signal channels; a ring of {ring} slots needs {2 * ring}")
+        if fabric.channels < 2 * ring:
+            raise ValueError(f"the fabric has {fabric.channels} signal channels; a ring of {ring} slots needs {2 * ring}")
         self.fabric, self.slot_elements, self.ring = fabric, slot_elements, ring
-        self.slot_bytes = -(-slot_elements * 4 // 16) * 16  # fp32 or smaller elements, 16-byte aligned slots
+        self.slot_bytes = slot_bytes(slot_elements)
         self.sent: List[int] = [0] * fabric.world  # pieces sent to each owner so far (the same on every rank)
         self._views: Dict[tuple, torch.Tensor] = {}  # (rank, offset, dtype) -> the whole slot, made once
         self.cuda = device is not None and torch.device(device).type == "cuda"
@@ -111,7 +117,7 @@ class CopyEngineReduce:
     @staticmethod
     def area_bytes(world: int, slot_elements: int = DEFAULT_SLOT_ELEMENTS, ring: int = DEFAULT_RING) -> int:
         """Bytes of the receive area one rank holds for a group of `world` ranks."""
-        return max(world - 1, 1) * ring * (-(-slot_elements * 4 // 16) * 16)
+        return max(world - 1, 1) * ring * slot_bytes(slot_elements)
 
     def _slot_offset(self, source: int, owner: int, slot: int) -> int:
         index = source if source < owner else source - 1  # the owner has no slot of its own
@@ -122,8 +128,7 @@ class CopyEngineReduce:
         key = (rank, offset, dtype)
         view = self._views.get(key)
         if view is None:
-            size = torch.empty((), dtype=dtype).element_size()
-            view = self._views[key] = self.fabric.area(rank, offset, self.slot_bytes // size, dtype)
+            view = self._views[key] = self.fabric.area(rank, offset, self.slot_bytes // dtype.itemsize, dtype)
         return view[:numel]
 
     def reduce(self, send: Optional[torch.Tensor], owner: int, grad: Optional[torch.Tensor],
