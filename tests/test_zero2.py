@@ -387,6 +387,71 @@ def test_copy_engine_transport_reduces_to_the_mean_over_ranks(world, tmp_path):
             assert err < tol, (world, dtype, n, err.item())
 
 
+class _WithUnused(torch.nn.Module):
+    """`_small_module` and a layer the forward never calls: its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _small_module(torch.float32)
+        self.unused = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _grads_with_unused(rank, world_size, reduce_per, bucket_elements, directory):
+    """Owned main_grads of `_WithUnused` after 3 micro-batches (NCCL's reduce over gloo, or the copy-engine
+    transport over shared files when `directory` is given)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    from parallel.initialize import initialize_parallel
+    from pretrain.config.schema import ParallelConfig
+    from pretrain.optim.zero2_copy_engine import make_reducers
+    from pretrain.optim.zero2_grads import Zero2DataParallel
+    from tests.file_fabric import FileFabric
+
+    initialize_parallel(ParallelConfig(), seed=0)
+    transports, transport = None, "nccl"
+    if directory:
+        groups = {"dense": ps.get_data_parallel_group(with_context_parallel=True),
+                  "expert": ps.get_expert_data_parallel_group()}
+        transports = make_reducers(groups, torch.device("cpu"), lambda g, n: FileFabric(directory, g, n),
+                                   slot_elements=64, ring=2)
+        transport = "copy_engine"
+    module = _WithUnused()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    model = Zero2DataParallel(config, module, lambda n, p: float(p.numel()), reduce_per, True,
+                              bucket_elements=bucket_elements, max_inflight=2, reduce_transport=transport,
+                              transports=transports)
+    model.zero_grad_buffer()
+    for m in range(3):
+        _small_loss(model, rank, m, torch.float32).backward()
+    model.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in module.named_parameters() if model.owns(p)}
+
+
+@pytest.mark.parametrize("reduce_per,bucket_elements,transport", [
+    ("microbatch", 40, "nccl"), ("microbatch", 1000, "nccl"), ("microbatch", 1000, "copy_engine"),
+    ("microbatch_scatter", 300, "nccl")])
+def test_parameters_without_a_gradient_reduce_to_zero(reduce_per, bucket_elements, transport, tmp_path):
+    """A rank's per-micro-batch gradient buffer is not zeroed before the gradients are written into it; what no
+    gradient wrote is zeroed at the launch. Parameters the forward never uses end with main_grad = 0 on their
+    owner, whether alone in a bucket (40) or beside used ones (1000), and the used ones equal the float64 mean."""
+    ref = _float64_mean(2)
+    ranks = run_ranks(_grads_with_unused, 2, reduce_per, bucket_elements,
+                      str(tmp_path) if transport == "copy_engine" else "")
+    got = {}
+    for r in ranks:
+        got.update(r)
+    assert set(got) == {f"body.{n}" for n in ref} | {"unused.weight", "unused.bias"}
+    for n in ("unused.weight", "unused.bias"):
+        assert torch.count_nonzero(got[n]) == 0, n
+    for n, g in ref.items():
+        err = (got[f"body.{n}"].double() - g).norm() / g.norm()
+        assert err < 1e-6, (n, err.item())
+
+
 def _wrapped_bucket_sizes(rank, world_size):
     """The config's parallel.bucket_size in each data-parallel wrapper: ZeRO-2's buckets on one rank, megatron DDP's
     bucket size at DP = 2 (at DP = 1 there is no overlapped reduce and megatron drops the size)."""

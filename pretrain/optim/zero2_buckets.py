@@ -60,6 +60,7 @@ class OwnerBucket:
                 s, e = self.offsets[p]
                 p.main_grad = self.grad[s:e].view_as(p)
         self.local: Optional[torch.Tensor] = None
+        self.written: set = set()  # parameters whose gradient was written into a fresh `local` (not zeroed)
         self.comm: Optional[torch.Tensor] = None
         self.transport: Optional[CopyEngineReduce] = None  # None: NCCL's reduce
         self.ready: set = set()

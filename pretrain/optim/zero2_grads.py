@@ -220,16 +220,39 @@ class Zero2DataParallel(DistributedDataParallel):
             b.settle()  # the previous reduce writes into the accumulation: it must be done first
             b.local = b.grad
         else:
-            b.local = torch.zeros(b.numel, dtype=torch.float32, device=b.param_data.device)
+            # Not zeroed: a parameter's first gradient is written into it (`_accumulate`), and `_launch` zeros
+            # what no gradient wrote. Zeroing and then adding cost two more passes over the bucket per
+            # micro-batch on every rank that does not own it.
+            b.local = torch.empty(b.numel, dtype=torch.float32, device=b.param_data.device)
+            b.written = set()
             self._track_transient()
 
     def _accumulate(self, b: OwnerBucket, param: torch.nn.Parameter) -> None:
         s, e = b.offsets[param]
-        b.local[s:e].view_as(param).add_(param.grad, alpha=b.scale)
+        into = b.local[s:e].view_as(param)
+        if b.local is b.grad or param in b.written:
+            into.add_(param.grad, alpha=b.scale)
+        else:
+            torch.mul(param.grad, b.scale, out=into)
+            b.written.add(param)
         param.grad = None
+
+    @staticmethod
+    def _zero_unwritten(b: OwnerBucket) -> None:
+        """Zero the parts of a fresh `local` that no gradient wrote (parameters without a gradient here)."""
+        if b.local is b.grad or len(b.written) == len(b.params):
+            return
+        if not b.written:
+            b.local.zero_()
+            return
+        for p in b.params:
+            if p not in b.written:
+                s, e = b.offsets[p]
+                b.local[s:e].zero_()
 
     def _launch(self, b: OwnerBucket) -> None:
         self._open(b)  # a bucket flushed without any gradient here sends zeros
+        self._zero_unwritten(b)
         b.settle()  # this bucket's previous reduce (the last micro-batch's) is folded in first
         # an owner reducing through a transport adds its own fp32 gradients: no cast for it
         keep = b.reduce_dtype == torch.float32 or (b.transport is not None and b.is_owner)

@@ -102,6 +102,7 @@ class ScatterBucket:
                 s, e = self.offsets[p]
                 p.main_grad = self.grad[s - base:e - base].view_as(p)
         self.local: Optional[torch.Tensor] = None
+        self.written: set = set()  # parameters whose gradient was written into a fresh `local` (not zeroed)
         self.comm: Optional[torch.Tensor] = None
         self.ready: set = set()
         self.work = None
