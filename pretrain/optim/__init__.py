@@ -1,6 +1,7 @@
 """The optimizer's one home: Muon with Muon Split (`muon`), which update each GLM-5 parameter takes
 (`roles`), ZeRO-2 gradient ownership and reduction (`zero2_grads`, its buckets `zero2_buckets` and
-`zero2_scatter`, the copy-engine transport `zero2_copy_engine`) and its owner-side optimizer (`zero2_owner`), the step clipped by the loop's gradient norm (`clipped_step`), and the builder that
+`zero2_scatter`, the copy-engine transport `zero2_copy_engine`) and its owner-side optimizer
+(`zero2_owner`), the step clipped by the loop's gradient norm (`clipped_step`), and the builder that
 decides data-parallel wrapping and optimizer together (`build`).
 """
 
